@@ -1,0 +1,58 @@
+"""The hook specifications of the ``opake`` plugin system (the one place they are defined).
+
+A plugin is a module (or object) registered under the entry-point group ``opake``::
+
+    [project.entry-points.opake]
+    my_plugin = "my_package.opake_plugin"
+
+whose functions are marked with :data:`opake.core.plugins.hookimpl`. Specs only ever gain
+optional arguments, so an implementation written against an older version keeps working.
+The rest of Opake never calls these hooks directly; it uses the typed queries in
+:mod:`opake.core.plugins` (``model_families()``, ``kernel_backends()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from opake.core.plugins._descriptors import KernelBackend, ModelFamily
+
+__all__ = ["hookspec", "opake_kernel_backends", "opake_model_families"]
+
+#: marker for hook specifications of project ``opake``
+hookspec = pluggy.HookspecMarker("opake")
+
+
+@hookspec
+def opake_model_families() -> Iterable[ModelFamily]:  # type: ignore[empty-body]
+    """Return the Hugging Face model families this plugin can patch.
+
+    Called once, the first time :func:`opake.core.plugins.model_families` is queried after
+    plugins are loaded (results are cached until the plugin manager is reset).
+
+    Returns:
+        An iterable of :class:`~opake.core.plugins.ModelFamily`. Family names and each
+        ``model_type`` must be unique across all plugins; a clash raises
+        :class:`~opake.core.errors.ConfigurationError` naming both plugins.
+
+    Since: 0.1.0
+    """
+
+
+@hookspec
+def opake_kernel_backends() -> Iterable[KernelBackend]:  # type: ignore[empty-body]
+    """Return the kernel backends this plugin provides.
+
+    Called once, the first time :func:`opake.core.plugins.kernel_backends` is queried after
+    plugins are loaded (results are cached until the plugin manager is reset).
+
+    Returns:
+        An iterable of :class:`~opake.core.plugins.KernelBackend`. Backend names must be unique
+        across all plugins; a clash raises :class:`~opake.core.errors.ConfigurationError`.
+
+    Since: 0.1.0
+    """

@@ -1,0 +1,3 @@
+"""Version of the opake-models distribution."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,82 @@
+"""Run Opake's whole test suite (the command README.md and .ci/run use).
+
+    python tools/run_tests.py                 # lint, every distribution's tests, integration, docs
+    python tools/run_tests.py --package opake-core   # one distribution's tests only
+    python tools/run_tests.py --only pytest   # just the pytest stage
+
+Stages fail loudly: any failing stage makes the exit code non-zero, and pytest's exit code 5
+("no tests collected") counts as a failure, never a silent pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
+STAGES = ("lint", "pytest", "docs")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU in the interpreter
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("MPLBACKEND", "Agg")
+    env.setdefault("PYTHONHASHSEED", "0")
+    env.setdefault("NO_MKDOCS_2_WARNING", "1")
+    return env
+
+
+def _run(cmd: list[str], stage: str) -> int:
+    print(f"\n=== {stage}: {' '.join(cmd)}", flush=True)
+    rc = subprocess.call(cmd, cwd=ROOT, env=_env())
+    if stage.startswith("pytest") and rc == 5:
+        print(f"=== {stage}: no tests were collected (pytest exit 5): FAIL", flush=True)
+        return 1
+    print(f"=== {stage}: {'ok' if rc == 0 else f'FAILED (exit {rc})'}", flush=True)
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--package", action="append", choices=[*PACKAGES, "integration"])
+    parser.add_argument("--only", action="append", choices=STAGES)
+    parser.add_argument("pytest_args", nargs="*", help="extra arguments for pytest")
+    args = parser.parse_args(argv)
+    stages = args.only or list(STAGES)
+    failures = []
+    py = sys.executable
+    if "lint" in stages and not args.package:
+        if _run([py, "-m", "ruff", "check", "."], "lint") != 0:
+            failures.append("lint")
+        if _run([py, "-m", "ruff", "format", "--check", "."], "format") != 0:
+            failures.append("format")
+    if "pytest" in stages:
+        selected = args.package or [*PACKAGES, "integration"]
+        paths = []
+        for name in selected:
+            if name == "integration":
+                paths.append("tests")
+            else:
+                paths += [f"packages/{name}/tests", f"packages/{name}/src"]
+        cmd = [py, "-m", "pytest", "--doctest-modules", *paths, *args.pytest_args]
+        if _run(cmd, "pytest") != 0:
+            failures.append("pytest")
+    docs_cmd = [py, "-m", "mkdocs", "build", "--strict", "--site-dir", "build/site"]
+    if "docs" in stages and not args.package and _run(docs_cmd, "docs") != 0:
+        failures.append("docs")
+    if failures:
+        print(f"\nFAILED stages: {', '.join(failures)}", flush=True)
+        return 1
+    print("\nall stages passed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
