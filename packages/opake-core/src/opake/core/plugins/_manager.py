@@ -175,7 +175,7 @@ def broken_plugins() -> list[BrokenPlugin]:
     return list(_state.broken)
 
 
-def _collect(results: list[Iterable[Any]], kind: type, hook: str) -> list[Any]:
+def _collect(results: list[Any], kind: type, hook: str) -> list[Any]:
     out = []
     for res in results:
         if res is None:

@@ -1,0 +1,112 @@
+"""Build (optionally) and check the wheel of every Opake distribution.
+
+    python tools/check_wheels.py --build --out build/dist   # build wheels + sdists, then check
+    python tools/check_wheels.py --out build/dist           # check wheels already there
+
+A wheel passes when it holds only ``opake/<sub>/...`` files (plus its ``.dist-info``), never
+``opake/__init__.py`` (the namespace is shared: PEP 420), ships ``py.typed`` in each leaf
+package, and its metadata names the entry points declared in the distribution's pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ROOT / "packages"
+
+
+def distributions() -> dict[str, Path]:
+    """Distribution name -> its folder under packages/."""
+    out = {}
+    for folder in sorted(PACKAGES.iterdir()):
+        pyproject = folder / "pyproject.toml"
+        if pyproject.exists():
+            name = tomllib.loads(pyproject.read_text())["project"]["name"]
+            out[name] = folder
+    return out
+
+
+def build(out: Path) -> None:
+    """Build a wheel and an sdist of every distribution into *out* (no build isolation)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, folder in distributions().items():
+        print(f"building {name}", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "hatchling", "build", "-d", str(out)], cwd=folder, check=True
+        )
+
+
+def _wheel_for(name: str, out: Path) -> Path:
+    stem = name.replace("-", "_")
+    found = sorted(out.glob(f"{stem}-*.whl"))
+    if not found:
+        raise SystemExit(f"no wheel for {name} in {out}; run with --build")
+    return found[-1]
+
+
+def check_wheel(name: str, folder: Path, wheel: Path) -> list[str]:
+    """Return the problems found in *wheel* (empty when it passes)."""
+    problems = []
+    meta = tomllib.loads((folder / "pyproject.toml").read_text())
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        dist_info = [n for n in names if ".dist-info/" in n]
+        payload = [n for n in names if ".dist-info/" not in n]
+        if "opake/__init__.py" in payload:
+            problems.append("ships opake/__init__.py (breaks the PEP 420 namespace)")
+        bad = [n for n in payload if not n.startswith("opake/") or n.count("/") < 2]
+        if bad:
+            problems.append(f"files outside opake/<sub>/: {bad[:5]}")
+        subs = {n.split("/")[1] for n in payload if n.count("/") >= 2}
+        problems.extend(
+            f"opake/{sub}/py.typed missing"
+            for sub in sorted(subs)
+            if f"opake/{sub}/py.typed" not in payload
+        )
+        if not subs:
+            problems.append("wheel contains no opake/<sub> package")
+        declared = meta["project"].get("entry-points", {}).get("opake", {})
+        scripts = meta["project"].get("scripts", {})
+        ep_files = [n for n in dist_info if n.endswith("entry_points.txt")]
+        ep_text = zf.read(ep_files[0]).decode() if ep_files else ""
+        for ep_name, value in declared.items():
+            if f"{ep_name} = {value}" not in ep_text:
+                problems.append(f"entry point opake:{ep_name} = {value} missing from metadata")
+        if declared and "[opake]" not in ep_text:
+            problems.append("entry_points.txt has no [opake] group")
+        for script, value in scripts.items():
+            if f"{script} = {value}" not in ep_text:
+                problems.append(f"console script {script} missing from metadata")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="build and check Opake wheels")
+    parser.add_argument("--out", type=Path, default=ROOT / "build" / "dist")
+    parser.add_argument("--build", action="store_true", help="build wheels and sdists first")
+    args = parser.parse_args(argv)
+    if args.build:
+        build(args.out)
+    failed = False
+    for name, folder in distributions().items():
+        wheel = _wheel_for(name, args.out)
+        problems = check_wheel(name, folder, wheel)
+        sdists = sorted(args.out.glob(f"{name.replace('-', '_')}-*.tar.gz"))
+        if args.build and not sdists:
+            problems.append("no sdist was built")
+        status = "ok" if not problems else "FAIL"
+        print(f"{status:4} {wheel.name}")
+        for p in problems:
+            print(f"     - {p}")
+        failed |= bool(problems)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
