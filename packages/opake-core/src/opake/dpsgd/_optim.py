@@ -1,0 +1,613 @@
+"""The DP optimizer step: noise once per logical step, divide by the expected batch size, step.
+
+Implementation of :mod:`opake.dpsgd.optimizer` (the public façade).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from opake.core.errors import (
+    ConfigurationError,
+    InputTypeError,
+    OpakePrivacyWarning,
+    OperationError,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DPOptimizer", "StepReport"]
+
+_STATE_VERSION = 1
+_UNUSED_MODES = ("warn", "error")
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one logical DP step did.
+
+    Attributes:
+        step: number of logical steps taken so far, this one included.
+        noise_multiplier: σ used for this step.
+        sensitivity: L2 sensitivity of the summed clipped gradient (the ``max_norm`` carried by
+            the gradients, the largest one if physical batches disagreed).
+        noise_std: standard deviation of the Gaussian noise added to the *sum*, ``σ·sensitivity``.
+            The averaged gradient in ``.grad`` carries ``noise_std / expected_batch_size``.
+        expected_batch_size: the divisor applied after noise (``q·N`` for Poisson sampling).
+        sample_rate: the sampling rate recorded in the accountant (``None`` without accountant).
+        physical_batches: how many physical batches were accumulated into this step.
+        epsilon: ε spent so far at ``delta`` (only when an accountant and ``delta`` were given).
+        delta: the δ ``epsilon`` refers to.
+        skipped_params: optimizer parameters that received no gradient entry at all and were
+            therefore not updated (neither gradient nor noise).
+        aux: the per-physical-batch ``aux`` objects returned by the gradient function in
+            :meth:`DPOptimizer.logical_step` (diagnostics: **not** private).
+    """
+
+    step: int
+    noise_multiplier: float
+    sensitivity: float
+    noise_std: float
+    expected_batch_size: float
+    sample_rate: float | None
+    physical_batches: int
+    epsilon: float | None = None
+    delta: float | None = None
+    skipped_params: tuple[str, ...] = ()
+    aux: tuple[Any, ...] = ()
+
+
+def _positive_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InputTypeError(
+            f"{name}={value!r} ({type(value).__name__}): expected a real number; pass a float"
+        )
+    number = float(value)
+    if not number > 0.0 or not math.isfinite(number):
+        raise ConfigurationError(f"{name}={value!r}: expected a finite number > 0")
+    return number
+
+
+def _sample_rate(value: object) -> float:
+    rate = _positive_float("sample_rate", value)
+    if rate > 1.0:
+        raise ConfigurationError(
+            f"sample_rate={value!r}: expected a probability in (0, 1]; pass q = expected batch "
+            "size / dataset size"
+        )
+    return rate
+
+
+def _name_parameters(
+    optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor] | torch.nn.Module
+) -> dict[str, torch.Tensor]:
+    """Name every tensor the optimizer updates, from a module or a ``name -> tensor`` dict."""
+    import torch
+
+    if isinstance(params, torch.nn.Module):
+        named: Mapping[str, torch.Tensor] = dict(params.named_parameters())
+    elif isinstance(params, Mapping):
+        named = params
+    else:
+        raise InputTypeError(
+            f"params={type(params).__name__}: expected the nn.Module or the name -> tensor dict "
+            "(from make_functional) whose tensors the optimizer updates"
+        )
+    by_id = {}
+    for name, tensor in named.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise InputTypeError(
+                f"params has an entry {name!r}: {type(tensor).__name__}; expected str -> Tensor"
+            )
+        by_id.setdefault(id(tensor), name)
+    names: dict[str, torch.Tensor] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            name = by_id.get(id(p))
+            if name is None:
+                raise ConfigurationError(
+                    f"optimizer param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)}) is not "
+                    "one of the tensors in `params`; build the optimizer over the same tensors you "
+                    "pass here (the module's parameters, or the dict from make_functional)"
+                )
+            if name in names:
+                raise ConfigurationError(
+                    f"parameter {name!r} appears twice in the optimizer's param_groups; list each "
+                    "tensor once"
+                )
+            names[name] = p
+    if not names:
+        raise ConfigurationError("the optimizer has no parameters; nothing to train")
+    return names
+
+
+def _default_noise(noise_multiplier: float, seed: int | None, secure: bool) -> Any:
+    from opake.dpsgd.noise import GaussianNoise
+
+    return GaussianNoise(noise_multiplier, seed=seed, secure=secure)
+
+
+class DPOptimizer:
+    """Turn clipped gradient sums into a DP update with any ``torch.optim`` optimizer.
+
+    One *logical* step: :meth:`accumulate` the clipped sums of one or more physical batches
+    (added in fp32), then :meth:`step` adds Gaussian noise ``N(0, σ²·S²)`` **once** (fp32,
+    ``S`` = the ``max_norm`` the gradients carry), divides by ``expected_batch_size`` — the
+    *expected* size ``q·N`` of a Poisson batch, never the realised size, which would leak it —
+    writes the result into each parameter's ``.grad`` (cast to its dtype), steps the wrapped
+    optimizer and records the step in the accountant.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` built over the trainable tensors.
+        params: the ``nn.Module`` or the ``name -> tensor`` dict (``make_functional``'s
+            ``trainable``) naming the optimizer's tensors; gradient dicts use these names.
+        noise_multiplier: σ > 0; optional when ``noise`` is given (its σ is used).
+        expected_batch_size: divisor of the noisy sum, ``sample_rate × dataset size``.
+        sample_rate: Poisson rate q recorded in the accountant (required with ``accountant``).
+        accountant: an ``opake.accounting`` accountant; each logical step calls its ``step``.
+        delta: when given with an accountant, every report carries ε(δ) so far.
+        noise: an :class:`opake.dpsgd.noise.GaussianNoise` (or an object with the same
+            ``add(grads, sensitivity=)``, ``noise_multiplier``, ``state_dict``); default:
+            ``GaussianNoise(noise_multiplier, seed=seed, secure=secure)``.
+        seed: seed of the default noise generator (reproducible runs).
+        secure: draw the default noise from OS entropy.
+        offload_state: keep the optimizer's state (and a staging copy of the parameters) in
+            CPU memory and run the update there; the update is the same computation, so it is
+            DP-neutral (see :mod:`opake.dpsgd._offload`).
+        unused_params: ``"warn"`` (default) or ``"error"`` when a trainable parameter gets no
+            gradient on the first step.
+
+    Example:
+        >>> import torch
+        >>> from opake.dpsgd.optimizer import DPOptimizer
+        >>> w = torch.nn.Parameter(torch.zeros(3))
+        >>> opt = DPOptimizer(torch.optim.SGD([w], lr=0.1), {"w": w}, noise_multiplier=1.1,
+        ...                   expected_batch_size=4.0, seed=0)
+        >>> class ClippedSum(dict): max_norm = 1.0  # what clipped_grad's grad_fn returns
+        >>> opt.accumulate(ClippedSum(w=torch.tensor([1.0, 0.0, 0.5])))
+        >>> report = opt.step()
+        >>> report.step, report.noise_std, report.expected_batch_size, w.grad.shape
+        (1, 1.1, 4.0, torch.Size([3]))
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Mapping[str, torch.Tensor] | torch.nn.Module,
+        *,
+        noise_multiplier: float | None = None,
+        expected_batch_size: float,
+        sample_rate: float | None = None,
+        accountant: Any | None = None,
+        delta: float | None = None,
+        noise: Any | None = None,
+        seed: int | None = None,
+        secure: bool = False,
+        offload_state: bool = False,
+        unused_params: Literal["warn", "error"] = "warn",
+    ) -> None:
+        import torch
+
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InputTypeError(
+                f"optimizer={type(optimizer).__name__}: expected a torch.optim.Optimizer "
+                "(SGD, Adam, AdamW, ...) built over the trainable parameters"
+            )
+        self.optimizer = optimizer
+        self._params = _name_parameters(optimizer, params)
+        self._expected_batch_size = _positive_float("expected_batch_size", expected_batch_size)
+        self._sample_rate = None if sample_rate is None else _sample_rate(sample_rate)
+        if accountant is not None and self._sample_rate is None:
+            raise ConfigurationError(
+                "accountant given without sample_rate: the accountant needs the Poisson rate q "
+                "of each step; pass sample_rate=expected_batch_size / dataset_size"
+            )
+        if accountant is not None and not callable(getattr(accountant, "step", None)):
+            raise InputTypeError(
+                f"accountant={type(accountant).__name__}: expected an opake.accounting "
+                "accountant (an object with step(noise_multiplier=, sample_rate=, num_steps=))"
+            )
+        if delta is not None:
+            if accountant is None:
+                raise ConfigurationError(
+                    f"delta={delta!r} without an accountant: ε can only be reported when an "
+                    "accountant records the steps; pass accountant= or drop delta"
+                )
+            delta = _positive_float("delta", delta)
+            if delta >= 1.0:
+                raise ConfigurationError(f"delta={delta!r}: expected a probability in (0, 1)")
+        self.accountant = accountant
+        self.delta = delta
+        if unused_params not in _UNUSED_MODES:
+            raise ConfigurationError(
+                f"unused_params={unused_params!r}: expected one of {', '.join(_UNUSED_MODES)}"
+            )
+        self._unused_mode = unused_params
+        if noise is None:
+            if noise_multiplier is None:
+                raise ConfigurationError(
+                    "no noise_multiplier: pass noise_multiplier=σ (opake.accounting."
+                    "calibrate_noise picks σ for a target ε) or a GaussianNoise as noise="
+                )
+            sigma = _positive_float("noise_multiplier", noise_multiplier)
+            noise = _default_noise(sigma, seed, secure)
+        else:
+            if seed is not None or secure:
+                raise ConfigurationError(
+                    "noise= given together with seed=/secure=: the generator is the noise "
+                    "object's; configure it there and drop seed/secure"
+                )
+            if not callable(getattr(noise, "add", None)) or not isinstance(
+                getattr(noise, "noise_multiplier", None), int | float
+            ):
+                raise InputTypeError(
+                    f"noise={type(noise).__name__}: expected a GaussianNoise-like object with "
+                    "add(grads, sensitivity=) and a noise_multiplier"
+                )
+            if noise_multiplier is not None and not math.isclose(
+                _positive_float("noise_multiplier", noise_multiplier), noise.noise_multiplier
+            ):
+                raise ConfigurationError(
+                    f"noise_multiplier={noise_multiplier!r} but noise= has noise_multiplier="
+                    f"{noise.noise_multiplier!r}; pass one of them (the noise object's σ is used)"
+                )
+        self.noise = noise
+        self._offload = None
+        if offload_state:
+            from opake.dpsgd._offload import CPUStateOffload
+
+            self._offload = CPUStateOffload(optimizer, self._params)
+        self._sums: dict[str, torch.Tensor] = {}
+        self._sensitivity: float | None = None
+        self._physical = 0
+        self._steps = 0
+
+    # -- configuration ---------------------------------------------------------------------
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ of the next step: the noise object's (settable between steps, accounted per step)."""
+        return float(self.noise.noise_multiplier)
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        self.noise.noise_multiplier = _positive_float("noise_multiplier", value)
+
+    @property
+    def expected_batch_size(self) -> float:
+        """Divisor of the noisy sum: the expected logical batch size ``q·N``."""
+        return self._expected_batch_size
+
+    @expected_batch_size.setter
+    def expected_batch_size(self, value: float) -> None:
+        self._expected_batch_size = _positive_float("expected_batch_size", value)
+
+    @property
+    def sample_rate(self) -> float | None:
+        """Poisson rate q recorded in the accountant for the next step."""
+        return self._sample_rate
+
+    @sample_rate.setter
+    def sample_rate(self, value: float) -> None:
+        self._sample_rate = _sample_rate(value)
+
+    @property
+    def steps(self) -> int:
+        """Logical steps taken so far."""
+        return self._steps
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        """Names of the tensors the optimizer updates, in optimizer order."""
+        return tuple(self._params)
+
+    @property
+    def pending_batches(self) -> int:
+        """Physical batches accumulated since the last :meth:`step`."""
+        return self._physical
+
+    # -- the logical step ------------------------------------------------------------------
+
+    def accumulate(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Add the clipped gradient sum of one physical batch (fp32) to the current logical step.
+
+        ``grads`` is what ``clipped_grad``'s ``grad_fn`` returns: a ``name -> tensor`` dict of
+        *summed* clipped per-example gradients that carries ``max_norm`` (its L2 sensitivity).
+        """
+        import torch
+
+        if not isinstance(grads, Mapping):
+            raise InputTypeError(
+                f"grads={type(grads).__name__}: expected the name -> tensor dict returned by "
+                "clipped_grad's grad_fn"
+            )
+        max_norm = getattr(grads, "max_norm", None)
+        if max_norm is None:
+            raise InputTypeError(
+                "grads carries no max_norm (its L2 sensitivity): pass the dict returned by "
+                "clipped_grad's grad_fn, not a plain dict, so noise is calibrated from the result"
+            )
+        sensitivity = float(max_norm)
+        if not math.isfinite(sensitivity) or sensitivity <= 0.0:
+            raise ConfigurationError(
+                f"grads.max_norm={max_norm!r}: expected a finite sensitivity > 0 (the clipping "
+                "bound of the summed gradients)"
+            )
+        for name, value in grads.items():
+            param = self._params.get(name)
+            if param is None:
+                known = ", ".join(self._params) or "none"
+                raise ConfigurationError(
+                    f"gradient for {name!r}, which the optimizer does not update (its parameters: "
+                    f"{known}); give the optimizer every trainable tensor, or freeze {name!r}"
+                )
+            if not isinstance(value, torch.Tensor):
+                raise InputTypeError(
+                    f"grads[{name!r}]={type(value).__name__}: expected a torch.Tensor"
+                )
+            if value.shape != param.shape:
+                raise ConfigurationError(
+                    f"grads[{name!r}] has shape {tuple(value.shape)} but the parameter has "
+                    f"{tuple(param.shape)}; pass per-parameter sums, not per-example gradients"
+                )
+        for name, value in grads.items():
+            value32 = value.detach().to(dtype=torch.float32)
+            if name in self._sums:
+                self._sums[name].add_(value32.to(self._sums[name].device))
+            else:
+                self._sums[name] = value32.clone() if value32 is value else value32
+        self._sensitivity = (
+            sensitivity if self._sensitivity is None else max(self._sensitivity, sensitivity)
+        )
+        self._physical += 1
+
+    def step(self) -> StepReport:
+        """Noise the accumulated sum once, divide by the expected batch size, step, account."""
+        import torch
+
+        if self._physical == 0 or self._sensitivity is None:
+            raise OperationError(
+                "DPOptimizer.step() with nothing accumulated: call accumulate(grads) with the "
+                "output of clipped_grad's grad_fn for every physical batch (an empty Poisson "
+                "batch still returns zero gradients and must be accumulated)"
+            )
+        skipped = tuple(name for name in self._params if name not in self._sums)
+        if self._steps == 0:
+            self._check_unused(skipped)
+        sensitivity = self._sensitivity
+        sigma = self.noise_multiplier
+        noisy = _noised(self.noise, self._sums, sensitivity)
+        grads: dict[str, torch.Tensor] = {}
+        for name, total in noisy.items():
+            if name not in self._sums:
+                raise OperationError(
+                    f"the noise object returned an entry {name!r} that was not in the gradient "
+                    "sum; it must return the same keys it was given"
+                )
+            grads[name] = total.to(torch.float32) / self._expected_batch_size
+        if set(grads) != set(self._sums):
+            raise OperationError(
+                "the noise object dropped entries "
+                f"{sorted(set(self._sums) - set(grads))}; it must return every key it was given"
+            )
+        for name, param in self._params.items():
+            if name not in grads:
+                param.grad = None
+        if self._offload is not None:
+            self._offload.step(grads)
+        else:
+            for name, value in grads.items():
+                param = self._params[name]
+                param.grad = value.to(device=param.device, dtype=param.dtype)
+            self.optimizer.step()
+        if self.accountant is not None:
+            self.accountant.step(
+                noise_multiplier=sigma,
+                sample_rate=self._sample_rate,
+                num_steps=1,
+            )
+        self._steps += 1
+        epsilon = None
+        if self.accountant is not None and self.delta is not None:
+            epsilon = float(self.accountant.get_epsilon(self.delta))
+        report = StepReport(
+            step=self._steps,
+            noise_multiplier=sigma,
+            sensitivity=sensitivity,
+            noise_std=sigma * sensitivity,
+            expected_batch_size=self._expected_batch_size,
+            sample_rate=self._sample_rate if self.accountant is not None else None,
+            physical_batches=self._physical,
+            epsilon=epsilon,
+            delta=self.delta if epsilon is not None else None,
+            skipped_params=skipped,
+        )
+        self._clear()
+        return report
+
+    def logical_step(
+        self,
+        grad_fn: Callable[..., Any],
+        params: Mapping[str, torch.Tensor],
+        batches: Iterable[tuple[Any, ...]],
+        *,
+        state: Any,
+    ) -> tuple[StepReport, Any]:
+        """One logical step from several physical batches: ``grad_fn`` on each, then :meth:`step`.
+
+        ``batches`` yields argument tuples for ``grad_fn(params, *batch, state=state)`` (e.g.
+        ``(x, y)``), the physical chunks of one Poisson-sampled logical batch. Returns the
+        :class:`StepReport` (with each batch's ``aux`` when ``grad_fn`` returns one) and the
+        clipping state to pass to the next call.
+        """
+        if self._physical:
+            raise OperationError(
+                f"logical_step() with {self._physical} physical batch(es) already accumulated; "
+                "call step() or zero_grad() first"
+            )
+        auxes = []
+        for batch in batches:
+            if not isinstance(batch, tuple):
+                raise InputTypeError(
+                    f"batches yielded {type(batch).__name__}: expected a tuple of grad_fn "
+                    "arguments after params, e.g. (x, y)"
+                )
+            out, state = grad_fn(params, *batch, state=state)
+            if isinstance(out, tuple):
+                out, aux = out
+                auxes.append(aux)
+            self.accumulate(out)
+        if self._physical == 0:
+            raise ConfigurationError(
+                "logical_step() got no physical batches; pass at least one (an empty Poisson "
+                "batch is passed as a batch of size 0)"
+            )
+        report = self.step()
+        if auxes:
+            report = _with_aux(report, tuple(auxes))
+        return report, state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the pending accumulation and the parameters' ``.grad``."""
+        self._clear()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for param in self._params.values():
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
+
+    def _clear(self) -> None:
+        self._sums = {}
+        self._sensitivity = None
+        self._physical = 0
+
+    def _check_unused(self, skipped: tuple[str, ...]) -> None:
+        zero = tuple(name for name, total in self._sums.items() if not bool(total.count_nonzero()))
+        if not skipped and not zero:
+            return
+        parts = []
+        if skipped:
+            parts.append(f"{', '.join(skipped)} received no gradient entry and will not be updated")
+        if zero:
+            parts.append(
+                f"{', '.join(zero)} received an all-zero gradient from every example of the "
+                "first step (probably unused by the loss); it would be updated by noise alone"
+            )
+        message = (
+            "trainable parameter(s) without gradient: "
+            + "; ".join(parts)
+            + ". Freeze them (requires_grad_(False)) and leave them out of the optimizer. This "
+            "check looks at the first step's data: it is a diagnostic, not private."
+        )
+        if self._unused_mode == "error":
+            self._clear()
+            raise OperationError(message)
+        warnings.warn(message, OpakePrivacyWarning, stacklevel=3)
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer, noise generator and step count (refused mid-accumulation).
+
+        The pending clipped sum is never serialised: it is un-noised private data.
+        """
+        if self._physical:
+            raise OperationError(
+                f"state_dict() with {self._physical} physical batch(es) accumulated and not yet "
+                "stepped: the pending sum is un-noised private data and is never saved; call "
+                "step() (or zero_grad()) before checkpointing"
+            )
+        noise_state = self.noise.state_dict() if hasattr(self.noise, "state_dict") else None
+        return {
+            "version": _STATE_VERSION,
+            "steps": self._steps,
+            "param_names": list(self._params),
+            "noise_multiplier": self.noise_multiplier,
+            "expected_batch_size": self._expected_batch_size,
+            "sample_rate": self._sample_rate,
+            "optimizer": self.optimizer.state_dict(),
+            "noise": noise_state,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (validated first; nothing changes on error)."""
+        if not isinstance(state, Mapping):
+            raise InputTypeError(
+                f"DPOptimizer state={type(state).__name__}: expected the dict from state_dict()"
+            )
+        expected = {
+            "version",
+            "steps",
+            "param_names",
+            "noise_multiplier",
+            "expected_batch_size",
+            "sample_rate",
+            "optimizer",
+            "noise",
+        }
+        if set(state) != expected:
+            missing = sorted(expected - set(state))
+            extra = sorted(set(state) - expected)
+            raise ConfigurationError(
+                f"DPOptimizer state has missing keys {missing} and unexpected keys {extra}; pass "
+                "the dict from DPOptimizer.state_dict()"
+            )
+        if state["version"] != _STATE_VERSION:
+            raise ConfigurationError(
+                f"DPOptimizer state version {state['version']!r}: this Opake reads version "
+                f"{_STATE_VERSION}"
+            )
+        steps = state["steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigurationError(f"DPOptimizer state steps={steps!r}: expected an int ≥ 0")
+        if list(state["param_names"]) != list(self._params):
+            raise ConfigurationError(
+                f"DPOptimizer state was saved for parameters {list(state['param_names'])} but "
+                f"this optimizer updates {list(self._params)}; build the optimizer over the same "
+                "parameters, in the same order"
+            )
+        noise_state = state["noise"]
+        if (noise_state is None) != (not hasattr(self.noise, "load_state_dict")):
+            raise ConfigurationError(
+                "DPOptimizer state and this optimizer's noise object disagree on whether the "
+                "noise generator has a state; use the same kind of noise object"
+            )
+        expected_batch_size = _positive_float("expected_batch_size", state["expected_batch_size"])
+        sample_rate = None if state["sample_rate"] is None else _sample_rate(state["sample_rate"])
+        sigma = _positive_float("noise_multiplier", state["noise_multiplier"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if noise_state is not None:
+            self.noise.load_state_dict(noise_state)
+        else:
+            self.noise.noise_multiplier = sigma
+        self._expected_batch_size = expected_batch_size
+        self._sample_rate = sample_rate
+        if self._offload is not None:
+            self._offload.reset_masters()
+        self._clear()
+        self._steps = steps
+
+
+def _noised(
+    noise: Any, sums: Mapping[str, torch.Tensor], sensitivity: float
+) -> Mapping[str, torch.Tensor]:
+    out = noise.add(dict(sums), sensitivity=sensitivity)
+    if isinstance(out, tuple):  # (grads, info) style
+        out = out[0]
+    if not isinstance(out, Mapping):
+        raise OperationError(
+            f"noise.add returned {type(out).__name__}; expected the name -> tensor dict"
+        )
+    return out
+
+
+def _with_aux(report: StepReport, aux: tuple[Any, ...]) -> StepReport:
+    from dataclasses import replace
+
+    return replace(report, aux=aux)
