@@ -14,6 +14,7 @@ import dataclasses
 import os
 import random
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -385,7 +386,10 @@ def _read(path: Path, map_location: Any) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {str(path)!r} (file not found)")
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():
+            # a foreign pickle (other protocol) is refused below with a clear error anyway
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            payload = torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError,
             zipfile.BadZipFile) as err:  # fmt: skip
         raise CheckpointError(
