@@ -1,0 +1,187 @@
+"""get_memory_stats / print_memory / reset_peak_memory / empty_cache on CPU, and their flags."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import opake.profiling
+from opake.profiling import (
+    InputTypeError,
+    MemoryStats,
+    _memory,
+    empty_cache,
+    get_memory_stats,
+    print_memory,
+    reset_peak_memory,
+)
+
+MB = 1024**2 / 1024**3  # one MiB in GiB
+HAS_PROC = Path("/proc/self/status").exists()
+
+
+def _rss_gb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 1024**3
+
+
+def test_cpu_stats_are_process_level_and_flagged():
+    stats = get_memory_stats("cpu")
+    assert isinstance(stats, MemoryStats)
+    assert stats.device == "cpu"
+    assert stats.available
+    assert stats.process_level
+    assert not stats.allocated_exact  # RSS is not "bytes in tensors"
+    assert "process RSS" in stats.source
+    # RSS agrees with psutil's reading to within a few MiB
+    assert stats.allocated_gb == pytest.approx(_rss_gb(), abs=16 * MB)
+    assert stats.reserved_gb == pytest.approx(stats.allocated_gb, abs=16 * MB)
+    assert stats.peak_gb >= stats.allocated_gb - 1 * MB
+    assert 0 < stats.free_gb < stats.total_gb
+    assert 0 < stats.utilization() < 1
+    assert stats.efficiency() is None  # no allocator cache to compare with on CPU
+    keys = stats.to_dict(prefix="mem/")
+    assert set(keys) == {
+        "mem/memory_allocated_gb",
+        "mem/memory_reserved_gb",
+        "mem/memory_peak_gb",
+        "mem/memory_free_gb",
+        "mem/memory_total_gb",
+        "mem/memory_utilization",
+    }
+
+
+@pytest.mark.skipif(not HAS_PROC, reason="needs /proc (Linux)")
+def test_cpu_peak_resets_and_tracks_an_allocation():
+    reset_peak_memory("cpu")
+    before = get_memory_stats("cpu")
+    assert before.peak_exact
+    assert "VmHWM since last reset" in before.source
+    assert before.peak_gb == pytest.approx(before.allocated_gb, abs=4 * MB)
+    big = torch.ones(64 * 1024**2 // 4)  # 64 MiB, touched
+    during = get_memory_stats("cpu")
+    del big
+    after = get_memory_stats("cpu")
+    assert during.allocated_gb - before.allocated_gb == pytest.approx(64 * MB, abs=8 * MB)
+    assert after.peak_gb - before.peak_gb == pytest.approx(64 * MB, abs=8 * MB)
+    assert after.allocated_gb < during.allocated_gb - 48 * MB  # freed back to the system
+    reset_peak_memory("cpu")
+    assert get_memory_stats("cpu").peak_gb < after.peak_gb - 48 * MB
+
+
+def test_cpu_peak_falls_back_to_sampling_when_reset_is_not_permitted(monkeypatch, tmp_path):
+    monkeypatch.setattr(_memory, "_PROC_CLEAR_REFS", str(tmp_path / "missing" / "clear_refs"))
+    reset_peak_memory("cpu")
+    stats = get_memory_stats("cpu")
+    assert not stats.peak_exact
+    assert "sampled" in stats.source
+    assert stats.peak_gb >= stats.allocated_gb - 1 * MB
+    big = torch.ones(32 * 1024**2 // 4)
+    sampled = get_memory_stats("cpu")  # a sample while the tensor is alive
+    del big
+    later = get_memory_stats("cpu")
+    assert later.peak_gb == pytest.approx(sampled.allocated_gb, abs=4 * MB)
+
+
+def test_cpu_without_proc_uses_psutil(monkeypatch, tmp_path):
+    monkeypatch.setattr(_memory, "_PROC_STATUS", str(tmp_path / "no_status"))
+    stats = get_memory_stats("cpu")
+    assert stats.allocated_gb == pytest.approx(_rss_gb(), abs=16 * MB)
+    # before any reset the lifetime peak (getrusage) is exact
+    assert stats.peak_exact == (sys.platform != "win32")
+    reset_peak_memory("cpu")
+    assert not get_memory_stats("cpu").peak_exact
+
+
+def test_cgroup_limit_caps_total_and_free(monkeypatch, tmp_path):
+    limit, current = 2 * 1024**3, 1024**3 + 512 * 1024**2
+    (tmp_path / "memory.max").write_text(f"{limit}\n")
+    (tmp_path / "memory.current").write_text(f"{current}\n")
+    monkeypatch.setattr(_memory, "_CGROUP_MAX", str(tmp_path / "memory.max"))
+    monkeypatch.setattr(_memory, "_CGROUP_CURRENT", str(tmp_path / "memory.current"))
+    stats = get_memory_stats("cpu")
+    assert stats.total_gb == pytest.approx(2.0)
+    assert stats.free_gb == pytest.approx(0.5)
+    (tmp_path / "memory.max").write_text("max\n")
+    assert get_memory_stats("cpu").total_gb > 0.5  # no limit: the machine's figures
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the missing-CUDA path")
+def test_missing_backend_never_raises():
+    for device in ("cuda", "cuda:0", torch.device("cuda", 1)):
+        stats = get_memory_stats(device)
+        assert not stats.available
+        assert stats.allocated_gb is None
+        assert stats.peak_gb is None
+        assert stats.utilization() is None
+        assert stats.to_dict() == {}
+        reset_peak_memory(device)
+        empty_cache(device)
+    buf = io.StringIO()
+    print_memory("cuda", "gpu", file=buf)
+    assert buf.getvalue().strip() == (
+        "[gpu] cuda: memory statistics not available (backend missing in this torch build or "
+        "machine)"
+    )
+
+
+@pytest.mark.parametrize("bad", ["foo", "cuda:x", "", 3, None, 1.5, "meta"])
+def test_bad_device_raises_input_type_error(bad):
+    with pytest.raises(InputTypeError) as info:
+        get_memory_stats(bad)
+    assert "expected" in str(info.value) or "meta" in str(info.value)
+    assert isinstance(info.value, TypeError)
+
+
+def test_errors_are_opake_core_errors_when_installed():
+    from opake.core import errors
+
+    assert opake.profiling.InputTypeError is errors.InputTypeError
+    assert opake.profiling.ConfigurationError is errors.ConfigurationError
+    assert opake.profiling.OperationError is errors.OperationError
+
+
+def test_errors_without_opake_core(monkeypatch):
+    # Load _errors.py as a fresh module while opake.core.errors cannot be imported.
+    monkeypatch.setitem(sys.modules, "opake.core.errors", None)
+    path = Path(opake.profiling.__file__).with_name("_errors.py")
+    spec = importlib.util.spec_from_file_location("_opake_profiling_errors_standalone", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from opake.core import errors as core_errors
+
+    assert module.InputTypeError is not core_errors.InputTypeError
+    assert issubclass(module.InputTypeError, (module.OpakeError, TypeError))
+    assert issubclass(module.ConfigurationError, (module.OpakeError, ValueError))
+    assert issubclass(module.OperationError, (module.OpakeError, RuntimeError))
+    assert issubclass(module.NoMicrobatchFitsError, module.OperationError)
+
+
+def test_print_memory_prints_one_labelled_line(capsys):
+    stats = print_memory(torch.device("cpu"), "start")
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    assert out.startswith("[start] cpu [process-level, process RSS")
+    assert f"allocated {stats.allocated_gb:.3f} GB" in out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's")
+def test_empty_cache_returns_freed_heap_on_cpu():
+    if _memory._malloc_trim() is None:
+        pytest.skip("this libc has no malloc_trim")
+    before = get_memory_stats("cpu").allocated_gb
+    # many small tensors live on the malloc heap, not in their own mappings
+    small = [torch.ones(64 * 1024) for _ in range(512)]  # 512 x 256 KiB = 128 MiB
+    del small[:-1]  # freed heap chunks below the last one stay resident until trimmed
+    held = get_memory_stats("cpu").allocated_gb
+    empty_cache("cpu")
+    trimmed = get_memory_stats("cpu").allocated_gb
+    del small
+    assert held - before > 64 * MB
+    assert trimmed < held - 64 * MB
