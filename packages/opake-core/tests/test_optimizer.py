@@ -202,6 +202,29 @@ def test_sums_are_kept_in_fp32_and_grads_cast_to_param_dtype() -> None:
     assert w.grad.dtype == torch.bfloat16
 
 
+def test_params_dict_of_detached_aliases_names_the_module_parameters() -> None:
+    # make_functional returns {name: p.detach()}: same storage, different tensor objects
+    model, ref = make_mlp(), make_mlp()
+    aliases = {n: p.detach() for n, p in model.named_parameters()}
+    opt = DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), aliases, noise_multiplier=SIGMA,
+        expected_batch_size=8.0, seed=SEED,
+    )  # fmt: skip
+    assert opt.param_names == tuple(aliases)
+    x, y = make_data(5)
+    opt.accumulate(clipped_sum_loop(model, x, y))
+    opt.step()
+    reference_sgd_step(ref, x, y, lr=0.1, expected=8.0, noise=GaussianNoise(SIGMA, seed=SEED))
+    assert_params_close(model, ref)
+    assert torch.equal(aliases["0.weight"], model[0].weight)  # the alias sees the update
+    with pytest.raises(ConfigurationError, match="not one of the tensors"):
+        DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            {n: p.detach().clone() for n, p in model.named_parameters()},
+            noise_multiplier=SIGMA, expected_batch_size=8.0, seed=SEED,
+        )  # fmt: skip
+
+
 # -- accountant and report ------------------------------------------------------------------------
 
 

@@ -98,17 +98,23 @@ def _name_parameters(
             f"params={type(params).__name__}: expected the nn.Module or the name -> tensor dict "
             "(from make_functional) whose tensors the optimizer updates"
         )
-    by_id = {}
+    by_id: dict[int, str] = {}
+    by_storage: dict[tuple[Any, ...], str] = {}
     for name, tensor in named.items():
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise InputTypeError(
                 f"params has an entry {name!r}: {type(tensor).__name__}; expected str -> Tensor"
             )
         by_id.setdefault(id(tensor), name)
+        if tensor.numel():
+            by_storage.setdefault(_storage_key(tensor), name)
     names: dict[str, torch.Tensor] = {}
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
+            # the same tensor, or (make_functional's dicts) a detached alias of its storage
             name = by_id.get(id(p))
+            if name is None and p.numel():
+                name = by_storage.get(_storage_key(p))
             if name is None:
                 raise ConfigurationError(
                     f"optimizer param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)}) is not "
@@ -124,6 +130,16 @@ def _name_parameters(
     if not names:
         raise ConfigurationError("the optimizer has no parameters; nothing to train")
     return names
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return (
+        tensor.device,
+        tensor.dtype,
+        tensor.data_ptr(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+    )
 
 
 def _default_noise(noise_multiplier: float, seed: int | None, secure: bool) -> Any:
@@ -144,8 +160,9 @@ class DPOptimizer:
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` built over the trainable tensors.
-        params: the ``nn.Module`` or the ``name -> tensor`` dict (``make_functional``'s
-            ``trainable``) naming the optimizer's tensors; gradient dicts use these names.
+        params: the ``nn.Module``, or the ``name -> tensor`` dict from ``make_functional``
+            (its detached tensors share storage with the module's parameters and are matched
+            to them), naming the optimizer's tensors; gradient dicts use these names.
         noise_multiplier: σ > 0; optional when ``noise`` is given (its σ is used).
         expected_batch_size: divisor of the noisy sum, ``sample_rate × dataset size``.
         sample_rate: Poisson rate q recorded in the accountant (required with ``accountant``).
