@@ -5,7 +5,8 @@
 per logical step in fp32, divides by the *expected* batch size, writes the result into each
 parameter's ``.grad``, steps the wrapped optimizer and records the step in the accountant. Each
 step returns a :class:`StepReport`. ``offload_state=True`` keeps the optimizer state in CPU
-memory. See ``docs/guide/training.md``.
+memory. :func:`autocast_loss` wraps a per-example loss for bf16/fp16 compute with fp32
+gradients (fp16: a static loss scale removed before clipping). See ``docs/guide/training.md``.
 
 Example:
     >>> import torch
@@ -20,5 +21,6 @@ Example:
 from __future__ import annotations
 
 from opake.dpsgd._optim import DPOptimizer, StepReport
+from opake.dpsgd._precision import DEFAULT_FP16_LOSS_SCALE, autocast_loss
 
-__all__ = ["DPOptimizer", "StepReport"]
+__all__ = ["DEFAULT_FP16_LOSS_SCALE", "DPOptimizer", "StepReport", "autocast_loss"]
