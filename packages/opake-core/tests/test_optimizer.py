@@ -232,9 +232,16 @@ class RecordingAccountant:
     def __init__(self) -> None:
         self.calls: list[dict[str, float]] = []
 
-    def step(self, *, noise_multiplier: float, sample_rate: float, num_steps: int) -> None:
+    def step(
+        self, *, noise_multiplier: float, sample_rate: float, num_steps: int, **extra: float
+    ) -> None:
         self.calls.append(
-            {"noise_multiplier": noise_multiplier, "sample_rate": sample_rate, "steps": num_steps}
+            {
+                "noise_multiplier": noise_multiplier,
+                "sample_rate": sample_rate,
+                "steps": num_steps,
+                **extra,
+            }
         )
 
     def get_epsilon(self, delta: float) -> float:
@@ -262,6 +269,45 @@ def test_accountant_records_one_step_per_logical_step_with_current_sigma() -> No
     assert report.delta == 1e-5
     assert report.noise_std == pytest.approx(1.5 * C)
     assert report.noise_multiplier == 1.5
+
+
+def test_real_accountant_epsilon_matches_the_plain_function() -> None:
+    from opake import accounting
+
+    model = make_mlp()
+    acct = accounting.RDPAccountant()
+    opt = dp_for(model, accountant=acct, sample_rate=0.05, delta=1e-5)
+    x, y = make_data(4)
+    for _ in range(3):
+        opt.accumulate(clipped_sum_loop(model, x, y))
+        report = opt.step()
+    assert acct.steps == 3
+    expected = accounting.epsilon(
+        sample_rate=0.05, noise_multiplier=SIGMA, steps=3, delta=1e-5, accountant="rdp"
+    )
+    assert report.epsilon == pytest.approx(expected, rel=1e-9)
+
+
+def test_accounting_options_are_recorded_with_every_step() -> None:
+    model = make_mlp()
+    acct = RecordingAccountant()
+    opt = dp_for(
+        model, accountant=acct, sample_rate=0.1, count_noise_multiplier=4.0,
+        max_batch_size=16, dataset_size=80,
+    )  # fmt: skip
+    x, y = make_data(4)
+    opt.accumulate(clipped_sum_loop(model, x, y))
+    opt.step()
+    assert acct.calls == [
+        {
+            "noise_multiplier": SIGMA, "sample_rate": 0.1, "steps": 1,
+            "count_noise_multiplier": 4.0, "max_batch_size": 16, "dataset_size": 80,
+        }
+    ]  # fmt: skip
+    with pytest.raises(ConfigurationError, match="pass both or neither"):
+        dp_for(make_mlp(), accountant=acct, sample_rate=0.1, max_batch_size=16)
+    with pytest.raises(ConfigurationError, match="without an accountant"):
+        dp_for(make_mlp(), count_noise_multiplier=4.0)
 
 
 def test_report_is_a_frozen_dataclass_without_epsilon_by_default() -> None:
@@ -298,6 +344,65 @@ def test_logical_step_runs_grad_fn_per_physical_batch() -> None:
     ref_opt.accumulate(clipped_sum_loop(ref, x, y))
     ref_opt.step()
     assert_params_close(model, ref)
+
+
+def test_logical_step_tells_clipped_grad_when_the_logical_step_ends() -> None:
+    model = make_mlp()
+    opt = dp_for(model)
+    seen: list[tuple[bool, object]] = []
+
+    def grad_fn(params, x, y, *, state, end_step=True, example_mask=None):  # type: ignore[no-untyped-def]
+        seen.append((end_step, example_mask))
+        return clipped_sum_loop(model, x, y), state
+
+    x, y = make_data(6)
+    mask = torch.ones(2, dtype=torch.bool)
+    batches = [(x[:2], y[:2]), {"args": (x[2:4], y[2:4]), "example_mask": mask}, (x[4:], y[4:])]
+    opt.logical_step(grad_fn, {}, batches, state=None)
+    assert [end for end, _ in seen] == [False, False, True]
+    assert seen[1][1] is mask
+
+
+def test_logical_step_drops_the_partial_sum_on_error() -> None:
+    model = make_mlp()
+    noise = GaussianNoise(SIGMA, seed=SEED)
+    opt = dp_for(model, noise=noise)
+    x, y = make_data(4)
+
+    def grad_fn(params, x, y, *, state):  # type: ignore[no-untyped-def]
+        if state == 1:
+            raise RuntimeError("out of memory")
+        return clipped_sum_loop(model, x, y), state + 1
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        opt.logical_step(grad_fn, {}, [(x[:2], y[:2]), (x[2:], y[2:])], state=0)
+    assert opt.pending_batches == 0
+    assert noise.calls == 0
+    with pytest.raises(ConfigurationError, match="no physical batches"):
+        opt.logical_step(grad_fn, {}, [], state=0)
+    with pytest.raises(InputTypeError, match="example_mask"):
+        opt.logical_step(grad_fn, {}, [[x, y]], state=0)
+    with pytest.raises(ConfigurationError, match="may not set"):
+        opt.logical_step(grad_fn, {}, [{"args": (x, y), "end_step": True}], state=0)
+
+
+def test_adaptive_clip_state_must_be_accounted() -> None:
+    class AdaptiveLike:
+        count_noise_multiplier = 5.0
+
+    model = make_mlp()
+    x, y = make_data(4)
+
+    def grad_fn(params, x, y, *, state):  # type: ignore[no-untyped-def]
+        return clipped_sum_loop(model, x, y), state
+
+    opt = dp_for(model, accountant=RecordingAccountant(), sample_rate=0.1)
+    with pytest.raises(ConfigurationError, match="noisy count costs privacy"):
+        opt.logical_step(grad_fn, {}, [(x, y)], state=AdaptiveLike())
+    acct = RecordingAccountant()
+    opt = dp_for(model, accountant=acct, sample_rate=0.1, count_noise_multiplier=5.0)
+    opt.logical_step(grad_fn, {}, [(x, y)], state=AdaptiveLike())
+    assert acct.calls[0]["count_noise_multiplier"] == 5.0
 
 
 # -- parameters without gradient ----------------------------------------------------------------

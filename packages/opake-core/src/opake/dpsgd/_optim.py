@@ -132,6 +132,37 @@ def _name_parameters(
     return names
 
 
+def _accounting_options(
+    accountant: Any,
+    *,
+    count_noise_multiplier: float | None,
+    max_batch_size: int | None,
+    dataset_size: int | None,
+) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if count_noise_multiplier is not None:
+        options["count_noise_multiplier"] = _positive_float(
+            "count_noise_multiplier", count_noise_multiplier
+        )
+    if (max_batch_size is None) != (dataset_size is None):
+        raise ConfigurationError(
+            f"max_batch_size={max_batch_size!r}, dataset_size={dataset_size!r}: fixed-shape "
+            "sampling is accounted from both; pass both or neither"
+        )
+    for name, value in (("max_batch_size", max_batch_size), ("dataset_size", dataset_size)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"{name}={value!r}: expected a positive int")
+        options[name] = value
+    if options and accountant is None:
+        raise ConfigurationError(
+            f"{', '.join(options)} given without an accountant: they only describe how steps "
+            "are accounted; pass accountant= or drop them"
+        )
+    return options
+
+
 def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
     return (
         tensor.device,
@@ -168,6 +199,12 @@ class DPOptimizer:
         sample_rate: Poisson rate q recorded in the accountant (required with ``accountant``).
         accountant: an ``opake.accounting`` accountant; each logical step calls its ``step``.
         delta: when given with an accountant, every report carries ε(δ) so far.
+        count_noise_multiplier: σ_b of adaptive clipping's noisy count, recorded with every
+            step (``noise_multiplier`` is then the gradient's σ_Δ); required with an adaptive
+            clip state in :meth:`logical_step`.
+        max_batch_size: ``B_max`` of fixed-shape truncated Poisson sampling, recorded with
+            every step together with ``dataset_size`` (the accountant adds the truncation term).
+        dataset_size: N, the size of the dataset sampled from (with ``max_batch_size``).
         noise: an :class:`opake.dpsgd.noise.GaussianNoise` (or an object with the same
             ``add(grads, sensitivity=)``, ``noise_multiplier``, ``state_dict``); default:
             ``GaussianNoise(noise_multiplier, seed=seed, secure=secure)``.
@@ -202,6 +239,9 @@ class DPOptimizer:
         sample_rate: float | None = None,
         accountant: Any | None = None,
         delta: float | None = None,
+        count_noise_multiplier: float | None = None,
+        max_batch_size: int | None = None,
+        dataset_size: int | None = None,
         noise: Any | None = None,
         seed: int | None = None,
         secure: bool = False,
@@ -240,6 +280,12 @@ class DPOptimizer:
                 raise ConfigurationError(f"delta={delta!r}: expected a probability in (0, 1)")
         self.accountant = accountant
         self.delta = delta
+        self._accounting = _accounting_options(
+            accountant,
+            count_noise_multiplier=count_noise_multiplier,
+            max_batch_size=max_batch_size,
+            dataset_size=dataset_size,
+        )
         if unused_params not in _UNUSED_MODES:
             raise ConfigurationError(
                 f"unused_params={unused_params!r}: expected one of {', '.join(_UNUSED_MODES)}"
@@ -427,6 +473,7 @@ class DPOptimizer:
                 noise_multiplier=sigma,
                 sample_rate=self._sample_rate,
                 num_steps=1,
+                **self._accounting,
             )
         self._steps += 1
         epsilon = None
@@ -450,44 +497,66 @@ class DPOptimizer:
     def logical_step(
         self,
         grad_fn: Callable[..., Any],
-        params: Mapping[str, torch.Tensor],
-        batches: Iterable[tuple[Any, ...]],
+        params: Any,
+        batches: Iterable[tuple[Any, ...] | Mapping[str, Any]],
         *,
         state: Any,
     ) -> tuple[StepReport, Any]:
         """One logical step from several physical batches: ``grad_fn`` on each, then :meth:`step`.
 
-        ``batches`` yields argument tuples for ``grad_fn(params, *batch, state=state)`` (e.g.
-        ``(x, y)``), the physical chunks of one Poisson-sampled logical batch. Returns the
-        :class:`StepReport` (with each batch's ``aux`` when ``grad_fn`` returns one) and the
-        clipping state to pass to the next call.
+        ``batches`` holds the physical chunks of one Poisson-sampled logical batch, each either
+        a tuple of ``grad_fn`` arguments after ``params`` (``grad_fn(params, *batch,
+        state=state)``, e.g. ``(x, y)``) or a dict ``{"args": (x, y), **keywords}`` whose other
+        keys are passed to ``grad_fn`` (e.g. ``example_mask`` of a fixed-shape batch). A
+        ``grad_fn`` from ``clipped_grad`` is told ``end_step=False`` for every chunk but the
+        last, so adaptive clipping updates its bound once per logical step. Returns the
+        :class:`StepReport` (with each chunk's ``aux`` when ``grad_fn`` returns one) and the
+        clipping state for the next call. On any error the partial accumulation is dropped.
         """
         if self._physical:
             raise OperationError(
                 f"logical_step() with {self._physical} physical batch(es) already accumulated; "
                 "call step() or zero_grad() first"
             )
-        auxes = []
-        for batch in batches:
-            if not isinstance(batch, tuple):
-                raise InputTypeError(
-                    f"batches yielded {type(batch).__name__}: expected a tuple of grad_fn "
-                    "arguments after params, e.g. (x, y)"
-                )
-            out, state = grad_fn(params, *batch, state=state)
-            if isinstance(out, tuple):
-                out, aux = out
-                auxes.append(aux)
-            self.accumulate(out)
-        if self._physical == 0:
+        chunks = [_split_batch(batch) for batch in batches]
+        if not chunks:
             raise ConfigurationError(
                 "logical_step() got no physical batches; pass at least one (an empty Poisson "
                 "batch is passed as a batch of size 0)"
             )
-        report = self.step()
+        self._check_clip_state(state)
+        takes_end_step = _accepts_keyword(grad_fn, "end_step")
+        auxes = []
+        try:
+            for i, (args, kwargs) in enumerate(chunks):
+                if takes_end_step:
+                    kwargs.setdefault("end_step", i == len(chunks) - 1)
+                out, state = grad_fn(params, *args, state=state, **kwargs)
+                if isinstance(out, tuple):
+                    out, aux = out
+                    auxes.append(aux)
+                self.accumulate(out)
+            report = self.step()
+        except BaseException:
+            self._clear()
+            raise
         if auxes:
             report = _with_aux(report, tuple(auxes))
         return report, state
+
+    def _check_clip_state(self, state: Any) -> None:
+        sigma_b = getattr(state, "count_noise_multiplier", None)
+        if sigma_b is None or self.accountant is None:
+            return
+        if self._accounting.get("count_noise_multiplier") != sigma_b:
+            raise ConfigurationError(
+                f"adaptive clipping with count_noise_multiplier={sigma_b!r}, but this DPOptimizer "
+                f"records count_noise_multiplier="
+                f"{self._accounting.get('count_noise_multiplier')!r}: the noisy count costs "
+                "privacy, so pass DPOptimizer(count_noise_multiplier=state."
+                "count_noise_multiplier) and let noise_multiplier be the gradient σ_Δ "
+                "(opake.dpsgd.gradient_noise_multiplier)"
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the pending accumulation and the parameters' ``.grad``."""
@@ -622,6 +691,32 @@ def _noised(
             f"noise.add returned {type(out).__name__}; expected the name -> tensor dict"
         )
     return out
+
+
+def _split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(batch, tuple):
+        return batch, {}
+    if isinstance(batch, Mapping) and isinstance(batch.get("args"), tuple):
+        kwargs = {k: v for k, v in batch.items() if k != "args"}
+        if "state" in kwargs or "end_step" in kwargs:
+            raise ConfigurationError(
+                "a batch dict may not set 'state' or 'end_step': logical_step manages them"
+            )
+        return batch["args"], kwargs
+    raise InputTypeError(
+        f"batches yielded {type(batch).__name__}: expected a tuple of grad_fn arguments after "
+        "params, e.g. (x, y), or a dict {'args': (x, y), 'example_mask': mask}"
+    )
+
+
+def _accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
+    import inspect
+
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _with_aux(report: StepReport, aux: tuple[Any, ...]) -> StepReport:
