@@ -1,0 +1,172 @@
+"""Peak memory of per-example gradients with and without Opake's vmap-safe checkpointing.
+
+Each configuration runs in a fresh Python process (so the peak resident set size, RSS, belongs to
+that configuration alone): a 4-layer Llama built from a config (hidden 256, sequence 1024,
+batch 4, eager attention, no download), per-example gradients with ``vmap(grad(...))`` under
+``torch.no_grad()``, HF ``gradient_checkpointing_enable()`` on or off. It reports the peak RSS of
+the process, the RSS before the step (model, inputs, imports) and the step's own increase, and
+checks that both configurations give the same per-example gradients.
+
+    python tools/bench/checkpoint_memory.py                  # CPU, default shape
+    python tools/bench/checkpoint_memory.py --device cuda    # peak CUDA allocation instead
+    python tools/bench/checkpoint_memory.py --json out.json
+
+Results are recorded in docs/benchmarks.md ("Checkpointing under vmap").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as fh:
+        pages = int(fh.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def run_one(args: argparse.Namespace) -> dict[str, object]:
+    """One configuration, in this process."""
+    import warnings
+
+    import torch
+    from torch.func import functional_call, grad, vmap
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from opake.patches import apply_runtime_patches
+
+    apply_runtime_patches()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+    device = torch.device(args.device)
+    model = LlamaForCausalLM(cfg).to(device)
+    model.train()
+    if args.checkpoint:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.gradient_checkpointing_enable()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        out = functional_call(model, p, (x[None],), {"labels": x[None], "use_cache": False})
+        return out.loss
+
+    per_example = vmap(grad(loss), in_dims=(None, 0))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    base_rss = _rss_mib()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        grads = per_example(params, ids)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    result: dict[str, object] = {
+        "checkpoint": args.checkpoint,
+        "seconds": round(seconds, 2),
+        "rss_before_step_mib": round(base_rss, 1),
+        "peak_rss_mib": round(_peak_rss_mib(), 1),
+    }
+    result["step_rss_increase_mib"] = round(float(result["peak_rss_mib"]) - base_rss, 1)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        result["cuda_peak_allocated_mib"] = round(peak, 1)
+        result["cuda_step_increase_mib"] = round(peak - base, 1)
+    # a fingerprint of the per-example gradients, compared across the two processes
+    result["grad_fingerprint"] = [
+        float(grads[k].double().norm(dim=tuple(range(1, grads[k].dim()))).sum())
+        for k in sorted(grads)
+    ]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--child", choices=["on", "off"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child is not None:
+        args.checkpoint = args.child == "on"
+        print(json.dumps(run_one(args)))
+        return 0
+
+    shape = [
+        f"--{k}={getattr(args, k)}"
+        for k in ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch", "device")
+    ]
+    results = {}
+    for mode in ("off", "on"):
+        cmd = [sys.executable, __file__, *shape, f"--child={mode}"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            print(out.stderr, file=sys.stderr)
+            return out.returncode
+        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    off, on = results["off"], results["on"]
+    fp_off, fp_on = off.pop("grad_fingerprint"), on.pop("grad_fingerprint")
+    max_rel = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(fp_off, fp_on, strict=True))
+    import torch
+    import transformers
+
+    report = {
+        "shape": dict(a.lstrip("-").split("=") for a in shape),
+        "machine": (
+            f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+        ),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "off": off,
+        "on": on,
+        "peak_rss_ratio": round(float(off["peak_rss_mib"]) / float(on["peak_rss_mib"]), 2),
+        "step_increase_ratio": round(
+            float(off["step_rss_increase_mib"]) / max(float(on["step_rss_increase_mib"]), 1.0), 2
+        ),
+        "grad_fingerprint_max_rel_diff": max_rel,
+    }
+    if "cuda_peak_allocated_mib" in off:
+        report["cuda_peak_ratio"] = round(
+            float(off["cuda_peak_allocated_mib"]) / float(on["cuda_peak_allocated_mib"]), 2
+        )
+    print(json.dumps(report, indent=2))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
