@@ -45,8 +45,7 @@ class Checkpoint:
     Attributes:
         path: the file read.
         step: the training step recorded at save time.
-        clip_state: the clipping state, rebuilt from the ``clip_state=`` template given to
-            :func:`load_checkpoint` (``None`` when the file has none).
+        clip_state: the clipping state (``None`` when the file has none).
         extra: the user's ``extra`` dict.
         components: names of the components stored in the file.
     """
@@ -220,8 +219,18 @@ def _stateful(name: str, obj: Any) -> dict[str, Any]:
     return {"kind": type(obj).__name__, "state": state_dict()}
 
 
+def _is_opake_clip_state(value: Any) -> bool:
+    return (
+        type(value).__module__.startswith("opake.dpsgd.")
+        and callable(getattr(value, "to_dict", None))
+        and isinstance(getattr(type(value), "kind", None), str)
+    )
+
+
 def _encode_value(value: Any) -> dict[str, Any]:
-    """Encode a small state object (clip state): state_dict, dataclass, NamedTuple or plain."""
+    """Encode a small state object (clip state): opake clip state, state_dict, dataclass, ..."""
+    if _is_opake_clip_state(value):
+        return {"kind": "clip_state", "type": type(value).__name__, "state": value.to_dict()}
     if callable(getattr(value, "state_dict", None)):
         return {"kind": "state_dict", "type": type(value).__name__, "state": value.state_dict()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -236,6 +245,23 @@ def _decode_value(template: Any, saved: Any) -> Any:
     if not isinstance(saved, Mapping) or not {"kind", "type", "state"} <= set(saved):
         raise CheckpointError("checkpoint component 'clip_state' is malformed")
     kind, type_name, state = saved["kind"], saved["type"], saved["state"]
+    if kind == "clip_state":
+        from opake.dpsgd.clipping import clip_state_from_dict
+
+        if template is not None and type(template).__name__ != type_name:
+            raise CheckpointError(
+                f"checkpoint clip_state is a {type_name} but the template given is a "
+                f"{type(template).__name__}; pass the state of the same clipping method"
+            )
+        try:
+            return clip_state_from_dict(state)
+        except (ValueError, TypeError) as err:
+            raise CheckpointError(f"checkpoint clip_state is invalid: {err}") from err
+    if template is None:
+        raise CheckpointError(
+            f"checkpoint clip_state is a {type_name}, which is rebuilt from a template: pass "
+            "clip_state= (an instance of the same type) to load_checkpoint"
+        )
     if kind != "plain" and type(template).__name__ != type_name:
         raise CheckpointError(
             f"checkpoint clip_state is a {type_name} but the template given is a "
@@ -433,10 +459,11 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Read ``path``, validate it, and restore it into the live objects given.
 
-    ``model``, ``optimizer``, ``accountant`` and ``sampler`` are restored in place;
-    ``clip_state`` is a *template* (the state from the same ``clipped_grad`` setup) and the
-    restored state is returned as ``Checkpoint.clip_state``. With ``rng=True`` the global
-    torch / numpy / Python RNG states are restored too.
+    ``model``, ``optimizer``, ``accountant`` and ``sampler`` are restored in place. The
+    clipping state is returned as ``Checkpoint.clip_state``: Opake's clip states
+    (``opake.dpsgd.clipping``) are rebuilt from the file alone (``clip_state=``, if given, only
+    checks the type); other state objects are rebuilt from the ``clip_state=`` template.
+    With ``rng=True`` the global torch / numpy / Python RNG states are restored too.
 
     With ``strict=True`` (the default) every component stored in the file must be given: a run
     resumed without its accountant would restart ε from zero and under-report the privacy spent.
@@ -467,7 +494,9 @@ def load_checkpoint(
         unrestored = [
             name
             for name in components
-            if name != "rng" and given.get(name) is None and name in given
+            if name in given
+            and given[name] is None
+            and not (name == "clip_state" and _self_describing(components[name]))
         ]
         if unrestored:
             raise CheckpointError(
@@ -498,7 +527,9 @@ def load_checkpoint(
     if rng and "rng" in components:
         appliers.append(_restore_rng(components["rng"]))
     restored_clip = None
-    if clip_state is not None:
+    if "clip_state" in components and (
+        clip_state is not None or _self_describing(components["clip_state"])
+    ):
         restored_clip = _decode_value(clip_state, components["clip_state"])
     for apply in appliers:
         apply()
@@ -509,6 +540,11 @@ def load_checkpoint(
         extra=payload["extra"],
         components=tuple(components),
     )
+
+
+def _self_describing(saved: Any) -> bool:
+    """An opake clip state is rebuilt from the file alone; other kinds need a template."""
+    return isinstance(saved, Mapping) and saved.get("kind") == "clip_state"
 
 
 def _loader(obj: Any, state: Any, name: str) -> Callable[[], None]:
