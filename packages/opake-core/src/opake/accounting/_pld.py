@@ -52,7 +52,7 @@ Discretization = Literal["connect_dots", "round_up"]
 Direction = Literal["remove", "add"]
 
 _LOG_MASS_TRUNCATION = -50.0
-_MAX_POINTS = 2**26  # 64 M float64 = 512 MiB per array: refuse beyond that
+_MAX_POINTS = 2**24  # 16 M float64 = 128 MiB per array (~1 GiB peak): refuse beyond that
 _CHERNOFF_T = np.geomspace(1e-2, 1e2, 25)
 
 
