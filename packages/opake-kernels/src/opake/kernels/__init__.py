@@ -1,12 +1,42 @@
 """Opake kernels: vmap-native kernel backends registered through the ``opake`` plugin hooks.
 
+Each op (:func:`linear_cross_entropy`, :func:`cross_entropy`, :func:`rms_norm`, :func:`swiglu`,
+:func:`geglu`, :func:`rope`) takes plain tensors, works inside and outside ``vmap(grad(...))``, and
+dispatches to a backend: ``torch`` (reference), ``chunked`` (portable, bounded memory) or
+``triton`` (fused GPU kernels), or a third party's. Importing this package imports neither torch
+nor triton; backends are imported when first chosen.
+
 >>> import opake.kernels
 >>> opake.kernels.__version__
 '0.1.0'
+>>> opake.kernels.kernel_choice("linear_cross_entropy", "cpu", backend="chunked").backend
+'chunked'
 """
 
 from __future__ import annotations
 
+from opake.kernels._api import (
+    cross_entropy,
+    geglu,
+    kernel_choice,
+    linear_cross_entropy,
+    rms_norm,
+    rope,
+    swiglu,
+)
+from opake.kernels._args import REDUCTIONS
+from opake.kernels._plugin import OPS
 from opake.kernels._version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "OPS",
+    "REDUCTIONS",
+    "__version__",
+    "cross_entropy",
+    "geglu",
+    "kernel_choice",
+    "linear_cross_entropy",
+    "rms_norm",
+    "rope",
+    "swiglu",
+]

@@ -1,23 +1,43 @@
-"""opake-kernels' plugin: registers its backends through the public hook, like a third party."""
+"""opake-kernels' plugin: registers its backends through the public hook, like a third party.
+
+Ops are dotted paths, imported only when selected, so loading plugins imports neither torch nor
+triton.
+"""
 
 from __future__ import annotations
 
 from opake.core.plugins import KernelBackend, hookimpl
+from opake.kernels._triton_support import triton_available, triton_devices, triton_priority
 
-__all__ = ["opake_kernel_backends"]
+__all__ = ["OPS", "opake_kernel_backends"]
+
+#: the ops every opake-kernels backend implements (one signature per op, see the guide)
+OPS: tuple[str, ...] = (
+    "linear_cross_entropy",
+    "cross_entropy",
+    "rms_norm",
+    "swiglu",
+    "geglu",
+    "rope",
+)
+_EVERYWHERE = ("cpu", "cuda", "mps", "xpu")
+
+
+def _ops(module: str) -> dict[str, str]:
+    return {op: f"{module}:{op}" for op in OPS}
 
 
 @hookimpl
 def opake_kernel_backends() -> list[KernelBackend]:
-    """The backends this distribution provides (ops are imported only when chosen)."""
+    """The ``torch`` reference, the portable ``chunked`` backend and the ``triton`` backend."""
     return [
+        KernelBackend("torch", _ops("opake.kernels.torch"), devices=_EVERYWHERE, priority=0),
+        KernelBackend("chunked", _ops("opake.kernels.chunked"), devices=_EVERYWHERE, priority=10),
         KernelBackend(
-            name="torch",
-            ops={
-                "cross_entropy": "opake.kernels.torch:cross_entropy",
-                "rms_norm": "opake.kernels.torch:rms_norm",
-            },
-            devices=("cpu", "cuda", "mps", "xpu"),
-            priority=0,
-        )
+            "triton",
+            _ops("opake.kernels.triton"),
+            devices=triton_devices(),
+            priority=triton_priority(),
+            available=triton_available,
+        ),
     ]

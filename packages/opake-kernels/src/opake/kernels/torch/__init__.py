@@ -1,7 +1,23 @@
-"""The ``torch`` reference backend: plain PyTorch ops, correct everywhere, vmap-safe."""
+"""The ``torch`` reference backend: plain PyTorch ops, correct everywhere, vmap-safe.
+
+Every other backend is tested against these. They materialise the full logits and fp32
+intermediates, so use them as the oracle and the fallback, not for memory.
+
+>>> import torch
+>>> from opake.kernels.torch import swiglu
+>>> swiglu(torch.zeros(3), torch.ones(3)).tolist()
+[0.0, 0.0, 0.0]
+"""
 
 from __future__ import annotations
 
-from opake.kernels.torch._ops import cross_entropy, rms_norm
+from opake.kernels.torch._reference import (
+    cross_entropy,
+    geglu,
+    linear_cross_entropy,
+    rms_norm,
+    rope,
+    swiglu,
+)
 
-__all__ = ["cross_entropy", "rms_norm"]
+__all__ = ["cross_entropy", "geglu", "linear_cross_entropy", "rms_norm", "rope", "swiglu"]

@@ -1,0 +1,217 @@
+"""Public entry points: pick a backend per call, then run its implementation of the op.
+
+Selection (``opake.core.plugins.select_kernel``): the explicit ``backend`` argument, then
+``OPAKE_KERNEL_BACKEND``, then the available backend of highest priority for the input's device,
+then the ``torch`` reference. An explicit backend that cannot run raises ``OperationError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from opake.core.errors import InputTypeError
+from opake.core.plugins import KernelChoice, select_kernel
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "cross_entropy",
+    "geglu",
+    "kernel_choice",
+    "linear_cross_entropy",
+    "rms_norm",
+    "rope",
+    "swiglu",
+]
+
+
+def _device_of(name: str, value: object) -> object:
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
+    return value.device
+
+
+def _impl(op: str, name: str, value: object, backend: str | None) -> Callable[..., Any]:
+    if backend is not None and not isinstance(backend, str):
+        raise InputTypeError(
+            f"backend must be None or a backend name such as 'chunked', got "
+            f"{type(backend).__name__}: {backend!r}."
+        )
+    return select_kernel(op, _device_of(name, value), backend).impl
+
+
+def kernel_choice(op: str, device: object = None, backend: str | None = None) -> KernelChoice:
+    """Which backend would run *op* on *device*, and why (nothing is executed).
+
+    >>> kernel_choice("rms_norm", "cpu", backend="torch").backend
+    'torch'
+    """
+    return select_kernel(op, device, backend)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    logit_scale: float | None = None,
+    logit_divisor: float | None = None,
+    softcap: float | None = None,
+    label_smoothing: float = 0.0,
+    chunk_size: bool | int = True,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T + bias`` against *labels*, without the full logits.
+
+    Args:
+        hidden: ``(..., H)`` final hidden states (float32, float16 or bfloat16).
+        weight: ``(V, H)`` output projection (``lm_head.weight``), same dtype as *hidden*.
+        labels: ``(...)`` integer class indices, ``hidden.shape[:-1]``; already shifted for
+            causal LM training.
+        bias: optional ``(V,)`` output bias.
+        ignore_index: label value that contributes no loss and no gradient.
+        reduction: ``"mean"`` (over non-ignored tokens; 0 when there are none), ``"sum"``,
+            ``"none"`` (one loss per token) or ``"per_example"`` (``(batch,)``: each example's
+            mean over its own non-ignored tokens). Called on one example under ``vmap``,
+            ``"mean"`` *is* the per-example reduction: no count is shared across examples.
+        logit_scale: multiply the logits (Cohere).
+        logit_divisor: divide the logits (Granite).
+        softcap: ``softcap * tanh(logits / softcap)`` (Gemma 2), after scale and divisor.
+        label_smoothing: as ``torch.nn.functional.cross_entropy``'s.
+        chunk_size: tiling of the ``chunked`` backend: ``True`` automatic, an int caps the
+            vocabulary tile width, ``False``/``0`` one tile. Other backends ignore it.
+        backend: ``None`` (automatic), ``"torch"``, ``"chunked"``, ``"triton"`` or a plugin's.
+
+    Returns:
+        The fp32 loss, shaped by *reduction*.
+
+    Example:
+        >>> import torch
+        >>> from opake.kernels import linear_cross_entropy
+        >>> h, w = torch.zeros(2, 3, 4), torch.zeros(5, 4)
+        >>> labels = torch.tensor([[0, 1, -100], [2, -100, -100]])
+        >>> linear_cross_entropy(h, w, labels, reduction="per_example").tolist()
+        [1.6094379425048828, 1.6094379425048828]
+    """
+    impl = _impl("linear_cross_entropy", "hidden", hidden, backend)
+    return impl(
+        hidden,
+        weight,
+        labels,
+        bias=bias,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        logit_scale=logit_scale,
+        logit_divisor=logit_divisor,
+        softcap=softcap,
+        label_smoothing=label_smoothing,
+        chunk_size=chunk_size,
+    )
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    logit_scale: float | None = None,
+    logit_divisor: float | None = None,
+    softcap: float | None = None,
+    label_smoothing: float = 0.0,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Cross-entropy on ``(..., V)`` logits; same options and reductions as
+    :func:`linear_cross_entropy`. The loss is fp32 whatever the logits' dtype.
+
+    >>> import torch
+    >>> from opake.kernels import cross_entropy
+    >>> round(cross_entropy(torch.zeros(2, 4), torch.tensor([1, -100])).item(), 4)
+    1.3863
+    """
+    impl = _impl("cross_entropy", "logits", logits, backend)
+    return impl(
+        logits,
+        labels,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        logit_scale=logit_scale,
+        logit_divisor=logit_divisor,
+        softcap=softcap,
+        label_smoothing=label_smoothing,
+    )
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """RMSNorm ``x / sqrt(mean(x²) + eps) * (offset + weight)`` in fp32, cast to ``x.dtype``.
+
+    ``offset=1.0`` is Gemma's ``(1 + weight)``; ``weight=None`` normalises only.
+
+    >>> import torch
+    >>> from opake.kernels import rms_norm
+    >>> rms_norm(torch.full((1, 2), 2.0), torch.ones(2), eps=0.0).tolist()
+    [[1.0, 1.0]]
+    """
+    impl = _impl("rms_norm", "x", x, backend)
+    return impl(x, weight, eps=eps, offset=offset)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` (Llama/Mistral/Qwen MLPs), fp32 math, result in the inputs' dtype.
+
+    >>> import torch
+    >>> from opake.kernels import swiglu
+    >>> swiglu(torch.zeros(2), torch.ones(2)).tolist()
+    [0.0, 0.0]
+    """
+    impl = _impl("swiglu", "gate", gate, backend)
+    return impl(gate, up)
+
+
+def geglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    *,
+    approximate: str = "none",
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``gelu(gate) * up``: exact erf GELU, or ``approximate="tanh"`` (Gemma's tanh GELU).
+
+    >>> import torch
+    >>> from opake.kernels import geglu
+    >>> geglu(torch.zeros(2), torch.ones(2), approximate="tanh").tolist()
+    [0.0, 0.0]
+    """
+    impl = _impl("geglu", "gate", gate, backend)
+    return impl(gate, up, approximate=approximate)
+
+
+def rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: str | None = None
+) -> torch.Tensor:
+    """Rotary position embedding ``x·cos + rotate_half(x)·sin`` (Hugging Face layout).
+
+    Apply it to queries and keys separately; ``cos``/``sin`` (``(..., seq, head_dim)``) must
+    broadcast to ``x`` without enlarging it.
+
+    >>> import torch
+    >>> from opake.kernels import rope
+    >>> rope(torch.tensor([[1.0, 2.0]]), torch.zeros(1, 2), torch.ones(1, 2)).tolist()
+    [[-2.0, 1.0]]
+    """
+    impl = _impl("rope", "x", x, backend)
+    return impl(x, cos, sin)

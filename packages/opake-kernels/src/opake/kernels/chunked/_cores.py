@@ -1,0 +1,338 @@
+"""Pure-PyTorch cores of the chunked backend (plain tensors only; see ``_autograd``).
+
+Linear cross-entropy tiles tokens x vocabulary: the forward keeps a running log-sum-exp per
+token across vocabulary tiles (``logaddexp`` of tile log-sum-exps), the backward recomputes each
+logits tile from ``hidden`` and ``weight`` and accumulates the gradients tile by tile. At most one
+``token_tile x vocab_tile`` logits tile (and a few fp32 temporaries of that size) exists at a time.
+The other ops process bounded row/element chunks, recompute what autograd would have saved,
+and keep only their inputs (plus one fp32 number per row for RMSNorm).
+"""
+
+# ruff: noqa: PLR0917  (autograd.Function.apply and Triton launches take positional arguments only)
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from opake.kernels._args import LossSpec
+from opake.kernels._math import token_loss, transform_grad_, transform_logits_
+
+__all__ = [
+    "act_and_grad",
+    "activation",
+    "ce_backward",
+    "ce_forward",
+    "gated_backward",
+    "gated_forward",
+    "lce_backward",
+    "lce_forward",
+    "rms_norm_backward",
+    "rms_norm_forward",
+    "rope_backward",
+    "rope_forward",
+]
+
+Tensor = torch.Tensor
+_F32 = torch.float32
+
+
+def _tiles(opts: Any, n: int, v: int) -> tuple[int, int]:
+    if opts is None:
+        return max(1, n), v
+    tt, vt = opts
+    return max(1, min(int(tt), max(1, n))), max(1, min(int(vt), v))
+
+
+def _logits_tile(h: Tensor, w: Tensor, b: Tensor | None, spec: LossSpec) -> Tensor:
+    z = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
+    return transform_logits_(z if z.dtype == _F32 else z.float(), spec)
+
+
+def _target_logit(z: Tensor, y: Tensor, v0: int) -> Tensor:
+    """``z[i, y_i - v0]`` where the target lies in this tile, else 0."""
+    width = z.shape[1]
+    idx = y - v0
+    inside = (idx >= 0) & (idx < width)
+    picked = z.gather(1, idx.clamp(0, width - 1).unsqueeze(1)).squeeze(1)
+    return torch.where(inside, picked, torch.zeros_like(picked))
+
+
+def _subtract_target(d: Tensor, y: Tensor, v0: int, amount: Tensor) -> None:
+    """``d[i, y_i - v0] -= amount_i`` where the target lies in this tile (in place)."""
+    width = d.shape[1]
+    idx = y - v0
+    inside = (idx >= 0) & (idx < width)
+    d.scatter_add_(1, idx.clamp(0, width - 1).unsqueeze(1), (-amount * inside).unsqueeze(1))
+
+
+def lce_forward(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, spec: LossSpec, opts: Any
+) -> tuple[Tensor, Tensor]:
+    """Per-token losses (masked) and log-sum-exps, both fp32 ``(N,)``."""
+    n = hidden.shape[0]
+    v = weight.shape[0]
+    tt, vt = _tiles(opts, n, v)
+    lse = torch.empty(n, dtype=_F32, device=hidden.device)
+    tok = torch.empty(n, dtype=_F32, device=hidden.device)
+    for t0 in range(0, n, tt):
+        t1 = min(n, t0 + tt)
+        h, y = hidden[t0:t1], labels[t0:t1]
+        run = torch.full((t1 - t0,), -math.inf, dtype=_F32, device=hidden.device)
+        zy = torch.zeros_like(run)
+        zs = torch.zeros_like(run) if spec.smoothing else None
+        for v0 in range(0, v, vt):
+            v1 = min(v, v0 + vt)
+            z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1], spec)
+            run = torch.logaddexp(run, torch.logsumexp(z, 1))
+            zy += _target_logit(z, y, v0)
+            if zs is not None:
+                zs += z.sum(1)
+        lse[t0:t1] = run
+        loss = token_loss(run, zy, zs, v, spec)
+        tok[t0:t1] = torch.where(y != spec.ignore_index, loss, torch.zeros_like(loss))
+    return tok, lse
+
+
+def _dlogits(
+    z: Tensor, y: Tensor, lse: Tensor, tgrad: Tensor, v0: int, vocab: int, spec: LossSpec
+) -> Tensor:
+    """Gradient w.r.t. the raw logits of a tile whose transformed logits are *z* (fp32)."""
+    d = (z - lse.unsqueeze(1)).exp_().mul_(tgrad.unsqueeze(1))
+    eps = spec.smoothing
+    if eps:
+        d.sub_((eps / vocab) * tgrad.unsqueeze(1))
+    _subtract_target(d, y, v0, (1.0 - eps) * tgrad)
+    return transform_grad_(d, z, spec)
+
+
+def lce_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    lse: Tensor,
+    tgrad: Tensor,
+    spec: LossSpec,
+    opts: Any,
+    needs: tuple[bool, bool, bool],
+    groups: int,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients of ``sum_i tgrad_i * loss_i``; weight/bias ones per contiguous token group."""
+    n, hsize = hidden.shape
+    v = weight.shape[0]
+    need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
+    dev = hidden.device
+    gh = torch.zeros(n, hsize, dtype=_F32, device=dev) if need_h else None
+    gw = torch.zeros(groups, v, hsize, dtype=_F32, device=dev) if need_w else None
+    gb = torch.zeros(groups, v, dtype=_F32, device=dev) if need_b else None
+    per = n // groups if groups else 0
+    tt, vt = _tiles(opts, per, v)
+    fp32 = hidden.dtype == _F32
+    for g in range(groups):
+        for t0 in range(g * per, (g + 1) * per, tt):
+            t1 = min((g + 1) * per, t0 + tt)
+            h, y = hidden[t0:t1], labels[t0:t1]
+            for v0 in range(0, v, vt):
+                v1 = min(v, v0 + vt)
+                w = weight[v0:v1]
+                z = _logits_tile(h, w, None if bias is None else bias[v0:v1], spec)
+                d = _dlogits(z, y, lse[t0:t1], tgrad[t0:t1], v0, v, spec)
+                dc = d if fp32 else d.to(hidden.dtype)
+                if gh is not None:
+                    if fp32:
+                        gh[t0:t1].addmm_(dc, w)
+                    else:
+                        gh[t0:t1] += torch.mm(dc, w)
+                if gw is not None:
+                    if fp32:
+                        gw[g, v0:v1].addmm_(dc.t(), h)
+                    else:
+                        gw[g, v0:v1] += torch.mm(dc.t(), h)
+                if gb is not None:
+                    gb[g, v0:v1] += d.sum(0)
+    return (
+        None if gh is None else gh.to(hidden.dtype),
+        None if gw is None else gw.to(weight.dtype),
+        None if gb is None or bias is None else gb.to(bias.dtype),
+    )
+
+
+def ce_forward(logits: Tensor, labels: Tensor, spec: LossSpec, opts: Any) -> tuple[Tensor, Tensor]:
+    """Cross-entropy on materialised logits, one bounded chunk of rows at a time."""
+    n, v = logits.shape
+    rows = max(1, min(int(opts), n)) if n else 1
+    lse = torch.empty(n, dtype=_F32, device=logits.device)
+    tok = torch.empty(n, dtype=_F32, device=logits.device)
+    for t0 in range(0, n, rows):
+        t1 = min(n, t0 + rows)
+        z = transform_logits_(logits[t0:t1].to(_F32, copy=True), spec)
+        y = labels[t0:t1]
+        run = torch.logsumexp(z, 1)
+        zs = z.sum(1) if spec.smoothing else None
+        loss = token_loss(run, _target_logit(z, y, 0), zs, v, spec)
+        lse[t0:t1] = run
+        tok[t0:t1] = torch.where(y != spec.ignore_index, loss, torch.zeros_like(loss))
+    return tok, lse
+
+
+def ce_backward(
+    logits: Tensor, labels: Tensor, lse: Tensor, tgrad: Tensor, spec: LossSpec, opts: Any
+) -> Tensor:
+    """Gradient w.r.t. the logits, written chunk by chunk in the logits' dtype."""
+    n, v = logits.shape
+    rows = max(1, min(int(opts), n)) if n else 1
+    out = torch.empty_like(logits)
+    for t0 in range(0, n, rows):
+        t1 = min(n, t0 + rows)
+        z = transform_logits_(logits[t0:t1].to(_F32, copy=True), spec)
+        d = _dlogits(z, labels[t0:t1], lse[t0:t1], tgrad[t0:t1], 0, v, spec)
+        out[t0:t1] = d
+    return out
+
+
+def rms_norm_forward(
+    x: Tensor, weight: Tensor | None, eps: float, offset: float, rows: int
+) -> tuple[Tensor, Tensor]:
+    """``y = x·rstd·(offset + weight)`` and the fp32 ``rstd`` per row."""
+    n = x.shape[0]
+    y = torch.empty_like(x)
+    rstd = torch.empty(n, dtype=_F32, device=x.device)
+    wf = None if weight is None else weight.float() + offset
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        xf = x[r0:r1].to(_F32, copy=True)
+        r = torch.rsqrt(xf.pow(2).mean(1) + eps)
+        rstd[r0:r1] = r
+        xf.mul_(r.unsqueeze(1))
+        if wf is not None:
+            xf.mul_(wf)
+        y[r0:r1] = xf
+    return y, rstd
+
+
+def rms_norm_backward(
+    x: Tensor,
+    weight: Tensor | None,
+    rstd: Tensor,
+    gy: Tensor,
+    offset: float,
+    needs: tuple[bool, bool],
+    groups: int,
+    rows: int,
+) -> tuple[Tensor | None, Tensor | None]:
+    """``grad_x = rstd·(u - x̂·mean(u·x̂))`` with ``u = g·(offset+w)``; ``grad_w`` per group."""
+    n, dsize = x.shape
+    need_x, need_w = needs[0], needs[1] and weight is not None
+    gx = torch.empty_like(x) if need_x else None
+    gw = torch.zeros(groups, dsize, dtype=_F32, device=x.device) if need_w else None
+    wf = None if weight is None else weight.float() + offset
+    per = n // groups if groups else 0
+    for g in range(groups):
+        for r0 in range(g * per, (g + 1) * per, rows):
+            r1 = min((g + 1) * per, r0 + rows)
+            r = rstd[r0:r1].unsqueeze(1)
+            xhat = x[r0:r1].float() * r
+            gf = gy[r0:r1].float()
+            if gw is not None:
+                gw[g] += (gf * xhat).sum(0)
+            if gx is not None:
+                u = gf if wf is None else gf * wf
+                dot = (u * xhat).mean(1, keepdim=True)
+                gx[r0:r1] = (u - xhat * dot) * r
+    return gx, None if gw is None or weight is None else gw.to(weight.dtype)
+
+
+_SQRT1_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_K_TANH = math.sqrt(2.0 / math.pi)
+_C_TANH = 0.044715
+
+
+def activation(a: Tensor, kind: str) -> Tensor:
+    """fp32 ``act(a)`` for ``kind`` in ``silu``, ``gelu``, ``gelu_tanh`` (PyTorch's own ops)."""
+    if kind == "silu":
+        return torch.nn.functional.silu(a)
+    return torch.nn.functional.gelu(a, approximate="none" if kind == "gelu" else "tanh")
+
+
+def act_and_grad(a: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+    """fp32 ``(act(a), act'(a))`` for ``kind`` in ``silu``, ``gelu``, ``gelu_tanh``."""
+    if kind == "silu":
+        s = torch.sigmoid(a)
+        return a * s, s * (1.0 + a * (1.0 - s))
+    if kind == "gelu":
+        cdf = 0.5 * (1.0 + torch.erf(a * _SQRT1_2))
+        pdf = torch.exp(-0.5 * a * a) * _INV_SQRT_2PI
+        return a * cdf, cdf + a * pdf
+    t = torch.tanh(_K_TANH * (a + _C_TANH * a * a * a))
+    half = 0.5 * (1.0 + t)
+    return a * half, half + 0.5 * a * (1.0 - t * t) * _K_TANH * (1.0 + 3.0 * _C_TANH * a * a)
+
+
+def gated_forward(gate: Tensor, up: Tensor, kind: str, chunk: int) -> Tensor:
+    """``act(gate) * up`` in fp32 chunks, written in the inputs' dtype."""
+    out = torch.empty_like(gate)
+    flat_g, flat_u, flat_o = gate.reshape(-1), up.reshape(-1), out.view(-1)
+    for i in range(0, flat_g.numel(), chunk):
+        flat_o[i : i + chunk] = activation(flat_g[i : i + chunk].float(), kind).mul_(
+            flat_u[i : i + chunk].float()
+        )
+    return out
+
+
+def gated_backward(
+    gate: Tensor, up: Tensor, g: Tensor, kind: str, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """``(grad_gate, grad_up)`` recomputing the activation chunk by chunk."""
+    ga = torch.empty_like(gate)
+    gu = torch.empty_like(up)
+    fg, fu, fo = gate.reshape(-1), up.reshape(-1), g.reshape(-1)
+    oa, ou = ga.view(-1), gu.view(-1)
+    for i in range(0, fg.numel(), chunk):
+        a = fg[i : i + chunk].float()
+        go = fo[i : i + chunk].float()
+        act, dact = act_and_grad(a, kind)
+        ou[i : i + chunk] = go * act
+        oa[i : i + chunk] = go * fu[i : i + chunk].float() * dact
+    return ga, gu
+
+
+def _rotate(x: Tensor, sign: float) -> Tensor:
+    """``sign=-1``: rotate_half ``(-x2, x1)``; ``sign=+1``: its transpose ``(x2, -x1)``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((sign * x2, -sign * x1), dim=-1)
+
+
+def _rope_chunks(x: Tensor, cos: Tensor, chunk_rows: int) -> list[tuple[slice, bool]]:
+    if x.dim() < 2 or x.shape[0] <= 1:
+        return [(slice(None), True)]
+    table_aligned = cos.dim() == x.dim() and cos.shape[0] == x.shape[0]
+    per = max(1, chunk_rows // max(1, x[0].numel() // x.shape[-1]))
+    return [(slice(i, i + per), table_aligned) for i in range(0, x.shape[0], per)]
+
+
+def _rope_apply(x: Tensor, cos: Tensor, sin: Tensor, sign: float, chunk_rows: int) -> Tensor:
+    out = torch.empty_like(x)
+    for sl, aligned in _rope_chunks(x, cos, chunk_rows):
+        c = cos[sl] if aligned else cos
+        s = sin[sl] if aligned else sin
+        xf = x[sl].float()
+        if sign < 0:  # forward: x·cos + rotate_half(x)·sin
+            res = xf * c.float() + _rotate(xf, -1.0) * s.float()
+        else:  # backward: g·cos + rotate_halfᵀ(g·sin)
+            res = xf * c.float() + _rotate(xf * s.float(), 1.0)
+        out[sl] = res
+    return out
+
+
+def rope_forward(x: Tensor, cos: Tensor, sin: Tensor, chunk_rows: int) -> Tensor:
+    """Rotary embedding of *x* (fp32 math in chunks along the leading dimension)."""
+    return _rope_apply(x, cos, sin, -1.0, chunk_rows)
+
+
+def rope_backward(g: Tensor, cos: Tensor, sin: Tensor, chunk_rows: int) -> Tensor:
+    """``grad_x = g·cos + rotate_halfᵀ(g·sin)``."""
+    return _rope_apply(g, cos, sin, 1.0, chunk_rows)
