@@ -310,6 +310,44 @@ def test_accounting_options_are_recorded_with_every_step() -> None:
         dp_for(make_mlp(), count_noise_multiplier=4.0)
 
 
+def test_sampler_supplies_divisor_and_accounting() -> None:
+    from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler, ShuffleSampler
+
+    model = make_mlp()
+    x, y = make_data(4)
+    opt = DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=SIGMA, seed=SEED,
+        sampler=PoissonSampler(80, 0.1, seed=0),
+    )  # fmt: skip
+    assert opt.expected_batch_size == pytest.approx(8.0)
+    assert opt.sample_rate == 0.1
+    acct = RecordingAccountant()
+    opt = DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=SIGMA, seed=SEED,
+        sampler=FixedShapePoissonSampler(80, 0.1, 16, seed=0), accountant=acct,
+    )  # fmt: skip
+    opt.accumulate(clipped_sum_loop(model, x, y))
+    opt.step()
+    assert acct.calls == [
+        {"noise_multiplier": SIGMA, "sample_rate": 0.1, "steps": 1, "max_batch_size": 16,
+         "dataset_size": 80}
+    ]  # fmt: skip
+    with pytest.raises(ConfigurationError, match="but the sampler has expected_batch_size"):
+        DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=SIGMA,
+            expected_batch_size=10.0, sampler=PoissonSampler(80, 0.1, seed=0),
+        )  # fmt: skip
+    with pytest.warns(OpakePrivacyWarning, match="not Poisson"):
+        shuffle = ShuffleSampler(80, 8, seed=0)
+    with pytest.raises(ConfigurationError, match="does not describe Poisson sampling"):
+        DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=SIGMA,
+            sampler=shuffle,
+        )  # fmt: skip
+    with pytest.raises(ConfigurationError, match="no expected_batch_size"):
+        DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=SIGMA)
+
+
 def test_report_is_a_frozen_dataclass_without_epsilon_by_default() -> None:
     model = make_mlp()
     opt = dp_for(model)

@@ -132,6 +132,50 @@ def _name_parameters(
     return names
 
 
+def _from_sampler(
+    sampler: Any,
+    *,
+    expected_batch_size: float | None,
+    sample_rate: float | None,
+    max_batch_size: int | None,
+    dataset_size: int | None,
+    accounted: bool,
+) -> tuple[float, float, int | None, int | None]:
+    """Read the divisor and the accounting description from a Poisson sampler."""
+    kwargs = getattr(sampler, "accounting_kwargs", None)
+    expected = getattr(sampler, "expected_batch_size", None)
+    if not isinstance(kwargs, Mapping) or not isinstance(expected, int | float):
+        raise ConfigurationError(
+            f"sampler={type(sampler).__name__} does not describe Poisson sampling (no "
+            "expected_batch_size / accounting_kwargs): the accountant's ε would not hold; use "
+            "PoissonSampler or FixedShapePoissonSampler, or pass expected_batch_size without "
+            "sampler="
+        )
+    derived: dict[str, Any] = {"expected_batch_size": float(expected), **kwargs}
+    if not accounted:
+        derived = {k: v for k, v in derived.items() if k in ("expected_batch_size", "sample_rate")}
+    given = {
+        "expected_batch_size": expected_batch_size,
+        "sample_rate": sample_rate,
+        "max_batch_size": max_batch_size,
+        "dataset_size": dataset_size,
+    }
+    for name, value in given.items():
+        if value is None or name not in derived:
+            continue
+        if not math.isclose(float(value), float(derived[name]), rel_tol=1e-12):
+            raise ConfigurationError(
+                f"{name}={value!r} but the sampler has {name}={derived[name]!r}; drop the "
+                "explicit value (the sampler's is the one the batches are drawn with)"
+            )
+    return (
+        derived["expected_batch_size"],
+        derived.get("sample_rate", sample_rate),
+        derived.get("max_batch_size", max_batch_size),
+        derived.get("dataset_size", dataset_size),
+    )
+
+
 def _accounting_options(
     accountant: Any,
     *,
@@ -197,6 +241,10 @@ class DPOptimizer:
         noise_multiplier: σ > 0; optional when ``noise`` is given (its σ is used).
         expected_batch_size: divisor of the noisy sum, ``sample_rate × dataset size``.
         sample_rate: Poisson rate q recorded in the accountant (required with ``accountant``).
+        sampler: a ``PoissonSampler`` / ``FixedShapePoissonSampler`` from
+            :mod:`opake.dpsgd.sampling`; supplies ``expected_batch_size``, ``sample_rate``
+            and (fixed shape) ``max_batch_size``/``dataset_size``. Values also given
+            explicitly must agree with it.
         accountant: an ``opake.accounting`` accountant; each logical step calls its ``step``.
         delta: when given with an accountant, every report carries ε(δ) so far.
         count_noise_multiplier: σ_b of adaptive clipping's noisy count, recorded with every
@@ -235,8 +283,9 @@ class DPOptimizer:
         params: Mapping[str, torch.Tensor] | torch.nn.Module,
         *,
         noise_multiplier: float | None = None,
-        expected_batch_size: float,
+        expected_batch_size: float | None = None,
         sample_rate: float | None = None,
+        sampler: Any | None = None,
         accountant: Any | None = None,
         delta: float | None = None,
         count_noise_multiplier: float | None = None,
@@ -257,6 +306,20 @@ class DPOptimizer:
             )
         self.optimizer = optimizer
         self._params = _name_parameters(optimizer, params)
+        if sampler is not None:
+            expected_batch_size, sample_rate, max_batch_size, dataset_size = _from_sampler(
+                sampler,
+                expected_batch_size=expected_batch_size,
+                sample_rate=sample_rate,
+                max_batch_size=max_batch_size,
+                dataset_size=dataset_size,
+                accounted=accountant is not None,
+            )
+        if expected_batch_size is None:
+            raise ConfigurationError(
+                "no expected_batch_size: pass expected_batch_size=q·N (the divisor of the noisy "
+                "sum) or the Poisson sampler as sampler="
+            )
         self._expected_batch_size = _positive_float("expected_batch_size", expected_batch_size)
         self._sample_rate = None if sample_rate is None else _sample_rate(sample_rate)
         if accountant is not None and self._sample_rate is None:
