@@ -1,6 +1,9 @@
-"""DP-SGD building blocks: per-example clipping (:mod:`opake.dpsgd.clipping`) and the step.
+"""DP-SGD building blocks.
 
-The clipping API is re-exported here for convenience:
+- :mod:`opake.dpsgd.clipping` — per-example gradients, clipped and summed (re-exported here);
+- :mod:`opake.dpsgd.noise` — Gaussian noise, added once per logical step;
+- :mod:`opake.dpsgd.optimizer` — the DP optimizer step around any ``torch.optim`` optimizer;
+- :mod:`opake.dpsgd.checkpoint` — atomic checkpoint and resume of the whole training state.
 
 >>> from opake.dpsgd import clipped_grad
 >>> from opake.dpsgd.clipping import clipped_grad as same

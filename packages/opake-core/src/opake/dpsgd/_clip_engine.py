@@ -340,10 +340,6 @@ class ClippedGradFn:
                 )
             example_mask = example_mask.to(device)
         differentiable = _outer_transform_differentiates()
-        if self._check_unused and batch > 0 and not differentiable:
-            self._check_unused = False
-            with torch.no_grad():
-                self._warn_unused(args, diff)
 
         if self.compute_dtype is not None:
             dtype = self.compute_dtype
@@ -368,6 +364,9 @@ class ClippedGradFn:
                 differentiable=differentiable,
             )
         sums, aux, centred = result
+        if self._check_unused and batch > 0 and not differentiable:
+            self._check_unused = False
+            self._warn_unused(args, dict(args[self.argnums]))
         new_state: ClipState = state
         if isinstance(state, AdaptiveClipping):
             new_state = state.add_count(centred)
@@ -444,7 +443,11 @@ class ClippedGradFn:
             # overflow for finite leaf norms
             leaf_sq = torch.stack(
                 [
-                    torch.linalg.vector_norm(grads[n].reshape(m, -1), dim=1, dtype=f32)
+                    torch.linalg.vector_norm(
+                        grads[n].reshape(m, -1),
+                        dim=1,
+                        dtype=torch.promote_types(grads[n].dtype, f32),
+                    )
                     .double()
                     .square()
                     for n in names
@@ -494,14 +497,13 @@ class ClippedGradFn:
             nonfinite = nonfinite + (is_real & ~finite).sum()
             scaled = scaled + (is_real & shrunk).sum()
             for j, name in enumerate(names):
-                g = grads[name]
+                g = grads[name].reshape(m, -1).to(f32)
                 # a non-finite example has factor 0, but 0·NaN = NaN: zero its entries first
-                g = (
-                    torch.nan_to_num_(g, 0.0, 0.0, 0.0)
-                    if not differentiable
-                    else g.nan_to_num(0.0, 0.0, 0.0)
-                )
-                g = g.to(f32).reshape(m, -1)
+                # (in place when that is safe: a contiguous tensor this call owns)
+                if differentiable or not g.is_contiguous():
+                    g = g.nan_to_num(0.0, 0.0, 0.0)
+                else:
+                    g.nan_to_num_(0.0, 0.0, 0.0)
                 contrib = (leaf_factor[:, j] @ g).reshape(sums[name].shape)
                 sums[name] = sums[name] + contrib if differentiable else sums[name].add_(contrib)
             losses.append(loss.detach().to(f32) if not differentiable else loss.to(f32))

@@ -28,7 +28,6 @@ __all__ = [
     "GroupClipping",
     "adaptive_noise_split",
     "clip_state_from_dict",
-    "gradient_noise_multiplier",
 ]
 
 
@@ -223,8 +222,9 @@ class AdaptiveClipping:
     The count is a second Gaussian query on the same examples (sensitivity ½ thanks to the
     centring), so it costs privacy: a step whose gradient noise multiplier is σ_Δ is a Gaussian
     mechanism with multiplier ``σ = (σ_Δ⁻² + (2σ_b)⁻²)^-½``. Account the run with σ and add
-    gradient noise with :func:`gradient_noise_multiplier` (σ, σ_b) = σ_Δ (see
-    :func:`adaptive_noise_split`). Andrew et al. suggest ``σ_b = expected_batch_size / 20``.
+    gradient noise with multiplier σ_Δ = ``gradient_noise_multiplier(σ,
+    count_noise_multiplier=σ_b)`` (see :meth:`noise_split`); Andrew et al. suggest
+    ``σ_b = expected_batch_size / 20``.
 
     ``seed=None`` draws the count noise from the OS entropy pool (``random.SystemRandom``);
     an integer seed makes it reproducible (derived from ``(seed, step)``). ``step`` counts
@@ -294,6 +294,12 @@ class AdaptiveClipping:
     def sensitivity(self) -> float:
         """L2 sensitivity of this step's clipped sum: the current C."""
         return self.clipping_norm
+
+    def noise_split(self, noise_multiplier: float) -> AdaptiveNoiseSplit:
+        """:func:`adaptive_noise_split` of ``noise_multiplier`` with this state's σ_b."""
+        return adaptive_noise_split(
+            noise_multiplier, count_noise_multiplier=self.count_noise_multiplier
+        )
 
     def add_count(self, centred_count: torch.Tensor | float) -> AdaptiveClipping:
         """Add ``Σ(b_i − ½)`` of one physical batch to the pending count (no device sync)."""
@@ -408,41 +414,26 @@ class AdaptiveNoiseSplit:
     count_privacy_fraction: float
 
 
-def gradient_noise_multiplier(noise_multiplier: float, count_noise_multiplier: float) -> float:
-    """Gradient noise multiplier σ_Δ that keeps a step with adaptive clipping at total σ.
+def adaptive_noise_split(
+    noise_multiplier: float, *, count_noise_multiplier: float
+) -> AdaptiveNoiseSplit:
+    """Split a step's total noise multiplier σ between the gradient and the adaptive count.
 
     Andrew et al. (2021), Theorem 1: releasing the clipped sum with multiplier σ_Δ and the
-    centred unclipped count with noise σ_b is one Gaussian mechanism with multiplier
-    ``(σ_Δ⁻² + (2σ_b)⁻²)^-½``. Solving for σ_Δ gives ``(σ⁻² − (2σ_b)⁻²)^-½``, which exists only
-    when ``2σ_b > σ``.
+    centred count with noise σ_b is one Gaussian mechanism with multiplier
+    ``σ = (σ_Δ⁻² + (2σ_b)⁻²)^-½``. Given the σ you account for (see :mod:`opake.accounting`),
+    the gradient must therefore use ``σ_Δ = (σ⁻² − (2σ_b)⁻²)^-½``
+    (:func:`gradient_noise_multiplier`), which exists only when ``2σ_b > σ``.
 
-    >>> round(gradient_noise_multiplier(1.0, 10.0), 6)
-    1.001252
+    >>> split = adaptive_noise_split(1.0, count_noise_multiplier=10.0)
+    >>> round(split.gradient_noise_multiplier, 6), round(split.count_privacy_fraction, 4)
+    (1.001252, 0.0025)
     """
-    sigma = _positive("gradient_noise_multiplier", "noise_multiplier", noise_multiplier)
-    sigma_b = _positive(
-        "gradient_noise_multiplier", "count_noise_multiplier", count_noise_multiplier
+    from opake.accounting import gradient_noise_multiplier
+
+    grad_sigma = gradient_noise_multiplier(
+        noise_multiplier, count_noise_multiplier=count_noise_multiplier
     )
-    remaining = sigma**-2 - (2.0 * sigma_b) ** -2
-    if remaining <= 0.0:
-        raise ConfigurationError(
-            f"gradient_noise_multiplier: count_noise_multiplier={sigma_b!r} spends the whole "
-            f"budget of noise_multiplier={sigma!r} (need 2·σ_b > σ); increase the count noise "
-            "(e.g. expected_batch_size / 20) or the total noise multiplier"
-        )
-    return remaining**-0.5
-
-
-def adaptive_noise_split(
-    noise_multiplier: float, count_noise_multiplier: float
-) -> AdaptiveNoiseSplit:
-    """Split a total noise multiplier σ between gradient and adaptive-clipping count.
-
-    >>> split = adaptive_noise_split(1.0, 10.0)
-    >>> split.noise_multiplier, round(split.count_privacy_fraction, 4)
-    (1.0, 0.0025)
-    """
-    grad_sigma = gradient_noise_multiplier(noise_multiplier, count_noise_multiplier)
     sigma = float(noise_multiplier)
     sigma_b = float(count_noise_multiplier)
     return AdaptiveNoiseSplit(

@@ -7,8 +7,9 @@ sum's L2 sensitivity (calibrate noise as ``σ · grads.max_norm``), plus the nex
 Clipping methods (each a frozen, serialisable dataclass that is both configuration and state):
 :class:`FixedClipping` (``clipping_norm=1.0`` is shorthand), :class:`GroupClipping`
 (``clipping_norm={"group": C, ...}``), :class:`AutoSClipping` and :class:`AdaptiveClipping`
-(whose count query costs privacy: see :func:`adaptive_noise_split`). The diagnostics in
-:class:`ClipAux` are not private.
+(whose count query costs privacy: see :func:`adaptive_noise_split` and
+:func:`gradient_noise_multiplier`, re-exported from :mod:`opake.accounting`). The diagnostics
+in :class:`ClipAux` are not private.
 
 >>> import torch
 >>> from opake.dpsgd.clipping import clipped_grad
@@ -20,6 +21,7 @@ Clipping methods (each a frozen, serialisable dataclass that is both configurati
 
 from __future__ import annotations
 
+from opake.accounting import gradient_noise_multiplier
 from opake.dpsgd._clip_engine import ClippedGradFn, clipped_grad
 from opake.dpsgd._clip_grads import ClipAux, ClippedGrads
 from opake.dpsgd._clip_state import (
@@ -31,7 +33,6 @@ from opake.dpsgd._clip_state import (
     GroupClipping,
     adaptive_noise_split,
     clip_state_from_dict,
-    gradient_noise_multiplier,
 )
 
 __all__ = [

@@ -11,7 +11,12 @@ from opake.core.errors import ConfigurationError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["per_example_grads_loop", "reference_clipped_grad", "reference_clipped_sum"]
+__all__ = [
+    "assert_grads_close",
+    "per_example_grads_loop",
+    "reference_clipped_grad",
+    "reference_clipped_sum",
+]
 
 
 def _example(value: Any, i: int) -> Any:
@@ -158,3 +163,36 @@ def reference_clipped_grad(
         example_mask=example_mask,
         normalize_by=normalize_by,
     )
+
+
+def assert_grads_close(
+    actual: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    *,
+    rtol: float = 1e-5,
+) -> None:
+    """Assert same keys and, per tensor, ``max|a − e| ≤ rtol · max|e|`` (compared in float64).
+
+    The error is relative to the tensor's largest entry, the right scale for a sum of clipped
+    gradients (entry-wise relative error is meaningless for entries near zero). A tensor that
+    is all zeros must match exactly.
+
+    >>> import torch
+    >>> assert_grads_close({"w": torch.tensor([1.0, 0.0])}, {"w": torch.tensor([1.0, 1e-9])})
+    """
+    import torch
+
+    if set(actual) != set(expected):
+        raise AssertionError(f"keys differ: {sorted(set(actual) ^ set(expected))}")
+    for name, want in expected.items():
+        got = actual[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+        got64 = got.detach().to(torch.float64).cpu()
+        want64 = want.detach().to(torch.float64).cpu()
+        scale = float(want64.abs().max()) if want64.numel() else 0.0
+        err = float((got64 - want64).abs().max()) if want64.numel() else 0.0
+        if not err <= rtol * scale:
+            raise AssertionError(
+                f"{name}: max abs error {err:.3g} exceeds rtol {rtol:g} × max|expected| {scale:.3g}"
+            )
