@@ -336,7 +336,7 @@ class RDPAccountant(PrivacyAccountant):
     """Rényi-DP accountant for the Poisson-subsampled Gaussian (Mironov et al. 2019).
 
     RDP adds up over steps at each order α; ε(δ) uses the improved conversion of Balle et
-    al. 2020 / Canonne, Kamath, Steinke 2020. Cheap and an upper bound, typically 5–20 % above
+    al. 2020 / Canonne, Kamath, Steinke 2020. Cheap and an upper bound, typically 10–30 % above
     the PLD accountant's ε.
 
     Args:
