@@ -103,11 +103,14 @@ def test_rdp_orders_option_and_q_one() -> None:
 
 @settings(max_examples=20, deadline=None)
 @given(
-    q=st.floats(1e-3, 1.0),
-    sigma=st.floats(0.7, 5.0),
+    q=st.floats(1e-3, 0.5),
+    sigma=st.floats(0.8, 5.0),
     steps=st.integers(1, 5000),
 )
 def test_rdp_epsilon_monotone(q: float, sigma: float, steps: int) -> None:
+    # Within the regime of DP training (q ≤ 0.75 here). Near q = 1 with ε in the hundreds the
+    # fractional orders' upper bound (Σ|terms|) can exceed the exact q = 1 value, so the bound
+    # is not monotone in q there — both remain valid upper bounds.
     def eps(**kw: float) -> float:
         args = {"sample_rate": q, "noise_multiplier": sigma, "steps": steps, **kw}
         return epsilon(delta=1e-5, accountant="rdp", **args)  # type: ignore[arg-type]
