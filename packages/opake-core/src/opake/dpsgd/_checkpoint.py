@@ -293,7 +293,7 @@ def _rng_state() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    np_state = np.random.get_state(legacy=True)
+    np_state: tuple[Any, ...] = np.random.get_state(legacy=True)  # type: ignore[assignment]
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),

@@ -112,21 +112,21 @@ def _name_parameters(
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
             # the same tensor, or (make_functional's dicts) a detached alias of its storage
-            name = by_id.get(id(p))
-            if name is None and p.numel():
-                name = by_storage.get(_storage_key(p))
-            if name is None:
+            found = by_id.get(id(p))
+            if found is None and p.numel():
+                found = by_storage.get(_storage_key(p))
+            if found is None:
                 raise ConfigurationError(
                     f"optimizer param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)}) is not "
                     "one of the tensors in `params`; build the optimizer over the same tensors you "
                     "pass here (the module's parameters, or the dict from make_functional)"
                 )
-            if name in names:
+            if found in names:
                 raise ConfigurationError(
-                    f"parameter {name!r} appears twice in the optimizer's param_groups; list each "
-                    "tensor once"
+                    f"parameter {found!r} appears twice in the optimizer's param_groups; list "
+                    "each tensor once"
                 )
-            names[name] = p
+            names[found] = p
     if not names:
         raise ConfigurationError("the optimizer has no parameters; nothing to train")
     return names
@@ -140,7 +140,7 @@ def _from_sampler(
     max_batch_size: int | None,
     dataset_size: int | None,
     accounted: bool,
-) -> tuple[float, float, int | None, int | None]:
+) -> tuple[float, float | None, int | None, int | None]:
     """Read the divisor and the accounting description from a Poisson sampler."""
     kwargs = getattr(sampler, "accounting_kwargs", None)
     expected = getattr(sampler, "expected_batch_size", None)
@@ -168,9 +168,10 @@ def _from_sampler(
                 f"{name}={value!r} but the sampler has {name}={derived[name]!r}; drop the "
                 "explicit value (the sampler's is the one the batches are drawn with)"
             )
+    rate = derived.get("sample_rate", sample_rate)
     return (
-        derived["expected_batch_size"],
-        derived.get("sample_rate", sample_rate),
+        float(derived["expected_batch_size"]),
+        rate if rate is None else float(rate),
         derived.get("max_batch_size", max_batch_size),
         derived.get("dataset_size", dataset_size),
     )

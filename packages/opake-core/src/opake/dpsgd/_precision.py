@@ -156,6 +156,7 @@ def autocast_loss(
     inv_scale = 1.0 / scale
 
     def unscale_at_leaf(leaf: Any) -> Any:
+        assert scaler is not None  # only mapped when a scale is set
         if not isinstance(leaf, torch.Tensor):
             return leaf
         if leaf.is_floating_point() and torch.finfo(leaf.dtype).bits < 32:
