@@ -5,21 +5,32 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-from opake.cli import _info
+from opake.cli import _bench, _epsilon, _info, _train
 
-__all__ = ["build_parser", "main"]
+__all__ = ["OneLineErrorParser", "build_parser", "main"]
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line (``--help`` shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="opake",
         description="Opake: differentially private training (DP-SGD) for PyTorch.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _info.register(sub)
+    _train.register(sub)
+    _epsilon.register(sub)
+    _bench.register(sub)
     return parser
 
 

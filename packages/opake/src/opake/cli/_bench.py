@@ -1,0 +1,138 @@
+"""``opake bench``: run the benchmark scripts of ``tools/bench/`` and print their tables.
+
+Each script runs in a fresh Python process (so no state, warm cache or imported kernel leaks
+between benchmarks); its standard output — the tables it records in ``docs/benchmarks.md`` — is
+printed under a heading, its standard error (progress) passes through.
+
+>>> import pathlib, tempfile
+>>> d = pathlib.Path(tempfile.mkdtemp())
+>>> _ = (d / "b_two.py").write_text("print('| a |')")
+>>> _ = (d / "a_one.py").write_text("print('| b |')")
+>>> _ = (d / "_helpers.py").write_text("")
+>>> [p.stem for p in find_scripts(d)]
+['a_one', 'b_two']
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from opake.core.errors import ConfigurationError
+
+__all__ = ["find_bench_dir", "find_scripts", "register", "run_scripts"]
+
+
+def find_bench_dir(start: Path | None = None) -> Path:
+    """The ``tools/bench`` directory of an Opake checkout: above *start* (default: the current
+    directory), else above this file (an editable install)."""
+    candidates = [start or Path.cwd(), Path(__file__).resolve()]
+    for origin in candidates:
+        for folder in (origin, *origin.parents):
+            bench = folder / "tools" / "bench"
+            if bench.is_dir():
+                return bench
+    raise ConfigurationError(
+        "no tools/bench directory found above the current directory: run opake bench from an "
+        "Opake checkout, or pass --dir PATH/TO/tools/bench"
+    )
+
+
+def find_scripts(directory: Path) -> list[Path]:
+    """The benchmark scripts in *directory*: ``*.py`` files not starting with ``_``, by name."""
+    return sorted(p for p in directory.glob("*.py") if not p.name.startswith("_"))
+
+
+def run_scripts(
+    scripts: Sequence[Path], *, extra_args: Sequence[str] = (), timeout: float | None = None
+) -> dict[str, int]:
+    """Run each script in a fresh interpreter, printing its stdout; returns exit codes by name."""
+    codes: dict[str, int] = {}
+    env = dict(os.environ)
+    env.setdefault("MPLBACKEND", "Agg")
+    for script in scripts:
+        print(f"## {script.stem}  ({script})", flush=True)
+        try:
+            proc = subprocess.run(
+                [sys.executable, str(script), *extra_args],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            print(f"(timed out after {timeout:g} s)\n", flush=True)
+            codes[script.stem] = 124
+            continue
+        print(proc.stdout.rstrip() + "\n", flush=True)
+        codes[script.stem] = proc.returncode
+    return codes
+
+
+def _run(args: argparse.Namespace) -> int:
+    directory = Path(args.dir) if args.dir else find_bench_dir()
+    if not directory.is_dir():
+        raise ConfigurationError(f"--dir {args.dir}: not a directory; expected tools/bench")
+    scripts = find_scripts(directory)
+    if args.list:
+        for script in scripts:
+            doc = _first_doc_line(script)
+            print(f"{script.stem:<28} {doc}")
+        return 0
+    by_name = {s.stem: s for s in scripts}
+    chosen = []
+    for name in args.names:
+        key = Path(name).stem
+        if key not in by_name:
+            raise ConfigurationError(
+                f"unknown benchmark {name!r}; available in {directory}: "
+                f"{', '.join(by_name) or '(none)'}"
+            )
+        chosen.append(by_name[key])
+    codes = run_scripts(chosen or scripts, extra_args=args.script_args, timeout=args.timeout)
+    failed = [name for name, code in codes.items() if code != 0]
+    if failed:
+        print(f"opake bench: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _first_doc_line(script: Path) -> str:
+    import ast
+
+    try:
+        doc = ast.get_docstring(ast.parse(script.read_text(encoding="utf-8")))
+    except (SyntaxError, UnicodeDecodeError):
+        return ""
+    return doc.strip().splitlines()[0] if doc else ""
+
+
+def register(sub: Any) -> None:
+    """Add the ``bench`` subcommand to the ``opake`` parser."""
+    p = sub.add_parser(
+        "bench",
+        help="run the tools/bench scripts and print their tables",
+        description=(
+            "Run benchmark scripts (tools/bench/*.py of an Opake checkout), each in a fresh "
+            "process, and print the tables they produce."
+        ),
+    )
+    p.add_argument("names", nargs="*", metavar="NAME", help="scripts to run (default: all)")
+    p.add_argument("--list", action="store_true", help="list the scripts and exit")
+    p.add_argument("--dir", help="the benchmark directory (default: tools/bench of the checkout)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds allowed per script")
+    p.add_argument(
+        "--script-args",
+        type=shlex.split,
+        default=[],
+        metavar="ARGS",
+        help='arguments for every script, one quoted string (e.g. --script-args "--quick")',
+    )
+    p.set_defaults(run=_run)

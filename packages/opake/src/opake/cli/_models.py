@@ -1,0 +1,172 @@
+"""Models and tokenizers for ``opake train``: named configs built locally, or a local HF directory.
+
+Nothing is downloaded: a named config (:data:`NAMED_MODELS`) builds a small Llama-family model
+with random weights from a config; a path loads a Hugging Face model directory with
+``local_files_only=True``.
+
+>>> sorted(NAMED_MODELS)
+['llama-small', 'llama-tiny']
+>>> NAMED_MODELS["llama-tiny"]["hidden_size"]
+32
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from opake.cli._tokenizer import TOKENIZER_FILE, ByteTokenizer
+from opake.core.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["NAMED_MODELS", "LoadedModel", "load_model", "load_tokenizer", "resolve_model"]
+
+#: Llama configurations built from scratch (byte vocabulary); ``llama-small`` is the default.
+NAMED_MODELS: dict[str, dict[str, Any]] = {
+    "llama-tiny": {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+    },
+    "llama-small": {
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 344,
+    },
+}
+
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for training, and what it was built from.
+
+    Attributes:
+        model: the ``torch.nn.Module`` (a PEFT model when LoRA is on).
+        tokenizer: a :class:`~opake.cli._tokenizer.ByteTokenizer` or a Hugging Face tokenizer.
+        source: the named config or the directory.
+        from_directory: the weights came from a directory (not a random initialisation).
+        num_parameters: all parameters.
+        num_trainable: trainable parameters (the adapters alone with LoRA).
+    """
+
+    model: torch.nn.Module
+    tokenizer: Any
+    source: str
+    from_directory: bool
+    num_parameters: int
+    num_trainable: int
+
+
+def resolve_model(spec: str) -> tuple[str, bool]:
+    """Check *spec* (a named config or a local directory) without loading anything.
+
+    Returns ``(spec, is_directory)``.
+
+    >>> resolve_model("llama-tiny")
+    ('llama-tiny', False)
+    """
+    if spec in NAMED_MODELS:
+        return spec, False
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigurationError(
+                f"--model {spec}: the directory has no config.json; expected a Hugging Face "
+                "model directory (save_pretrained output)"
+            )
+        return str(path), True
+    raise ConfigurationError(
+        f"--model {spec}: not a local directory nor a named config; expected a Hugging Face "
+        f"model directory or one of {', '.join(sorted(NAMED_MODELS))} (nothing is downloaded)"
+    )
+
+
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer for *spec*: the byte tokenizer, or a directory's own tokenizer."""
+    source, is_dir = resolve_model(spec)
+    if not is_dir:
+        return ByteTokenizer()
+    path = Path(source)
+    if (path / TOKENIZER_FILE).is_file():
+        return ByteTokenizer.from_pretrained(path)
+    if any((path / name).is_file() for name in _HF_TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return ByteTokenizer()
+
+
+def load_model(
+    spec: str,
+    *,
+    tokenizer: Any,
+    block_size: int,
+    lora_r: int | None = None,
+    lora_alpha: float | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    """Build or load the causal LM named by *spec*, optionally wrapped with LoRA adapters.
+
+    The model is put in training mode with dropout disabled in the config for named models
+    (per-example ``vmap`` needs no randomness then). With *lora_r* only the adapters are
+    trainable.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    source, is_dir = resolve_model(spec)
+    vocab = _vocab_size(tokenizer)
+    if is_dir:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, local_files_only=True, attn_implementation="eager", dtype=torch.float32
+        )
+        if model.config.vocab_size < vocab:
+            raise ConfigurationError(
+                f"--model {spec}: its vocabulary has {model.config.vocab_size} entries but the "
+                f"tokenizer produces ids up to {vocab - 1}; use the model's own tokenizer"
+            )
+    else:
+        config = LlamaConfig(
+            vocab_size=vocab,
+            max_position_embeddings=max(block_size, 16),
+            tie_word_embeddings=True,
+            attention_dropout=0.0,
+            use_cache=False,
+            **NAMED_MODELS[source],
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM._from_config(config, attn_implementation="eager")
+    model.config.use_cache = False
+    if lora_r is not None:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            r=lora_r,
+            lora_alpha=lora_alpha if lora_alpha is not None else 2 * lora_r,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            model = get_peft_model(model, config)
+    model.train()
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return LoadedModel(model, tokenizer, source, is_dir, total, trainable)
+
+
+def _vocab_size(tokenizer: Any) -> int:
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.vocab_size
+    return len(tokenizer)

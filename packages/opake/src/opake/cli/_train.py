@@ -1,0 +1,74 @@
+"""``opake train``: the command (argument parsing, the plan printout, the final report).
+
+With no arguments it fine-tunes a small Llama-family model (``llama-small``, built from a config)
+with DP-SGD on Python's own documentation (``pydoc_data.topics``), byte-tokenised, at ε = 8 and
+δ = 1/N², and writes ``summary.json``, ``metrics.csv``, ``loss.png``, ``epsilon.png``, the model
+and a checkpoint into ``opake-run/``. See ``docs/guide/train.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+__all__ = ["register"]
+
+
+def _print_plan(plan: Any) -> None:
+    s = plan.settings
+    lines = [
+        (
+            f"data      {plan.corpus.name}: {plan.corpus.num_chars:,} characters → "
+            f"{plan.dataset_size:,} training blocks of {s.block_size} tokens, "
+            f"{plan.val.shape[0]:,} validation blocks"
+        ),
+        (
+            f"privacy   ε = {plan.planned_epsilon:.3g} at δ = {plan.delta:.3g} ({s.accountant}) "
+            f"with σ = {plan.noise_multiplier:.4g}, C = {s.clip:g}, q = {plan.sample_rate:.4g} "
+            f"(expected batch {s.batch_size}), {plan.steps} steps"
+        ),
+        f"baseline  unigram validation loss {plan.baseline:.4f} nats/token",
+    ]
+    for line in lines:
+        print(line, file=sys.stderr)
+    for note in plan.notes:
+        print(f"note      {note}", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from opake.cli._settings import settings_from_args
+    from opake.cli._trainer import plan_run, run
+
+    settings = settings_from_args(args)
+    plan = plan_run(settings)
+    _print_plan(plan)
+    try:
+        summary = run(plan)
+    except KeyboardInterrupt:
+        return 130
+    verdict = "below" if summary["val_loss"] < summary["unigram_baseline"] else "NOT below"
+    print(
+        f"done: {summary['steps']} steps, ε = {summary['epsilon']:.3f} at δ = "
+        f"{summary['delta']:.3g}; validation loss {summary['val_loss']:.4f} ({verdict} the "
+        f"unigram baseline {summary['unigram_baseline']:.4f}); "
+        f"{summary['samples_per_second']:.1f} samples/s; outputs in {plan.out}"
+    )
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add the ``train`` subcommand to the ``opake`` parser."""
+    from opake.cli._settings import add_train_arguments
+
+    p = sub.add_parser(
+        "train",
+        help="DP-SGD fine-tuning of a causal language model (runs with no arguments)",
+        description=(
+            "Differentially private fine-tuning (DP-SGD) of a causal language model. With no "
+            "arguments: a small Llama built from a config, a byte tokenizer and Python's own "
+            "documentation as corpus, at ε = 8, δ = 1/N²."
+        ),
+    )
+    add_train_arguments(p)
+    p.set_defaults(run=_run)

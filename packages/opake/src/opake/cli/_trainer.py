@@ -1,0 +1,705 @@
+"""``opake train``: DP-SGD fine-tuning of a causal language model, on Opake's public API.
+
+:func:`plan_run` does every check that needs the data (and none that needs training): the corpus,
+the split, the sampling rate, δ, σ for the target ε. :func:`run` then builds the model and trains:
+
+``PoissonSampler`` batch → ``clipped_grad`` (per-example ``vmap(grad)``, clipped to C, summed in
+fp32, in microbatches) → ``DPOptimizer`` (Gaussian noise once, ÷ expected batch, optimizer step) →
+the accountant records the step. Checkpoints (``opake.dpsgd.checkpoint``) hold the whole state —
+model, optimizer, noise generator, sampler position, accountant history — so ``--resume``
+continues exactly where the run stopped, with no privacy spending forgotten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import platform
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from opake.cli._data import Corpus, load_corpus, make_blocks, split_blocks, unigram_entropy
+from opake.cli._models import load_model, load_tokenizer, resolve_model
+from opake.cli._outputs import plot_metrics, write_json, write_metrics
+from opake.cli._settings import DEFAULT_STEPS, RESUME_LOCKED, TrainSettings
+from opake.cli._tokenizer import ByteTokenizer
+from opake.core.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CHECKPOINT_FILE", "PLD_OPTIONS", "RunPlan", "plan_run", "run"]
+
+CHECKPOINT_FILE = "checkpoint.pt"
+#: PLD discretisation of the run's accountant: pessimistic (ε stays an upper bound), within
+#: ~1e-5 relative of the library default and fast enough to report ε after every step
+PLD_OPTIONS = {"value_discretization_interval": 1e-3}
+_EVAL_BATCH = 64
+
+
+@dataclass
+class RunPlan:
+    """A validated run: the data, the privacy parameters, and where the outputs go."""
+
+    settings: TrainSettings
+    out: Path
+    corpus: Corpus
+    tokenizer: Any
+    train: torch.Tensor
+    val: torch.Tensor
+    dataset_size: int
+    sample_rate: float
+    steps: int
+    delta: float
+    noise_multiplier: float
+    planned_epsilon: float
+    baseline: float
+    max_batch_size: int | None
+    device: torch.device
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def accountant_options(self) -> dict[str, Any]:
+        return dict(PLD_OPTIONS) if self.settings.accountant == "pld" else {}
+
+
+def _device(name: str) -> torch.device:
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigurationError(
+            f"--device {name!r}: not a torch device; expected cpu, cuda, cuda:N or mps"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigurationError(f"--device {name}: CUDA is not available here; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigurationError(
+            f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+        )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigurationError(f"--device {name}: MPS is not available here; use --device cpu")
+    return device
+
+
+def _check_kernels(name: str | None, device: torch.device) -> None:
+    if name is None:
+        return
+    from opake.core.plugins import kernel_backends
+
+    backends = kernel_backends()
+    if name not in backends:
+        raise ConfigurationError(
+            f"--kernels {name!r}: unknown kernel backend; installed: "
+            f"{', '.join(sorted(backends)) or '(none)'} (see opake info)"
+        )
+    backend = backends[name]
+    if device.type not in backend.devices:
+        raise ConfigurationError(
+            f"--kernels {name}: the backend runs on {', '.join(backend.devices)}, not on "
+            f"{device.type}; pick another backend or --device"
+        )
+    if not backend.is_available():
+        raise ConfigurationError(
+            f"--kernels {name}: the backend is installed but not available here (see opake info)"
+        )
+
+
+def _encode(tokenizer: Any) -> tuple[Callable[[str], list[int]], int | None, int]:
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode, tokenizer.eos_token_id, tokenizer.vocab_size
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return encode, tokenizer.eos_token_id, len(tokenizer)
+
+
+def plan_run(settings: TrainSettings) -> RunPlan:
+    """Validate *settings* against the data; everything that can fail before training does.
+
+    Raises:
+        ConfigurationError: one line naming the problem (missing or empty data, a target ε no
+            noise reaches, a batch larger than the data, an unknown backend, ...).
+    """
+    import torch
+
+    from opake import accounting
+
+    settings.check()
+    out = Path(settings.out)
+    checkpoint = out / CHECKPOINT_FILE
+    if settings.resume and not checkpoint.is_file():
+        raise ConfigurationError(
+            f"--resume: {checkpoint} does not exist; start the run without --resume, or point "
+            "--out at the directory of the run to continue"
+        )
+    if not settings.resume and checkpoint.exists():
+        raise ConfigurationError(
+            f"--out {out} already holds a run ({CHECKPOINT_FILE}); pass --resume to continue it "
+            "or choose another --out"
+        )
+    if out.exists() and not out.is_dir():
+        raise ConfigurationError(f"--out {out}: exists and is not a directory")
+    device = _device(settings.device)
+    _check_kernels(settings.kernels, device)
+    if settings.precision == "fp16" and device.type == "cpu":
+        raise ConfigurationError(
+            "--precision fp16 on cpu: fp16 autocast is for accelerators; use --precision bf16 "
+            "(or fp32) on the CPU"
+        )
+    resolve_model(settings.model)
+    if settings.lora_r is not None:
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            raise ConfigurationError(
+                "--lora-r needs the peft library: pip install 'opake[peft]'"
+            ) from None
+
+    corpus = load_corpus(settings.data, text_field=settings.text_field)
+    tokenizer = load_tokenizer(settings.model)
+    encode, eos, vocab = _encode(tokenizer)
+    rows = make_blocks(corpus, encode, block_size=settings.block_size, eos_token_id=eos)
+    if len(rows) < 2:
+        raise ConfigurationError(
+            f"--data {corpus.name}: {corpus.num_chars} characters give {len(rows)} block(s) of "
+            f"{settings.block_size} tokens; need at least 2 (one to train, one to validate): "
+            "give more text or a smaller --block-size"
+        )
+    blocks = torch.tensor(rows, dtype=torch.long)
+    train, val = split_blocks(blocks, val_fraction=settings.val_fraction, seed=settings.seed)
+    if settings.max_val_blocks is not None:
+        val = val[: settings.max_val_blocks]
+    n = int(train.shape[0])
+    if settings.batch_size > n:
+        raise ConfigurationError(
+            f"--batch-size {settings.batch_size} exceeds the {n} training blocks; the expected "
+            f"Poisson batch must be at most the dataset: use --batch-size {max(1, n // 10)} or "
+            "more data"
+        )
+    q = settings.batch_size / n
+    if settings.steps is not None:
+        steps = settings.steps
+    elif settings.epochs is not None:
+        steps = max(1, math.ceil(settings.epochs / q))
+    else:
+        steps = DEFAULT_STEPS
+    notes = []
+    delta = settings.delta if settings.delta is not None else 1.0 / n**2
+    if delta >= 1.0 / n:
+        notes.append(
+            f"δ = {delta:.3g} is not below 1/N = {1.0 / n:.3g}: such a δ allows leaking some "
+            "examples outright; prefer δ ≪ 1/N (the default is 1/N²)"
+        )
+    max_batch = None
+    accounting_extra: dict[str, Any] = {}
+    if settings.sampler == "fixed":
+        max_batch = accounting.max_batch_size_for(
+            dataset_size=n, sample_rate=q, steps=steps, truncation_budget=delta / 1000
+        )
+        max_batch = min(max_batch, n)
+        accounting_extra = {"max_batch_size": max_batch, "dataset_size": n}
+    options = dict(PLD_OPTIONS) if settings.accountant == "pld" else None
+    if settings.noise_multiplier is not None:
+        sigma = settings.noise_multiplier
+    else:
+        assert settings.target_epsilon is not None
+        try:
+            sigma = accounting.calibrate_noise(
+                target_epsilon=settings.target_epsilon,
+                delta=delta,
+                sample_rate=q,
+                steps=steps,
+                accountant=settings.accountant,
+                accountant_options=options,
+                **accounting_extra,
+            )
+        except ConfigurationError as err:
+            raise ConfigurationError(
+                f"--target-epsilon {settings.target_epsilon} cannot be met with {steps} steps at "
+                f"q = {q:.4g}, δ = {delta:.3g}: {err}; change --steps, --batch-size or the target"
+            ) from None
+    planned = accounting.epsilon(
+        sample_rate=q,
+        noise_multiplier=sigma,
+        steps=steps,
+        delta=delta,
+        accountant=settings.accountant,
+        accountant_options=options,
+        **accounting_extra,
+    )
+    baseline = unigram_entropy(val[:, 1:], vocab)
+    return RunPlan(
+        settings=settings,
+        out=out,
+        corpus=corpus,
+        tokenizer=tokenizer,
+        train=train,
+        val=val,
+        dataset_size=n,
+        sample_rate=q,
+        steps=steps,
+        delta=delta,
+        noise_multiplier=sigma,
+        planned_epsilon=planned,
+        baseline=baseline,
+        max_batch_size=max_batch,
+        device=device,
+        notes=notes,
+    )
+
+
+def _lr_at(step: int, *, steps: int, peak: float, warmup: int) -> float:
+    """Linear warm-up to *peak*, then cosine decay to 10% of it (a function of the step only)."""
+    if warmup and step < warmup:
+        return peak * (step + 1) / warmup
+    span = max(1, steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def _batches(sampler: Any) -> Iterator[list[int]]:
+    while True:
+        yield from sampler
+
+
+def _evaluate(model: Any, val: torch.Tensor, device: torch.device, autocast: Any) -> float:
+    import torch
+
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    count = 0
+    with torch.no_grad(), autocast():
+        for chunk in val.split(_EVAL_BATCH):
+            x = chunk.to(device)
+            out = model(input_ids=x, labels=x, use_cache=False)
+            tokens = x.shape[0] * (x.shape[1] - 1)
+            total += float(out.loss) * tokens
+            count += tokens
+    model.train(was_training)
+    return total / count
+
+
+def _autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]:
+    import torch
+
+    if precision == "fp32":
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def _build_model(plan: RunPlan) -> tuple[Any, Any]:
+    from transformers.utils import logging as hf_logging
+
+    s = plan.settings
+    hf_logging.disable_progress_bar()
+    with warnings.catch_warnings():
+        # peft and transformers deprecate each other's helpers; not the user's business
+        warnings.simplefilter("ignore", FutureWarning)
+        loaded = load_model(
+            s.model,
+            tokenizer=plan.tokenizer,
+            block_size=s.block_size,
+            lora_r=s.lora_r,
+            lora_alpha=s.lora_alpha,
+            seed=s.seed,
+        )
+    model = loaded.model.to(plan.device)
+    if s.checkpointing:
+        from opake.patches import apply_runtime_patches
+
+        apply_runtime_patches()
+        base = model.get_base_model() if s.lora_r is not None else model
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return loaded, model
+
+
+def _tune_microbatch(
+    make: Callable[[int], Any], args: tuple[Any, ...], plan: RunPlan
+) -> tuple[int, str]:
+    import torch
+
+    from opake.profiling import tune_microbatch
+
+    batch = max(1, round(plan.sample_rate * plan.dataset_size))
+    # random tokens of the real shape: memory and time do not depend on the values, and the
+    # tuner never touches the private data
+    probe = torch.randint(
+        0,
+        int(plan.train.max()) + 1,
+        (batch, plan.settings.block_size),
+        generator=torch.Generator().manual_seed(0),
+    ).to(plan.device)
+    result = tune_microbatch(
+        make,
+        (*args, probe),
+        batch_size=batch,
+        device=plan.device,
+        steps=1,
+        warmup_steps=1,
+        compare_smaller=0,
+    )
+    assert result.microbatch_size is not None
+    return result.microbatch_size, result.table() if hasattr(result, "table") else ""
+
+
+def run(plan: RunPlan) -> dict[str, Any]:
+    """Train as planned; write the outputs into ``plan.out`` and return the summary."""
+    import torch
+
+    from opake import accounting
+    from opake.dpsgd.checkpoint import load_checkpoint, save_checkpoint
+    from opake.dpsgd.clipping import clipped_grad
+    from opake.dpsgd.optimizer import DPOptimizer, autocast_loss
+    from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler, padding_mask
+    from opake.functional import make_functional
+    from opake.profiling import PerfState, get_memory_stats, reset_peak_memory, step_perf
+
+    s = plan.settings
+    started = time.perf_counter()
+    plan.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(s.seed)
+    loaded, model = _build_model(plan)
+    fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
+    autocast = _autocast_factory(s.precision, plan.device)
+
+    def loss_fn(
+        trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        ids = x.unsqueeze(0)
+        return fmodel((trainable, frozen), input_ids=ids, labels=ids, use_cache=False).loss
+
+    per_example = loss_fn
+    if s.precision != "fp32":
+        dtype = torch.bfloat16 if s.precision == "bf16" else torch.float16
+        per_example = autocast_loss(loss_fn, dtype, argnums=0)
+
+    def make_grad_fn(microbatch: int | None) -> Any:
+        return clipped_grad(
+            per_example,
+            argnums=0,
+            clipping_norm=s.clip,
+            batch_argnums=2,
+            microbatch_size=microbatch,
+            return_aux=True,
+        )
+
+    tune_report = ""
+    microbatch: int | None
+    if s.microbatch == "auto":
+        microbatch, tune_report = _tune_microbatch(make_grad_fn, (trainable, frozen), plan)
+    else:
+        microbatch = s.microbatch if isinstance(s.microbatch, int) else None
+    grad_fn, clip_state = make_grad_fn(microbatch)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if s.optimizer == "sgd":
+        inner: torch.optim.Optimizer = torch.optim.SGD(
+            params, lr=s.lr, momentum=0.9, weight_decay=s.weight_decay
+        )
+    elif s.optimizer == "adam":
+        inner = torch.optim.Adam(params, lr=s.lr, weight_decay=s.weight_decay)
+    else:
+        inner = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
+    expected_batch = plan.sample_rate * plan.dataset_size
+    dp_opt = DPOptimizer(
+        inner,
+        model,
+        noise_multiplier=plan.noise_multiplier,
+        expected_batch_size=expected_batch,
+        seed=None if s.secure_noise else s.seed,
+        secure=s.secure_noise,
+        offload_state=s.offload_optimizer,
+    )
+    accountant = accounting.make_accountant(s.accountant, **plan.accountant_options)
+    if plan.max_batch_size is not None:
+        sampler: Any = FixedShapePoissonSampler(
+            plan.dataset_size, plan.sample_rate, plan.max_batch_size, seed=s.seed
+        )
+    else:
+        sampler = PoissonSampler(plan.dataset_size, plan.sample_rate, seed=s.seed)
+
+    checkpoint_path = plan.out / CHECKPOINT_FILE
+    rows: list[dict[str, Any]] = []
+    start_step = 0
+    initial_val: float | None = None
+    if s.resume:
+        ckpt = load_checkpoint(
+            checkpoint_path,
+            model=trainable,
+            optimizer=dp_opt,
+            accountant=accountant,
+            sampler=sampler,
+            clip_state=clip_state,
+        )
+        _check_resumed_settings(ckpt.extra.get("settings", {}), s)
+        clip_state = ckpt.clip_state
+        start_step = ckpt.step
+        rows = [dict(r) for r in ckpt.extra.get("metrics", [])]
+        initial_val = ckpt.extra.get("initial_val_loss")
+    else:
+        initial_val = _evaluate(model, plan.val, plan.device, autocast)
+
+    warmup = s.warmup if s.warmup is not None else max(1, round(0.05 * plan.steps))
+    eval_every = s.eval_every or max(1, plan.steps // 10)
+    perf_state = PerfState(device=str(plan.device))
+    reset_peak_memory(plan.device)
+    batches = _batches(sampler)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        total=plan.steps,
+        initial=start_step,
+        desc="opake train",
+        unit="step",
+        file=sys.stderr,
+        disable=not s.progress,
+        dynamic_ncols=True,
+    )
+
+    def save(step: int) -> None:
+        save_checkpoint(
+            checkpoint_path,
+            step=step,
+            model=trainable,
+            optimizer=dp_opt,
+            accountant=accountant,
+            sampler=sampler,
+            clip_state=clip_state,
+            extra={
+                "settings": s.to_dict(),
+                "metrics": rows,
+                "initial_val_loss": initial_val,
+            },
+        )
+
+    step = start_step
+    val_loss: float | None = None
+    try:
+        for step in range(start_step, plan.steps):
+            lr = _lr_at(step, steps=plan.steps, peak=s.lr, warmup=warmup)
+            for group in inner.param_groups:
+                group["lr"] = lr
+            indices = next(batches)
+            if plan.max_batch_size is not None:
+                mask = padding_mask(indices)
+                safe = torch.as_tensor(indices, dtype=torch.long).clamp_min(0)
+                x = plan.train[safe].to(plan.device)
+                call_kwargs: dict[str, Any] = {"example_mask": mask.to(plan.device)}
+                real = int(mask.sum())
+            else:
+                x = plan.train[torch.as_tensor(indices, dtype=torch.long)].to(plan.device)
+                call_kwargs = {}
+                real = len(indices)
+            with step_perf(plan.device, batch_size=real) as perf:
+                (grads, aux), clip_state = grad_fn(
+                    trainable, frozen, x, state=clip_state, **call_kwargs
+                )
+                perf.mark("clipped_grad")
+                dp_opt.accumulate(grads)
+                report = dp_opt.step()
+                perf.mark("noise_and_update")
+            accountant.step(
+                noise_multiplier=report.noise_multiplier,
+                num_steps=1,
+                **sampler.accounting_kwargs,
+            )
+            eps = float(accountant.get_epsilon(plan.delta))
+            perf_state = perf_state.add(perf.result)
+            losses = aux.loss_values
+            if plan.max_batch_size is not None:
+                losses = losses[mask.to(losses.device)]
+            train_loss = float(losses.mean()) if losses.numel() else float("nan")
+            done = step + 1
+            val_loss = None
+            if done % eval_every == 0 or done == plan.steps:
+                val_loss = _evaluate(model, plan.val, plan.device, autocast)
+            result = perf.result
+            rows.append(
+                {
+                    "step": done,
+                    "train_loss": train_loss,
+                    "val_loss": val_loss,
+                    "epsilon": eps,
+                    "batch_size": real,
+                    "clipping_rate": float(aux.clipping_rate),
+                    "step_time_sec": result.step_time_sec,
+                    "samples_per_second": result.samples_per_second,
+                    "peak_memory_gb": result.memory_peak_gb,
+                    "lr": lr,
+                }
+            )
+            bar.set_postfix_str(
+                f"loss {train_loss:.3f}  ε {eps:.2f}  {result.samples_per_second:.0f} samples/s  "
+                f"peak {_fmt_gb(perf_state.max_memory_peak_gb)}",
+                refresh=False,
+            )
+            bar.update(1)
+            if done % s.checkpoint_every == 0 and done < plan.steps:
+                save(done)
+        step = plan.steps
+    except KeyboardInterrupt:
+        bar.close()
+        completed = len(rows) and int(rows[-1]["step"])
+        if completed > start_step:
+            save(completed)
+        print(
+            f"opake train: interrupted after step {completed}; continue with the same command "
+            "and --resume",
+            file=sys.stderr,
+        )
+        raise
+    bar.close()
+    save(plan.steps)
+    if val_loss is None:
+        val_loss = _evaluate(model, plan.val, plan.device, autocast)
+    saved = _save_model(plan, loaded, model)
+    mem = get_memory_stats(plan.device)
+    summary = _summary(
+        plan,
+        rows=rows,
+        val_loss=val_loss,
+        initial_val=initial_val,
+        perf_state=perf_state,
+        peak_gb=_max_none(r["peak_memory_gb"] for r in rows),
+        memory_process_level=mem.process_level,
+        loaded=loaded,
+        microbatch=microbatch,
+        resumed_from=start_step if s.resume else None,
+        wall=time.perf_counter() - started,
+        saved=saved,
+        accountant=accountant,
+    )
+    write_metrics(plan.out / "metrics.csv", rows)
+    if s.plots:
+        summary["plots"] = [p.name for p in plot_metrics(plan.out, rows, baseline=plan.baseline)]
+    write_json(plan.out / "summary.json", summary)
+    if tune_report:
+        (plan.out / "microbatch_tuning.txt").write_text(tune_report + "\n", encoding="utf-8")
+    return summary
+
+
+def _fmt_gb(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f} GB"
+
+
+def _max_none(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def _check_resumed_settings(saved: Any, current: TrainSettings) -> None:
+    if not isinstance(saved, dict):
+        raise ConfigurationError("--resume: the checkpoint carries no settings of opake train")
+    mine = current.to_dict()
+    diffs = [
+        f"--{key.replace('_', '-')} {saved.get(key)!r} (saved) vs {mine[key]!r} (given)"
+        for key in RESUME_LOCKED
+        if saved.get(key) != mine[key]
+    ]
+    if diffs:
+        raise ConfigurationError(
+            "--resume: the run was saved with other settings: "
+            + "; ".join(diffs)
+            + "; resume with the saved run's options"
+        )
+
+
+def _save_model(plan: RunPlan, loaded: Any, model: Any) -> dict[str, str]:
+    s = plan.settings
+    saved = {}
+    target = plan.out / "model"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.save_pretrained(target)
+        if s.lora_r is not None and not loaded.from_directory:
+            # the base weights were initialised here: keep them next to the adapter
+            base = plan.out / "base_model"
+            model.get_base_model().save_pretrained(base)
+            plan.tokenizer.save_pretrained(base)
+            saved["base_model"] = str(base)
+    plan.tokenizer.save_pretrained(target)
+    saved["model"] = str(target)
+    return saved
+
+
+def _summary(
+    plan: RunPlan,
+    *,
+    rows: list[dict[str, Any]],
+    val_loss: float,
+    initial_val: float | None,
+    perf_state: Any,
+    peak_gb: float | None,
+    memory_process_level: bool,
+    loaded: Any,
+    microbatch: int | None,
+    resumed_from: int | None,
+    wall: float,
+    saved: dict[str, str],
+    accountant: Any,
+) -> dict[str, Any]:
+    import torch
+
+    from opake.cli._version import __version__
+
+    s = plan.settings
+    tail = rows[-max(1, len(rows) // 10) :]
+    train_losses = [r["train_loss"] for r in tail if math.isfinite(r["train_loss"])]
+    total_time = sum(r["step_time_sec"] for r in rows)
+    total_samples = sum(r["batch_size"] for r in rows)
+    epsilon = float(accountant.get_epsilon(plan.delta))
+    return {
+        "epsilon": epsilon,
+        "delta": plan.delta,
+        "noise_multiplier": plan.noise_multiplier,
+        "sample_rate": plan.sample_rate,
+        "steps": len(rows),
+        "train_loss": sum(train_losses) / len(train_losses) if train_losses else None,
+        "val_loss": val_loss,
+        "samples_per_second": total_samples / total_time if total_time > 0 else None,
+        "peak_memory_gb": peak_gb,
+        "peak_memory_scope": "process RSS" if memory_process_level else "device allocator",
+        "unigram_baseline": plan.baseline,
+        "initial_val_loss": initial_val,
+        "val_loss_below_baseline": plan.baseline - val_loss,
+        "planned_epsilon": plan.planned_epsilon,
+        "accountant": s.accountant,
+        "privacy_unit": (
+            f"one training block of {s.block_size} tokens (example-level DP over the training "
+            "split; the validation split is not protected)"
+        ),
+        "clipping_rate_mean": sum(r["clipping_rate"] for r in rows) / max(1, len(rows)),
+        "diagnostics_are_private": False,
+        "dataset_size": plan.dataset_size,
+        "val_blocks": int(plan.val.shape[0]),
+        "expected_batch_size": plan.sample_rate * plan.dataset_size,
+        "max_batch_size": plan.max_batch_size,
+        "microbatch_size": microbatch,
+        "corpus": plan.corpus.name,
+        "corpus_characters": plan.corpus.num_chars,
+        "model_source": loaded.source,
+        "parameters": loaded.num_parameters,
+        "trainable_parameters": loaded.num_trainable,
+        "train_time_sec": total_time,
+        "wall_time_sec": wall,
+        "resumed_from_step": resumed_from,
+        "device": str(plan.device),
+        "outputs": saved,
+        "notes": plan.notes,
+        "versions": {
+            "opake": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "settings": s.to_dict(),
+    }
