@@ -35,8 +35,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from scipy import fft as sp_fft
-from scipy import signal, special
 
 from opake.core.errors import ConfigurationError
 
@@ -101,6 +99,8 @@ class DiscretePLD:
         # U[i] = mass at losses ≥ l_i (+∞ included); R[i] = Σ_{m≥i} p_m·exp(l_i - l_m),
         # via the stable recurrence R[i] = p_i + exp(-Δ)·R[i+1].
         upper = self.infinity_mass + np.cumsum(p[::-1])[::-1]
+        from scipy import signal
+
         ratio = signal.lfilter([1.0], [1.0, -math.exp(-self.interval)], p[::-1])[::-1]
         l0 = losses[first]
         delta_at_zero = upper[0] - math.exp(-l0) * ratio[0]
@@ -124,6 +124,8 @@ class DiscretePLD:
                 f"cannot compose PLDs with intervals {self.interval} and {other.interval}"
             )
         _check_size(self.probs.size + other.probs.size, self.interval)
+        from scipy import signal
+
         probs = np.clip(signal.fftconvolve(self.probs, other.probs), 0.0, None)
         infinity = 1.0 - (1.0 - self.infinity_mass) * (1.0 - other.infinity_mass)
         offset, probs, right = _truncate_tails(probs, tail_mass_truncation)
@@ -140,6 +142,8 @@ class DiscretePLD:
         lo, hi = _chernoff_window(self.probs, times, tail_mass_truncation, self.interval)
         out_len = hi - lo + 1
         _check_size(out_len, self.interval)
+        from scipy import fft as sp_fft
+
         size = sp_fft.next_fast_len(max(out_len, self.probs.size), real=True)
         spectrum = sp_fft.rfft(self.probs, size) ** times
         circular = sp_fft.irfft(spectrum, size)
@@ -179,6 +183,8 @@ def _chernoff_window(
     probs: np.ndarray, times: int, tail: float, interval: float
 ) -> tuple[int, int]:
     """Index window (relative to ``times·lower``) outside which the k-fold sum has ≤ tail mass."""
+    from scipy import special
+
     n = probs.size
     lo, hi = 0, (n - 1) * times
     if tail <= 0.0:
@@ -234,6 +240,8 @@ def subsampled_gaussian_delta(
         >>> round(float(subsampled_gaussian_delta([0.0], 1.0, 1.0, "remove")[0]), 6)  # 2Φ(½)-1
         0.382925
     """
+    from scipy import special
+
     eps = np.atleast_1d(np.asarray(epsilons, dtype=np.float64))
     sigma, q = float(noise_multiplier), float(sample_rate)
     log_q = math.log(q)
@@ -266,6 +274,8 @@ def subsampled_gaussian_delta(
 
 def _loss_survival(losses: np.ndarray, sigma: float, q: float, direction: Direction) -> np.ndarray:
     """P_upper(L > l) for grid losses l (the survival function of the continuous PLD)."""
+    from scipy import special
+
     log_1mq = math.log1p(-q) if q < 1.0 else -math.inf
     out = np.zeros_like(losses)
     if direction == "remove":
@@ -290,6 +300,8 @@ def subsampled_gaussian_pld(
     discretization: Discretization = "connect_dots",
 ) -> DiscretePLD:
     """Pessimistic discrete PLD of one Poisson-subsampled Gaussian step (one direction)."""
+    from scipy import special
+
     sigma, q = float(noise_multiplier), float(sample_rate)
     z_tail = float(special.ndtri(0.5 * math.exp(_LOG_MASS_TRUNCATION)))  # ≈ -10.2
     x_low, x_high = sigma * z_tail, -sigma * z_tail + 1.0

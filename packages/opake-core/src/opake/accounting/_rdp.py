@@ -22,7 +22,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import special
 
 __all__ = [
     "DEFAULT_RDP_ORDERS",
@@ -48,16 +47,22 @@ _FRAC_CHUNK = 100
 
 def _log_comb(n: float, k: np.ndarray) -> np.ndarray:
     """log |C(n, k)| for real n and integer k ≥ 0 (gammaln gives log|Γ| off the poles)."""
+    from scipy import special
+
     return np.asarray(
         special.gammaln(n + 1.0) - special.gammaln(k + 1.0) - special.gammaln(n - k + 1.0)
     )
 
 
 def _log_erfc(x: np.ndarray) -> np.ndarray:
+    from scipy import special
+
     return np.asarray(math.log(2.0) + special.log_ndtr(-x * math.sqrt(2.0)))
 
 
 def _log_a_int(q: float, sigma: float, alpha: int) -> float:
+    from scipy import special
+
     i = np.arange(alpha + 1, dtype=np.float64)
     terms = (
         _log_comb(float(alpha), i)

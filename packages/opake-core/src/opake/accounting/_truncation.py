@@ -22,8 +22,6 @@ smallest ε with δ_Poisson(ε) + (1 + e^ε)·Σ_phases T·p ≤ δ. Choosing ``
 
 from __future__ import annotations
 
-from scipy import stats
-
 from opake.accounting._validate import (
     check_positive_int,
     check_sample_rate,
@@ -44,6 +42,8 @@ def truncation_probability(*, dataset_size: int, sample_rate: float, max_batch_s
         >>> f"{p:.1e}"
         '1.1e-06'
     """
+    from scipy import stats
+
     n = check_positive_int(dataset_size, "dataset_size")
     q = check_sample_rate(sample_rate)
     b_max = check_positive_int(max_batch_size, "max_batch_size")
@@ -61,6 +61,8 @@ def max_batch_size_for(
         >>> max_batch_size_for(dataset_size=10_000, sample_rate=0.01, steps=1000)
         189
     """
+    from scipy import stats
+
     n = check_positive_int(dataset_size, "dataset_size")
     q = check_sample_rate(sample_rate)
     t = check_steps(steps, "steps")
