@@ -1,5 +1,40 @@
-"""opake-models' plugin: registers its model families through the public hook."""
+"""opake-models' plugin: registers its model families through the public hook.
+
+The table below is all that plugin discovery reads: no family module (and neither torch nor
+transformers) is imported until a model of that family is patched. A meta-test checks that the
+table and the family modules agree.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from opake.core.plugins import ModelFamily, hookimpl
+
+__all__ = ["FAMILIES", "REQUIRES", "opake_model_families"]
+
+#: the transformers versions every first-party adapter targets
+REQUIRES = "transformers>=5.17,<6"
+
+#: family name (= module ``opake.models.<name>``) → the ``config.model_type`` values it handles
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "llama": ("llama",),
+    "mistral": ("mistral",),
+    "qwen2": ("qwen2",),
+    "qwen3": ("qwen3",),
+    "gemma": ("gemma",),
+    "gemma2": ("gemma2",),
+    "phi3": ("phi3",),
+    "gpt2": ("gpt2",),
+    "cohere": ("cohere",),
+    "granite": ("granite",),
+    "olmo2": ("olmo2",),
+    "bert": ("bert",),
+}
+
+
+@hookimpl
+def opake_model_families() -> list[ModelFamily]:
+    """One :class:`~opake.core.plugins.ModelFamily` per family module, imported lazily."""
+    return [
+        ModelFamily(name, model_types, apply=f"opake.models.{name}:apply", requires=REQUIRES)
+        for name, model_types in FAMILIES.items()
+    ]

@@ -1,0 +1,34 @@
+"""Mistral: Llama's shape with a sliding attention window on every layer.
+
+>>> from opake.models import mistral
+>>> mistral.SPEC.layer
+'MistralDecoderLayer'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opake.models._apply import apply_family
+from opake.models._spec import Attention, CausalLMHead, FamilySpec, Mlp, Norm, Rope
+from opake.models._tiny import TINY_DECODER
+
+__all__ = ["SPEC", "apply"]
+
+SPEC = FamilySpec(
+    name="mistral",
+    model_types=("mistral",),
+    layer="MistralDecoderLayer",
+    mlp=Mlp("swiglu", "MistralMLP"),
+    norm=Norm("rms", "MistralRMSNorm", "pre"),
+    rope=Rope("rotate_half", "MistralRotaryEmbedding"),
+    attention=Attention("causal", sliding_window="sliding_window"),
+    head=CausalLMHead(),
+    models=("MistralForCausalLM",),
+    tiny_config={**TINY_DECODER, "sliding_window": 4},
+)
+
+
+def apply(model: Any, options: Any) -> Any:
+    """Patch one Mistral model instance (called by ``opake.patches.apply_model_patches``)."""
+    return apply_family(SPEC, model, options)
