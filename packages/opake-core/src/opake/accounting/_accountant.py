@@ -47,6 +47,12 @@ class Phase:
         count_noise_multiplier: σ_b of adaptive clipping's noisy count (``None``: fixed C).
         max_batch_size: ``B_max`` of fixed-shape truncated Poisson sampling (``None``: plain).
         dataset_size: N, needed with ``max_batch_size`` for the truncation probability.
+
+    Example:
+        >>> phase = Phase(noise_multiplier=1.0, sample_rate=0.01, num_steps=100,
+        ...               count_noise_multiplier=10.0)
+        >>> round(phase.effective_noise_multiplier, 4), phase.truncation_probability
+        (0.9988, 0.0)
     """
 
     noise_multiplier: float
@@ -148,6 +154,13 @@ class PrivacyAccountant(abc.ABC):
     Subclasses implement the composition of the Poisson-subsampled Gaussian mechanism;
     the base class keeps the history, merges identical consecutive steps into phases, and adds
     the truncation term of fixed-shape sampling (see ``opake.accounting.truncation_probability``).
+
+    Example:
+        >>> acc = make_accountant("rdp")
+        >>> acc.step(noise_multiplier=2.0, sample_rate=0.05, num_steps=10)
+        >>> acc.step(noise_multiplier=1.5, sample_rate=0.05, num_steps=10)
+        >>> [p.num_steps for p in acc.history], acc.steps
+        ([10, 10], 20)
     """
 
     kind: ClassVar[str]
