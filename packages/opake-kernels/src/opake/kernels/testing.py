@@ -10,7 +10,7 @@ backends use it in their own test suites; the GPU check script uses it on CUDA.
 >>> from opake.kernels.testing import check_backend
 >>> report = check_backend("chunked", ops=("swiglu",), dtypes=(torch.float32,))
 >>> report[0]
-'swiglu float32 silu: values, grads, vmap per-example grads ok'
+'swiglu torch.float32 silu: values, grads, vmap per-example grads ok'
 """
 
 from __future__ import annotations

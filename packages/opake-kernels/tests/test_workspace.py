@@ -1,0 +1,105 @@
+"""Workspace bounds and tiling plans of the chunked backend."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from opake.core.errors import ConfigurationError, InputTypeError
+from opake.kernels.chunked import (
+    WORKSPACE_CAP,
+    available_memory,
+    resolve_chunking,
+    workspace_budget,
+)
+
+MIB = 1 << 20
+
+
+def _bytes(tt, vt, hidden, itemsize):
+    return tt * vt * (16 + itemsize) + (tt + vt) * 4 * hidden
+
+
+@pytest.mark.parametrize("value", [False, 0])
+def test_disabled(value):
+    assert resolve_chunking(value, "cpu", 512, 32000, torch.float32) is None
+
+
+@pytest.mark.parametrize("budget", [4 * MIB, 16 * MIB, 256 * MIB])
+def test_automatic_tiles_fit_the_workspace(budget):
+    tt, vt = resolve_chunking(True, "cpu", 512, 32000, torch.float32, workspace_bytes=budget)
+    assert 1 <= vt <= 32000
+    assert tt >= 1
+    assert _bytes(tt, vt, 512, 4) <= budget
+    # as square as the bound allows
+    assert max(tt, vt) / min(tt, vt) < 4
+
+
+def test_int_caps_the_vocabulary_tile():
+    tt, vt = resolve_chunking(300, "cpu", 64, 32000, torch.bfloat16, workspace_bytes=64 * MIB)
+    assert vt == 300
+    assert _bytes(tt, vt, 64, 2) <= 64 * MIB
+
+
+def test_few_tokens_widen_the_vocabulary_tile():
+    tt, vt = resolve_chunking(True, "cpu", 64, 32000, torch.float32, tokens=8, workspace_bytes=MIB)
+    assert tt == 8
+    wide = vt
+    _tt, vt_many = resolve_chunking(True, "cpu", 64, 32000, torch.float32, workspace_bytes=MIB)
+    assert wide > vt_many
+    assert _bytes(tt, vt, 64, 4) <= MIB
+
+
+def test_small_vocabulary_is_one_tile():
+    assert resolve_chunking(True, "cpu", 16, 50, torch.float32, tokens=10) == (10, 50)
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ((-4, "cpu", 8, 10, torch.float32), ConfigurationError),
+        (("auto", "cpu", 8, 10, torch.float32), InputTypeError),
+        ((True, "cpu", 0, 10, torch.float32), ConfigurationError),
+        ((True, "cpu", 8, 2.0, torch.float32), ConfigurationError),
+        ((True, "tpu", 8, 10, torch.float32), ConfigurationError),
+    ],
+)
+def test_bad_values_raise(args, error):
+    with pytest.raises(error):
+        resolve_chunking(*args)
+
+
+def test_budget_respects_cap_and_available_memory(monkeypatch):
+    monkeypatch.delenv("OPAKE_CHUNK_WORKSPACE_MB", raising=False)
+    assert workspace_budget("cpu") <= WORKSPACE_CAP["cpu"]
+    import opake.kernels.chunked._workspace as ws
+
+    monkeypatch.setattr(ws, "available_memory", lambda device: 24 * MIB)
+    assert workspace_budget("cpu") == 3 * MIB  # an eighth of what is free
+    monkeypatch.setattr(ws, "available_memory", lambda device: 0)
+    assert workspace_budget("cpu") == MIB  # never below the floor
+
+
+def test_environment_override(monkeypatch):
+    monkeypatch.setenv("OPAKE_CHUNK_WORKSPACE_MB", "2.5")
+    assert workspace_budget("cuda") == int(2.5 * MIB)
+    monkeypatch.setenv("OPAKE_CHUNK_WORKSPACE_MB", "lots")
+    with pytest.raises(ConfigurationError, match="OPAKE_CHUNK_WORKSPACE_MB='lots'"):
+        workspace_budget("cpu")
+
+
+def test_available_memory_without_psutil_reads_meminfo(monkeypatch):
+    with_psutil = available_memory("cpu")
+    monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil -> ImportError
+    without = available_memory("cpu")
+    assert without > 0
+    assert abs(without - with_psutil) < max(with_psutil, without) * 0.5
+
+
+def test_cuda_budget_without_cuda_assumes_a_default():
+    if torch.cuda.is_available():
+        assert available_memory("cuda") > 0
+    else:
+        assert available_memory("cuda") == 1024 * MIB
