@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from opake.dpsgd.checkpoint import load_checkpoint, save_checkpoint
@@ -168,6 +169,7 @@ def test_resume_without_the_rng_state_diverges(tmp_path: Path) -> None:
     assert not torch.equal(resumed["model"][0].weight, reference["model"][0].weight)
 
 
+@pytest.mark.slow
 def test_resumed_run_in_a_fresh_process_is_bitwise_identical(tmp_path: Path) -> None:
     ns = _namespace()
     path = tmp_path / "run.pt"
