@@ -592,3 +592,13 @@ def test_enormous_pld_is_refused_before_allocating() -> None:
 def test_default_orders_are_dp_accountings() -> None:
     assert tuple(DEFAULT_RDP_ORDERS) == tuple(float(a) for a in dpa_rdp.DEFAULT_RDP_ORDERS)
     assert accounting.DEFAULT_RDP_ORDERS is DEFAULT_RDP_ORDERS
+
+
+@pytest.mark.parametrize(("sigma", "sigma_b"), [(1.0, 5.0), (0.7, 0.4), (3.0, 40.0)])
+def test_adaptive_formula_agrees_with_the_clipping_side(sigma: float, sigma_b: float) -> None:
+    # opake.dpsgd.clipping (training side) and opake.accounting (accounting side) implement
+    # Andrew et al.'s split independently; a mismatch would silently mis-account.
+    from opake.dpsgd.clipping import gradient_noise_multiplier as clipping_side
+
+    ours = accounting.gradient_noise_multiplier(sigma, count_noise_multiplier=sigma_b)
+    assert clipping_side(sigma, count_noise_multiplier=sigma_b) == pytest.approx(ours, rel=1e-12)
