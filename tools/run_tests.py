@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 paths.append("tests")
             else:
                 paths += [f"packages/{name}/tests", f"packages/{name}/src"]
+        paths = [p for p in paths if (ROOT / p).exists()]
         cmd = [py, "-m", "pytest", "--doctest-modules", *paths, *args.pytest_args]
         if _run(cmd, "pytest") != 0:
             failures.append("pytest")
