@@ -492,6 +492,35 @@ def test_parameter_with_all_zero_gradient_is_named_on_the_first_step() -> None:
         opt.step()
 
 
+def test_empty_first_batch_does_not_trigger_the_unused_check() -> None:
+    x, y = make_data(4)
+    for mode in ("warn", "error"):
+        model = make_mlp()
+        opt = dp_for(model, unused_params=mode)
+        zeros = ClippedSum({n: torch.zeros_like(p) for n, p in model.named_parameters()}, C)
+        grads = clipped_sum_loop(model, x, y)
+        grads["2.bias"] = torch.zeros_like(grads["2.bias"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.accumulate(zeros)  # an empty Poisson batch: all sums zero, nothing to conclude
+            opt.step()
+        opt.accumulate(grads)
+        if mode == "error":
+            with pytest.raises(OperationError, match=r"2\.bias received an all-zero"):
+                opt.step()
+            continue
+        with pytest.warns(OpakePrivacyWarning, match=r"2\.bias received an all-zero"):
+            opt.step()
+        # once conclusive the check is done, also after a state round trip
+        fresh = dp_for(make_mlp())
+        fresh.load_state_dict(opt.state_dict())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for o in (opt, fresh):
+                o.accumulate(grads)
+                o.step()
+
+
 def test_unused_params_error_mode_refuses_before_any_update() -> None:
     model = make_mlp()
     noise = GaussianNoise(SIGMA, seed=SEED)
@@ -615,6 +644,8 @@ def test_load_state_dict_validates() -> None:
         opt.load_state_dict({**good, "version": 99})
     with pytest.raises(ConfigurationError, match="steps"):
         opt.load_state_dict({**good, "steps": -1})
+    with pytest.raises(ConfigurationError, match="unused_checked"):
+        opt.load_state_dict({**good, "unused_checked": [1]})
     with pytest.raises(InputTypeError):
         opt.load_state_dict([1, 2])  # type: ignore[arg-type]
 

@@ -393,6 +393,8 @@ class DPOptimizer:
         self._sensitivity: float | None = None
         self._physical = 0
         self._steps = 0
+        self._missing_checked = False
+        self._zero_checked = False
 
     # -- configuration ---------------------------------------------------------------------
 
@@ -504,7 +506,7 @@ class DPOptimizer:
                 "batch still returns zero gradients and must be accumulated)"
             )
         skipped = tuple(name for name in self._params if name not in self._sums)
-        if self._steps == 0:
+        if not (self._missing_checked and self._zero_checked):
             self._check_unused(skipped)
         sensitivity = self._sensitivity
         sigma = self.noise_multiplier
@@ -638,27 +640,41 @@ class DPOptimizer:
         self._physical = 0
 
     def _check_unused(self, skipped: tuple[str, ...]) -> None:
-        zero = tuple(name for name, total in self._sums.items() if not bool(total.count_nonzero()))
-        if not skipped and not zero:
-            return
+        """First-step report of parameters without gradient (a diagnostic, not private).
+
+        A missing gradient entry is structural and reported on the first step. An all-zero sum
+        is reported on the first step that has any non-zero gradient at all: when *every* sum
+        is zero (an empty Poisson batch, every example non-finite) the check waits.
+        """
         parts = []
-        if skipped:
+        if not self._missing_checked and skipped:
             parts.append(f"{', '.join(skipped)} received no gradient entry and will not be updated")
-        if zero:
-            parts.append(
-                f"{', '.join(zero)} received an all-zero gradient from every example of the "
-                "first step (probably unused by the loss); it would be updated by noise alone"
+        zero: tuple[str, ...] = ()
+        conclusive = False
+        if not self._zero_checked:
+            nonzero = {name: bool(total.count_nonzero()) for name, total in self._sums.items()}
+            conclusive = any(nonzero.values())
+            zero = tuple(name for name, flag in nonzero.items() if not flag) if conclusive else ()
+            if zero:
+                parts.append(
+                    f"{', '.join(zero)} received an all-zero gradient from every example of a "
+                    "batch in which other parameters did not (probably unused by the loss); it "
+                    "would be updated by noise alone"
+                )
+        if parts:
+            message = (
+                "trainable parameter(s) without gradient: "
+                + "; ".join(parts)
+                + ". Freeze them (requires_grad_(False)) and leave them out of the optimizer. "
+                "This check looks at the data of the first step(s): it is a diagnostic, not "
+                "private."
             )
-        message = (
-            "trainable parameter(s) without gradient: "
-            + "; ".join(parts)
-            + ". Freeze them (requires_grad_(False)) and leave them out of the optimizer. This "
-            "check looks at the first step's data: it is a diagnostic, not private."
-        )
-        if self._unused_mode == "error":
-            self._clear()
-            raise OperationError(message)
-        warnings.warn(message, OpakePrivacyWarning, stacklevel=3)
+            if self._unused_mode == "error":
+                self._clear()
+                raise OperationError(message)
+            warnings.warn(message, OpakePrivacyWarning, stacklevel=3)
+        self._missing_checked = True
+        self._zero_checked = self._zero_checked or conclusive
 
     # -- state -----------------------------------------------------------------------------
 
@@ -677,6 +693,7 @@ class DPOptimizer:
         return {
             "version": _STATE_VERSION,
             "steps": self._steps,
+            "unused_checked": [self._missing_checked, self._zero_checked],
             "param_names": list(self._params),
             "noise_multiplier": self.noise_multiplier,
             "expected_batch_size": self._expected_batch_size,
@@ -694,6 +711,7 @@ class DPOptimizer:
         expected = {
             "version",
             "steps",
+            "unused_checked",
             "param_names",
             "noise_multiplier",
             "expected_batch_size",
@@ -716,6 +734,15 @@ class DPOptimizer:
         steps = state["steps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ConfigurationError(f"DPOptimizer state steps={steps!r}: expected an int ≥ 0")
+        checked = state["unused_checked"]
+        if (
+            not isinstance(checked, list | tuple)
+            or len(checked) != 2
+            or not all(isinstance(flag, bool) for flag in checked)
+        ):
+            raise ConfigurationError(
+                f"DPOptimizer state unused_checked={checked!r}: expected two booleans"
+            )
         if list(state["param_names"]) != list(self._params):
             raise ConfigurationError(
                 f"DPOptimizer state was saved for parameters {list(state['param_names'])} but "
@@ -742,6 +769,7 @@ class DPOptimizer:
             self._offload.reset_masters()
         self._clear()
         self._steps = steps
+        self._missing_checked, self._zero_checked = (bool(flag) for flag in checked)
 
 
 def _noised(
