@@ -225,6 +225,34 @@ def test_params_dict_of_detached_aliases_names_the_module_parameters() -> None:
         )  # fmt: skip
 
 
+def test_accumulate_never_modifies_the_callers_tensors() -> None:
+    model = make_mlp()
+    opt = dp_for(model)
+    x, y = make_data(4)
+    grads = clipped_sum_loop(model, x, y)
+    before = {k: v.clone() for k, v in grads.items()}
+    opt.accumulate(grads)
+    opt.accumulate(grads)  # the same physical result twice: the running sum doubles
+    assert all(torch.equal(grads[k], before[k]) for k in grads)
+    assert torch.equal(opt._sums["0.weight"], 2 * before["0.weight"])
+
+
+def test_fp64_parameters_keep_fp64_sums_and_noise() -> None:
+    w = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt = DPOptimizer(
+        torch.optim.SGD([w], lr=1.0), {"w": w}, noise_multiplier=1e-3,
+        expected_batch_size=1.0, seed=0,
+    )  # fmt: skip
+    tiny = torch.full((3,), 1e-12, dtype=torch.float64)
+    opt.accumulate(ClippedSum({"w": torch.ones(3, dtype=torch.float64)}, 1.0))
+    opt.accumulate(ClippedSum({"w": tiny}, 1.0))  # lost in fp32 (1 + 1e-12 == 1), kept in fp64
+    assert opt._sums["w"].dtype == torch.float64
+    assert bool((opt._sums["w"] > 1.0).all())
+    opt.step()
+    assert w.grad is not None
+    assert w.grad.dtype == torch.float64
+
+
 # -- accountant and report ------------------------------------------------------------------------
 
 

@@ -485,11 +485,13 @@ class DPOptimizer:
                     f"{tuple(param.shape)}; pass per-parameter sums, not per-example gradients"
                 )
         for name, value in grads.items():
-            value32 = value.detach().to(dtype=torch.float32)
+            # fp32, or wider (fp64 stays fp64); always a private copy, never the caller's tensor
+            dtype = torch.promote_types(value.dtype, torch.float32)
             if name in self._sums:
-                self._sums[name].add_(value32.to(self._sums[name].device))
+                total = self._sums[name]
+                total.add_(value.detach().to(device=total.device, dtype=total.dtype))
             else:
-                self._sums[name] = value32.clone() if value32 is value else value32
+                self._sums[name] = value.detach().to(dtype=dtype, copy=True)
         self._sensitivity = (
             sensitivity if self._sensitivity is None else max(self._sensitivity, sensitivity)
         )
@@ -497,7 +499,6 @@ class DPOptimizer:
 
     def step(self) -> StepReport:
         """Noise the accumulated sum once, divide by the expected batch size, step, account."""
-        import torch
 
         if self._physical == 0 or self._sensitivity is None:
             raise OperationError(
@@ -518,7 +519,7 @@ class DPOptimizer:
                     f"the noise object returned an entry {name!r} that was not in the gradient "
                     "sum; it must return the same keys it was given"
                 )
-            grads[name] = total.to(torch.float32) / self._expected_batch_size
+            grads[name] = total / self._expected_batch_size
         if set(grads) != set(self._sums):
             raise OperationError(
                 "the noise object dropped entries "
