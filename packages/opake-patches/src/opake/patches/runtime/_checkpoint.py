@@ -130,6 +130,23 @@ def check_checkpoint_context(
         )
 
 
+def _unwrap_dead(t: torch.Tensor) -> torch.Tensor:
+    """Peel wrappers whose transform level has already exited.
+
+    ``vmap(vjp(f))`` runs the backward after ``vjp``'s level is gone: the saved tensors are then
+    dead level wrappers. Recomputing through them trips functorch's dispatcher, so the backward
+    works on what they wrap (a tensor of a still-active level, or a plain tensor).
+    """
+    import torch
+
+    while torch._C._functorch.maybe_get_level(t) == _DEAD_LEVEL:
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+_DEAD_LEVEL = -2  # what torch._C._functorch.maybe_get_level reports for a dead wrapper
+
+
 @dataclass
 class _Region:
     """Everything one checkpointed call needs between forward and backward."""
@@ -188,9 +205,10 @@ class _Region:
         ]
 
     def unpack(self, saved: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        tensors = [_unwrap_dead(t) for t in saved]
         if self.offload is None:
-            return list(saved)
-        return [self.offload.to_device(t, d) for t, d in zip(saved, self.devices, strict=True)]
+            return tensors
+        return [self.offload.to_device(t, d) for t, d in zip(tensors, self.devices, strict=True)]
 
     # -- recomputation ---------------------------------------------------------------------
     @contextlib.contextmanager

@@ -110,24 +110,33 @@ class _Walker:
             self.add_module(obj)
             return obj
         if isinstance(obj, functools.partial):
-            return _Partial(
-                self.walk(obj.func, depth + 1),
-                self.walk(obj.args, depth + 1),
-                self.walk(obj.keywords, depth + 1),
-            )
+            func = self.walk(obj.func, depth + 1)
+            args = self.walk(obj.args, depth + 1)
+            keywords = self.walk(obj.keywords, depth + 1)
+            if func is obj.func and args is obj.args and keywords is obj.keywords:
+                return obj
+            return _Partial(func, args, keywords)
         if isinstance(obj, types.MethodType):
             self_ = obj.__self__
             if not isinstance(self_, nn.Module):
                 self._collect_attrs(self_)
-            return _Method(self.walk(obj.__func__, depth + 1), self.walk(self_, depth + 1))
+            func = self.walk(obj.__func__, depth + 1)
+            new_self = self.walk(self_, depth + 1)
+            if func is obj.__func__ and new_self is self_:
+                return obj
+            return _Method(func, new_self)
         if isinstance(obj, types.FunctionType):
             return self._walk_function(obj, depth)
-        if type(obj) in (list, tuple):
-            return _Seq(type(obj), tuple(self.walk(v, depth + 1) for v in obj))
+        if type(obj) in (list, tuple) or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
+            items = tuple(self.walk(v, depth + 1) for v in obj)
+            if all(a is b for a, b in zip(items, obj, strict=True)):
+                return obj  # nothing inside was lifted: keep the very same object
+            return _Seq(type(obj), items)
         if type(obj) is dict:
-            return _Map(dict, tuple((k, self.walk(v, depth + 1)) for k, v in obj.items()))
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-            return _Seq(type(obj), tuple(self.walk(v, depth + 1) for v in obj))
+            values = [(k, self.walk(v, depth + 1)) for k, v in obj.items()]
+            if all(v is obj[k] for k, v in values):
+                return obj
+            return _Map(dict, tuple(values))
         return obj
 
     def _collect_attrs(self, obj: Any) -> None:

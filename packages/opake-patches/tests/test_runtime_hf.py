@@ -1,0 +1,101 @@
+"""HF gradient checkpointing under clipped_grad / vmap(grad): same per-example clipped grads."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from opake.dpsgd.clipping import clipped_grad
+from opake.functional import make_functional
+from opake.patches import apply_runtime_patches, remove_runtime_patches
+
+pytest.importorskip("transformers")
+
+
+def _clipped(model, ids, *, microbatch_size=None):
+    fmodel, params = make_functional(model)
+
+    def loss_fn(p, x):
+        return fmodel(p, x[None], labels=x[None], use_cache=False).loss
+
+    grad_fn, state = clipped_grad(
+        loss_fn,
+        clipping_norm=0.05,
+        batch_argnums=1,
+        microbatch_size=microbatch_size,
+        return_aux=True,
+        check_unused=False,
+    )
+    (grads, aux), _ = grad_fn(params, ids, state=state)
+    return grads, aux
+
+
+def _per_example_loop(model, ids):
+    """The slow obvious reference: one plain-autograd backward per example, no checkpointing."""
+    out = []
+    for x in ids:
+        model.zero_grad()
+        model(x[None], labels=x[None], use_cache=False).loss.backward()
+        out.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
+    model.zero_grad()
+    return out
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_enable_under_clipped_grad(patched, tiny_llama, hf_checkpointing):
+    ids = torch.randint(0, 64, (3, 8), generator=torch.Generator().manual_seed(0))
+    plain = tiny_llama()
+    ref, ref_aux = _clipped(plain, ids)
+    loop = _per_example_loop(plain, ids)
+
+    model = tiny_llama()  # same seed: same weights
+    hf_checkpointing(model)
+    assert model.model.layers[0].gradient_checkpointing
+    got, aux = _clipped(model, ids, microbatch_size=2)
+    assert ref.keys() == got.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6, msg=k)
+    torch.testing.assert_close(aux.grad_norms, ref_aux.grad_norms, rtol=1e-4, atol=1e-6)
+    # against the per-example loop: norms of the unclipped per-example gradients
+    loop_norms = torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in ex.values())) for ex in loop])
+    torch.testing.assert_close(aux.grad_norms, loop_norms, rtol=1e-4, atol=1e-6)
+
+
+def test_a_later_import_of_transformers_is_patched(monkeypatch, tmp_path):
+    """The import hook patches ``PreTrainedModel`` when its module is first imported.
+
+    Exercised on a stand-in module so the real ``transformers.modeling_utils`` (already imported
+    by other tests) is not re-imported.
+    """
+    from opake.patches.runtime import _hf
+
+    (tmp_path / "fake_modeling_utils.py").write_text(
+        "class PreTrainedModel:\n"
+        "    def enable_input_require_grads(self):\n"
+        "        self._require_grads_hooks = []\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(_hf, "_TARGET", "fake_modeling_utils")
+    monkeypatch.delitem(sys.modules, "fake_modeling_utils", raising=False)
+    apply_runtime_patches()
+    assert any(isinstance(f, _hf._PatchOnImport) for f in sys.meta_path)
+    import fake_modeling_utils
+
+    method = fake_modeling_utils.PreTrainedModel.enable_input_require_grads
+    assert method._opake_patch == "vmap_checkpointing"
+    fake_modeling_utils.PreTrainedModel().enable_input_require_grads()  # still runs the stock body
+    remove_runtime_patches()
+    assert not any(isinstance(f, _hf._PatchOnImport) for f in sys.meta_path)
+    restored = fake_modeling_utils.PreTrainedModel.enable_input_require_grads
+    assert not hasattr(restored, "_opake_patch")
+
+
+def test_input_require_grads_hook_still_works_outside_transforms(patched, tiny_llama):
+    model = tiny_llama()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.enable_input_require_grads()
+    emb = model.get_input_embeddings()(torch.tensor([[1, 2]]))
+    assert emb.requires_grad  # the hook ran: stock behaviour outside transforms
