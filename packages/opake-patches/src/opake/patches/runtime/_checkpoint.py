@@ -130,6 +130,23 @@ def check_checkpoint_context(
         )
 
 
+def _context_is_differentiated(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the ``setup_context`` running now saves the tensors ``backward`` will read.
+
+    Under transforms ``setup_context`` runs once per level; only the innermost reverse-mode
+    level's context is used by ``backward`` (the others are dropped once the forward returns),
+    so only that one pays for the copies to the host. Below every reverse-mode level, plain
+    autograd uses the context only if it records a graph.
+    """
+    import torch
+
+    kinds = transform_stack().kinds
+    if "grad" in kinds:
+        return kinds[-1] == "grad"
+    # below every reverse-mode level: only plain autograd can use this context
+    return torch.is_grad_enabled() and _base_requires_grad(tensors)
+
+
 def _unwrap_dead(t: torch.Tensor) -> torch.Tensor:
     """Peel wrappers whose transform level has already exited.
 
@@ -196,7 +213,7 @@ class _Region:
     # -- saving ----------------------------------------------------------------------------
     def pack(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         self.devices = [t.device for t in tensors]
-        if self.offload is None:
+        if self.offload is None or not _context_is_differentiated(tensors):
             return list(tensors)
         n_state = self.lifted.n_state
         return [

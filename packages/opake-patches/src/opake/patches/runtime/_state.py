@@ -208,16 +208,18 @@ def _disable(name: str) -> None:
     _registry.rebound = max(_registry.rebound, 0)
 
 
-def apply_runtime_patches(**options: Any) -> RuntimePatchState:
+def apply_runtime_patches(
+    *, vmap_checkpointing: bool = True, save_on_cpu: bool = True, **unknown: Any
+) -> RuntimePatchState:
     """Install Opake's global runtime patches; idempotent and reversible.
 
-    Keyword Args:
-        vmap_checkpointing (bool): route ``torch.utils.checkpoint.checkpoint`` (and so
+    Args:
+        vmap_checkpointing: route ``torch.utils.checkpoint.checkpoint`` (and so
             ``checkpoint_sequential`` and Hugging Face gradient checkpointing) to Opake's
             vmap-safe checkpoint whenever it is called inside a ``torch.func`` transform; outside
             transforms the stock function runs unchanged. Default ``True``; ``False`` leaves
             ``checkpoint`` untouched (and removes Opake's patch if it was installed).
-        save_on_cpu (bool): make ``torch.autograd.graph.save_on_cpu`` usable around
+        save_on_cpu: make ``torch.autograd.graph.save_on_cpu`` usable around
             ``vmap(grad(...))`` / ``clipped_grad`` calls (checkpointed inputs go to the CPU).
             Default ``True``.
 
@@ -239,13 +241,12 @@ def apply_runtime_patches(**options: Any) -> RuntimePatchState:
         >>> remove_runtime_patches(); tuc.checkpoint is stock
         True
     """
-    unknown = sorted(set(options) - set(PATCH_NAMES))
     if unknown:
         raise ConfigurationError(
-            f"apply_runtime_patches() got unknown keyword argument(s) {unknown}; "
+            f"apply_runtime_patches() got unknown keyword argument(s) {sorted(unknown)}; "
             f"valid ones are {list(PATCH_NAMES)}."
         )
-    wanted = {name: options.get(name, True) for name in PATCH_NAMES}
+    wanted = {"vmap_checkpointing": vmap_checkpointing, "save_on_cpu": save_on_cpu}
     for name, value in wanted.items():
         if not isinstance(value, bool):
             raise InputTypeError(
