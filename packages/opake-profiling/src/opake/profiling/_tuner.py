@@ -23,7 +23,7 @@ from opake.profiling._errors import (
     NoMicrobatchFitsError,
     OperationError,
 )
-from opake.profiling._memory import _backend, empty_cache, resolve_device
+from opake.profiling._memory import _backend, resolve_device
 from opake.profiling._step import step_perf
 
 __all__ = ["TuneCandidate", "TuneResult", "default_candidates", "tune_microbatch"]
@@ -417,6 +417,7 @@ def tune_microbatch(
     else:
         budget = None
 
+    _clean(dev, full=True)
     measured: list[TuneCandidate] = []
     chosen: int | None = None
     extra = 0
@@ -443,6 +444,7 @@ def tune_microbatch(
         else:
             extra += 1
 
+    _clean(dev, full=True)
     result = TuneResult(
         microbatch_size=chosen,
         batch_size=batch_size,
@@ -465,6 +467,16 @@ def tune_microbatch(
     return result
 
 
+def _clean(dev: Any, *, full: bool) -> None:
+    """Collect garbage (``full``: every generation; else the young ones, which is what a step
+    leaves behind, at a fraction of the cost) and empty the device cache."""
+    if full:
+        gc.collect()
+    else:
+        gc.collect(1)
+    _backend(dev).empty_cache()
+
+
 def _measure(
     make_grad_fn: Callable[[int], Any],
     m: int,
@@ -477,7 +489,6 @@ def _measure(
     steps: int,
     warmup_steps: int,
 ) -> TuneCandidate:
-    empty_cache(dev)
     times: list[float] = []
     peak: float | None = None
     done = 0
@@ -506,8 +517,7 @@ def _measure(
     finally:
         runner = None
     del runner
-    gc.collect()
-    empty_cache(dev)
+    _clean(dev, full=False)
     median = statistics.median(times) if times else None
     return TuneCandidate(
         microbatch_size=m,

@@ -1,0 +1,382 @@
+"""tune_microbatch: budget choice on CPU, OOM recovery, privacy neutrality, table, plot, errors."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch.func import grad, vmap
+
+from opake.profiling import (
+    ConfigurationError,
+    InputTypeError,
+    NoMicrobatchFitsError,
+    OperationError,
+    TuneResult,
+    _tuner,
+    default_candidates,
+    empty_cache,
+    get_memory_stats,
+    tune_microbatch,
+)
+
+MB = 1024**2 / 1024**3
+needs_proc = pytest.mark.skipif(
+    not Path("/proc/self/status").exists(), reason="exact CPU peaks need /proc (Linux)"
+)
+
+# A model whose per-example gradients take 8 MiB each: memory grows with the microbatch. (Large
+# enough that the sizes compared below differ by far more than process-level RSS noise.)
+IN, OUT = 2048, 1024
+
+
+def _per_example_step(microbatch_size: int):
+    def loss(w, x):
+        return torch.tanh(x @ w).sum()
+
+    per_example = vmap(grad(loss), in_dims=(None, 0))
+
+    def step(w, x):
+        total = torch.zeros_like(w)
+        for chunk in x.split(microbatch_size):
+            g = per_example(w, chunk)  # [m, IN, OUT]: m x 8 MiB
+            norms = g.flatten(1).norm(dim=1)
+            g = g * (1.0 / norms.clamp(min=1.0)).view(-1, 1, 1)
+            total += g.sum(0)
+            del g
+        return total
+
+    return step
+
+
+@pytest.fixture(scope="module")
+def linear_batch():
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(IN, OUT, generator=gen) * 0.01, torch.randn(16, IN, generator=gen)
+
+
+@needs_proc
+@pytest.mark.slow
+def test_budget_picks_the_largest_size_that_fits(linear_batch):
+    w, x = linear_batch
+    # Calibrate: with an ample budget every size fits; the peaks grow with the microbatch.
+    sweep = tune_microbatch(
+        _per_example_step,
+        (w, x),
+        batch_size=16,
+        device="cpu",
+        memory_budget_gb=1000.0,
+        steps=1,
+        compare_smaller=2,
+    )
+    assert [c.microbatch_size for c in sweep.candidates] == [16, 8, 4]
+    assert all(c.fits for c in sweep.candidates)
+    assert sweep.microbatch_size == 16
+    peaks = {c.microbatch_size: c.memory_peak_gb for c in sweep.candidates}
+    # the gradient term: 8 more examples x 8 MiB, for the per-example grads and their clipped copy
+    assert peaks[16] - peaks[8] >= 2 * 8 * 8 * MB * 0.9
+    # A budget between the peaks of 8 and 16 must choose 8. (Chunks of 64 MiB and more: glibc
+    # maps them on their own, so the process RSS follows them closely; smaller chunks can reuse
+    # heap pages and make process-level peaks noisier, up to tens of MiB.)
+    budget = (peaks[8] + peaks[16]) / 2
+    result = tune_microbatch(
+        _per_example_step,
+        (w, x),
+        batch_size=16,
+        device="cpu",
+        memory_budget_gb=budget,
+        steps=2,
+        compare_smaller=1,
+    )
+    assert result.microbatch_size == 8, f"{sweep.table()}\n{result.table()}"
+    statuses = [(c.microbatch_size, c.status) for c in result.candidates]
+    assert statuses == [(16, "over budget"), (8, "fits"), (4, "fits")]
+    over = result.candidate(16)
+    assert over.steps == 1  # stopped after the warm-up step that went over
+    assert over.step_time_sec is None
+    assert "> " in over.detail
+    chosen = result.candidate(8)
+    assert chosen.memory_peak_gb <= budget
+    assert chosen.memory_peak_gb == pytest.approx(peaks[8], abs=16 * MB)
+    assert chosen.steps == 3  # one warm-up + two smoke steps
+    assert chosen.step_time_sec > 0
+    assert chosen.samples_per_second == pytest.approx(16 / chosen.step_time_sec)
+    assert result.memory_budget_gb == budget
+    assert result.memory_process_level
+    assert result.memory_peak_exact
+
+
+def _hog_factory(limit: int, hog_mib: int, alive: list, fail_at_step: int = 1):
+    """A step that holds ``hog_mib`` MiB and runs out of memory above ``limit`` (simulated)."""
+
+    def make(m: int):
+        calls = {"n": 0}
+
+        def step(x):
+            calls["n"] += 1
+            hog = torch.ones(hog_mib * 1024**2 // 4)
+            alive.append(weakref.ref(hog))
+            if m > limit and calls["n"] >= fail_at_step:
+                try:
+                    raise RuntimeError("inner failure the OOM is chained to")
+                except RuntimeError as inner:
+                    raise torch.OutOfMemoryError(
+                        f"CUDA out of memory (simulated). Tried to allocate for microbatch {m}"
+                    ) from inner
+            return x.sum() + hog[0]
+
+        return step
+
+    return make
+
+
+@needs_proc
+def test_simulated_oom_recovers_cleanly(monkeypatch):
+    cleaned: list[bool] = []
+    real_clean = _tuner._clean
+
+    def counting_clean(device, *, full):
+        cleaned.append(full)
+        real_clean(device, full=full)
+
+    monkeypatch.setattr(_tuner, "_clean", counting_clean)
+    alive: list = []
+    x = torch.ones(16, 4)
+    empty_cache("cpu")
+    gc.collect()
+    before = get_memory_stats("cpu").allocated_gb
+    result = tune_microbatch(
+        _hog_factory(limit=4, hog_mib=64, alive=alive),
+        (x,),
+        batch_size=16,
+        device="cpu",
+        memory_budget_gb=1000.0,
+        steps=2,
+        compare_smaller=1,
+    )
+    after = get_memory_stats("cpu").allocated_gb
+    assert result.microbatch_size == 4
+    assert [(c.microbatch_size, c.status, c.steps) for c in result.candidates] == [
+        (16, "oom", 0),
+        (8, "oom", 0),
+        (4, "fits", 3),
+        (2, "fits", 3),
+    ]
+    oom = result.candidate(16)
+    assert oom.detail.startswith("step 1: OutOfMemoryError: CUDA out of memory (simulated)")
+    assert oom.memory_peak_gb is None
+    assert oom.step_time_sec is None
+    # no tensor the failed steps created is still alive (the traceback frames were dropped) ...
+    assert alive
+    assert all(ref() is None for ref in alive)
+    # ... the cache was emptied after every candidate ...
+    assert cleaned == [True] + [False] * len(result.candidates) + [True]
+    # ... and the process holds what it held before (each failed step held 64 MiB)
+    assert after == pytest.approx(before, abs=16 * MB)
+
+
+def test_oom_after_warmup_is_unstable():
+    alive: list = []
+    result = tune_microbatch(
+        _hog_factory(limit=2, hog_mib=1, alive=alive, fail_at_step=3),
+        (torch.ones(8, 2),),
+        batch_size=8,
+        device="cpu",
+        steps=3,
+        compare_smaller=0,
+    )
+    assert [(c.microbatch_size, c.status, c.steps) for c in result.candidates] == [
+        (8, "unstable", 2),
+        (4, "unstable", 2),
+        (2, "fits", 4),
+    ]
+    assert result.microbatch_size == 2
+    assert result.candidate(8).step_time_sec is not None  # one smoke step was timed
+    assert all(ref() is None for ref in alive)
+
+
+def test_cpu_allocator_runtime_error_counts_as_oom():
+    def make(m):
+        def step(x):
+            if m > 2:
+                raise RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory")
+            return x
+
+        return step
+
+    result = tune_microbatch(make, (1,), batch_size=4, device="cpu", steps=1, compare_smaller=0)
+    assert [c.status for c in result.candidates] == ["oom", "fits"]
+
+
+def test_other_errors_propagate():
+    def make(m):
+        def step(x):
+            raise ValueError(f"a bug in the step (microbatch {m})")
+
+        return step
+
+    with pytest.raises(ValueError, match="a bug in the step"):
+        tune_microbatch(make, (1,), batch_size=4, device="cpu", steps=1)
+
+
+def test_nothing_fits_raises_with_the_measurements():
+    def make(m):
+        return lambda x: x
+
+    with pytest.raises(NoMicrobatchFitsError) as info:
+        tune_microbatch(make, (1,), batch_size=4, device="cpu", memory_budget_gb=1e-6, steps=1)
+    err = info.value
+    assert isinstance(err, OperationError)
+    assert "no microbatch size fits on cpu: even 1 gave over budget" in str(err)
+    assert isinstance(err.result, TuneResult)
+    assert err.result.microbatch_size is None
+    assert [c.status for c in err.result.candidates] == ["over budget"] * 3
+    assert "nothing fits" in err.result.table()
+
+
+def test_stateful_grad_fn_pair_threads_the_state():
+    seen: list[tuple[int, int]] = []
+
+    def make(m):
+        def grad_fn(x, *, state):
+            seen.append((m, state))
+            return x * 2, state + 1
+
+        return grad_fn, 100
+
+    result = tune_microbatch(make, (torch.ones(2),), batch_size=4, device="cpu", steps=2)
+    assert result.microbatch_size == 4
+    assert seen[:3] == [(4, 100), (4, 101), (4, 102)]  # warm-up + 2 smoke steps
+    assert seen[3] == (2, 100)  # every candidate starts from its own factory state
+
+
+def test_kwargs_and_candidates():
+    calls: list[tuple[int, float]] = []
+
+    def make(m):
+        def step(x, *, scale):
+            calls.append((m, scale))
+            return x * scale
+
+        return step
+
+    result = tune_microbatch(
+        make,
+        (torch.ones(3),),
+        {"scale": 0.5},
+        batch_size=12,
+        device="cpu",
+        candidates=[3, 12, 6, 6],
+        steps=1,
+        compare_smaller=5,
+    )
+    assert [c.microbatch_size for c in result.candidates] == [12, 6, 3]
+    assert {s for _, s in calls} == {0.5}
+    assert default_candidates(1) == (1,)
+    assert default_candidates(10) == (10, 5, 2, 1)
+
+
+def test_callback_sees_each_candidate():
+    got = []
+    tune_microbatch(
+        lambda m: lambda x: x,
+        (1,),
+        batch_size=4,
+        device="cpu",
+        steps=1,
+        callback=got.append,
+    )
+    assert [c.microbatch_size for c in got] == [4, 2, 1]
+
+
+def test_table_and_plot(tmp_path):
+    def make(m):
+        def step(x):
+            if m > 4:
+                raise torch.OutOfMemoryError("simulated")
+            return x
+
+        return step
+
+    png = tmp_path / "plots" / "tune.png"
+    result = tune_microbatch(
+        make, (1,), batch_size=16, device="cpu", steps=1, compare_smaller=2, plot=png
+    )
+    table = result.table()
+    lines = table.splitlines()
+    assert lines[0].split() == [
+        "microbatch",
+        "status",
+        "steps",
+        "step",
+        "time",
+        "samples/s",
+        "peak",
+        "memory",
+    ]
+    assert lines[2].split()[:3] == ["16", "oom", "0"]
+    assert lines[4].endswith("<- chosen")
+    assert lines[4].split()[:3] == ["4", "fits", "2"]
+    assert lines[-1].startswith("cpu, batch 16, budget ")
+    assert lines[-1].endswith("on process-level peak RSS: microbatch_size=4")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 10_000
+    with pytest.raises(ConfigurationError, match=r"\.png"):
+        result.plot(tmp_path / "tune.svg")
+    d = result.to_dict()
+    assert d["microbatch_size"] == 4
+    assert [c["status"] for c in d["candidates"]] == ["oom", "oom", "fits", "fits", "fits"]
+
+
+def test_plot_without_matplotlib(monkeypatch, tmp_path):
+    import sys
+
+    result = tune_microbatch(lambda m: lambda: None, (), batch_size=1, device="cpu", steps=1)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(OperationError, match=r"pip install 'opake-profiling\[plot\]'"):
+        result.plot(tmp_path / "x.png")
+
+
+def test_cpu_default_budget_is_rss_plus_most_of_free_memory():
+    result = tune_microbatch(lambda m: lambda: None, (), batch_size=2, device="cpu", steps=1)
+    stats = get_memory_stats("cpu")
+    expected = stats.allocated_gb + _tuner.CPU_DEFAULT_FREE_FRACTION * stats.free_gb
+    assert result.memory_budget_gb == pytest.approx(expected, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"batch_size": 0}, ConfigurationError, "batch_size=0"),
+        ({"batch_size": 4.0}, InputTypeError, "batch_size"),
+        ({"batch_size": 4, "steps": 0}, ConfigurationError, "steps=0"),
+        ({"batch_size": 4, "candidates": [8]}, ConfigurationError, "exceeds batch_size=4"),
+        ({"batch_size": 4, "candidates": []}, ConfigurationError, "at least one"),
+        ({"batch_size": 4, "candidates": [0]}, ConfigurationError, ">= 1"),
+        ({"batch_size": 4, "candidates": "4"}, InputTypeError, "candidates"),
+        ({"batch_size": 4, "memory_budget_gb": -1.0}, ConfigurationError, "positive"),
+        ({"batch_size": 4, "memory_budget_gb": float("nan")}, ConfigurationError, "finite"),
+        ({"batch_size": 4, "memory_budget_gb": "8"}, InputTypeError, "memory_budget_gb"),
+        ({"batch_size": 4, "device": "gpu0"}, InputTypeError, "device"),
+        ({"batch_size": 4, "budget_gb": 1.0}, TypeError, "budget_gb"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    kwargs.setdefault("device", "cpu")
+    with pytest.raises(error, match=match):
+        tune_microbatch(lambda m: lambda x: x, (1,), **kwargs)
+
+
+def test_bad_factories():
+    with pytest.raises(InputTypeError, match="make_grad_fn"):
+        tune_microbatch(42, (), batch_size=2, device="cpu")  # type: ignore[arg-type]
+    with pytest.raises(InputTypeError, match="args"):
+        tune_microbatch(lambda m: print, "xy", batch_size=2, device="cpu")  # type: ignore[arg-type]
+    with pytest.raises(InputTypeError, match="returned int"):
+        tune_microbatch(lambda m: 3, (), batch_size=2, device="cpu")
+    with pytest.raises(InputTypeError, match=r"\(grad_fn, state\)"):
+        tune_microbatch(lambda m: (1, 2, 3), (), batch_size=2, device="cpu")
