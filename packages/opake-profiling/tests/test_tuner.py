@@ -380,3 +380,63 @@ def test_bad_factories():
         tune_microbatch(lambda m: 3, (), batch_size=2, device="cpu")
     with pytest.raises(InputTypeError, match=r"\(grad_fn, state\)"):
         tune_microbatch(lambda m: (1, 2, 3), (), batch_size=2, device="cpu")
+
+
+def test_choice_is_privacy_neutral():
+    """Every microbatch size the tuner tries yields the same clipped gradient sum: the per-example
+    loop reference (plain autograd, clip each example to C, sum in fp32)."""
+    clipping = pytest.importorskip(
+        "opake.dpsgd.clipping", reason="clipped_grad comes from opake-core (the [core] extra)"
+    )
+    gen = torch.Generator().manual_seed(3)
+    params = {"w": torch.randn(5, 4, generator=gen), "b": torch.randn(4, generator=gen)}
+    x = torch.randn(12, 5, generator=gen) * torch.linspace(0.05, 3.0, 12).view(-1, 1)
+    y = torch.randint(0, 4, (12,), generator=gen)
+    clip = 1.0
+
+    def loss_fn(p, xi, yi):  # one example
+        return torch.nn.functional.cross_entropy(xi @ p["w"] + p["b"], yi)
+
+    # Reference: a per-example Python loop with plain autograd.
+    ref = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in params.items()}
+    norms = []
+    for i in range(12):
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+        g = torch.autograd.grad(loss_fn(leaves, x[i], y[i]), list(leaves.values()))
+        norm = torch.sqrt(sum(t.pow(2).sum() for t in g))
+        norms.append(float(norm))
+        scale = min(1.0, clip / float(norm))
+        for k, t in zip(leaves, g, strict=True):
+            ref[k] += t * scale
+    assert min(norms) < clip < max(norms)  # some examples are clipped, some are not
+
+    outputs: dict[int, dict[str, torch.Tensor]] = {}
+
+    def make(m):
+        grad_fn, state = clipping.clipped_grad(
+            loss_fn, clipping_norm=clip, batch_argnums=(1, 2), microbatch_size=m
+        )
+
+        def recording(p, xs, ys, *, state):
+            grads, new_state = grad_fn(p, xs, ys, state=state)
+            outputs.setdefault(m, grads)
+            return grads, new_state
+
+        return recording, state
+
+    result = tune_microbatch(
+        make,
+        (params, x, y),
+        batch_size=12,
+        device="cpu",
+        candidates=[12, 8, 5, 3, 1],  # 8 and 5 leave a smaller last chunk
+        steps=1,
+        compare_smaller=4,
+    )
+    assert result.microbatch_size == 12
+    assert sorted(outputs) == [1, 3, 5, 8, 12]
+    for m, grads in outputs.items():
+        assert grads.max_norm == clip, m  # same sensitivity whatever the chunking
+        for k in params:
+            assert grads[k].dtype == torch.float32
+            torch.testing.assert_close(grads[k], ref[k], rtol=1e-5, atol=1e-6, msg=f"m={m} {k}")
