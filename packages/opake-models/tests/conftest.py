@@ -14,8 +14,19 @@ if "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "0" if _torch.cuda.is_available() else "1"
 
 import pytest
+import torch
 
 from opake.core import plugins
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models are dominated by threading overhead: one intra-op thread is ~10-40x faster
+    on the shared 2-core machines (restored after each test)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
