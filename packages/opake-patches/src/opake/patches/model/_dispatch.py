@@ -1,0 +1,417 @@
+"""``apply_model_patches``: runtime patches, family dispatch, shared HF pieces, one report."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from opake.core.errors import ConfigurationError, InputTypeError
+from opake.patches._patcher import Patcher
+from opake.patches.hf._compat import disable_kv_cache, dropout_status, route_gradient_checkpointing
+from opake.patches.hf._loss_only import install_loss_only
+from opake.patches.hf._mask import install_mask_conversion
+from opake.patches.model._contract import read_family_patch
+from opake.patches.model._options import (
+    LCE_OP,
+    KernelsOption,
+    PatchOptions,
+    check_kernels,
+    resolve_loss_kernel,
+)
+from opake.patches.runtime._state import (
+    RuntimePatchState,
+    apply_runtime_patches,
+    is_runtime_patched,
+    runtime_patch_state,
+)
+
+__all__ = [
+    "PLUGIN_GUIDE",
+    "KernelUse",
+    "ModelPatchReport",
+    "apply_model_patches",
+    "model_patch_report",
+    "remove_model_patches",
+    "unwrap_model",
+]
+
+#: where unsupported-family errors send the user
+PLUGIN_GUIDE = "docs/guide/plugins.md"
+_OPTION_NAMES = (
+    "performance",
+    "compat",
+    "vmap_checkpointing",
+    "fused_linear_cross_entropy",
+    "chunked_linear_cross_entropy",
+    "kernels",
+)
+
+
+@dataclass(frozen=True)
+class KernelUse:
+    """Which backend runs one op, and why."""
+
+    backend: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ModelPatchReport:
+    """What :func:`apply_model_patches` did to one model.
+
+    Attributes:
+        family: the family the model was dispatched to.
+        model_type: its ``config.model_type``.
+        applied: one line per change, family changes first.
+        kernels: op → :class:`KernelUse` (backend and reason) for every kernel the patches call.
+        skipped: part → why it was not applied.
+        notes: things the caller must do (e.g. ``randomness="different"`` for dropout).
+        options: the :class:`PatchOptions` the family saw.
+        runtime: the runtime patches in place when the model was patched.
+    """
+
+    family: str
+    model_type: str
+    applied: tuple[str, ...]
+    kernels: Mapping[str, KernelUse]
+    skipped: Mapping[str, str]
+    notes: tuple[str, ...]
+    options: PatchOptions
+    runtime: RuntimePatchState
+    _model: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def active(self) -> bool:
+        """True while these patches are on the model."""
+        model = self._model() if self._model is not None else None
+        entry = _registry.entries.get(model) if model is not None else None
+        return entry is not None and entry.report is self
+
+    def remove(self) -> None:
+        """Undo these patches (same as :func:`remove_model_patches` on the model)."""
+        model = self._model() if self._model is not None else None
+        if model is not None and self.active:
+            remove_model_patches(model)
+
+
+@dataclass
+class _Entry:
+    report: ModelPatchReport
+    patcher: Patcher
+    key: tuple[Any, ...]
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.entries: weakref.WeakKeyDictionary[Any, _Entry] = weakref.WeakKeyDictionary()
+
+
+_registry = _Registry()
+
+
+def unwrap_model(model: Any) -> Any:
+    """The Hugging Face model inside a PEFT wrapper (the model itself otherwise).
+
+    >>> import torch
+    >>> lin = torch.nn.Linear(1, 1)
+    >>> unwrap_model(lin) is lin
+    True
+    """
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        raise InputTypeError(
+            f"apply_model_patches(model=...): expected a torch.nn.Module (a Hugging Face model, "
+            f"optionally wrapped by PEFT), got {type(model).__name__}."
+        )
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base):
+        base = get_base()
+        if isinstance(base, nn.Module):
+            return base
+    return model
+
+
+def _model_type(model: Any) -> str:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigurationError(
+            f"{type(model).__name__} has no config.model_type, so no model family can be chosen: "
+            "apply_model_patches patches Hugging Face models (PreTrainedModel, optionally "
+            "PEFT-wrapped). For other modules use apply_runtime_patches() alone."
+        )
+    return model_type
+
+
+def _device_type(model: Any) -> str:
+    for p in model.parameters():
+        return str(p.device.type)
+    return "cpu"
+
+
+def _family_for(model_type: str) -> Any:
+    from opake.core.plugins import model_families
+
+    families = model_families()
+    family = families.get(model_type)
+    if family is None:
+        supported = ", ".join(sorted(families)) or "none (no model-family plugin is installed)"
+        raise ConfigurationError(
+            f"model_type {model_type!r} is not supported by any installed model family; "
+            f"supported model types: {supported}. Install opake-models, or write a family "
+            f"plugin for it (see {PLUGIN_GUIDE})."
+        )
+    ok, why = family.supported()
+    if not ok:
+        raise ConfigurationError(
+            f"model family {family.name!r} cannot patch this model: {why}. Install a version in "
+            f"its supported range, or patch with apply_runtime_patches() only."
+        )
+    return family
+
+
+def _runtime(vmap_checkpointing: bool | None) -> RuntimePatchState:
+    if vmap_checkpointing is None:
+        if not is_runtime_patched():
+            return apply_runtime_patches()
+        return runtime_patch_state()
+    current = runtime_patch_state()
+    if vmap_checkpointing and not current.vmap_checkpointing:
+        return apply_runtime_patches(vmap_checkpointing=True, save_on_cpu=True)
+    if not is_runtime_patched():
+        return apply_runtime_patches(vmap_checkpointing=False)
+    return current
+
+
+def apply_model_patches(
+    model: Any,
+    *,
+    performance: bool = True,
+    compat: bool = True,
+    vmap_checkpointing: bool | None = None,
+    fused_linear_cross_entropy: bool | None = None,
+    chunked_linear_cross_entropy: bool | int | None = None,
+    kernels: KernelsOption = None,
+    **unknown: Any,
+) -> ModelPatchReport:
+    """Patch one Hugging Face model for DP-SGD under ``vmap(grad(...))``; all or nothing.
+
+    1. Runtime patches first (:func:`~opake.patches.apply_runtime_patches`) when none are
+       installed (``vmap_checkpointing=True`` installs the checkpoint patch; ``False`` leaves
+       ``torch.utils.checkpoint`` alone).
+    2. The family of ``model.config.model_type`` is found through the plugin manager
+       (``opake.core.plugins.model_families()``); unsupported model types raise
+       :class:`~opake.core.errors.ConfigurationError` naming the supported ones. A PEFT model
+       is unwrapped to its base model (call this after wrapping).
+    3. ``compat``: KV cache off; HF gradient checkpointing routed to the vmap-safe path with
+       ``use_reentrant=False`` (unless ``vmap_checkpointing=False``); the "inputs require grad"
+       hooks made transform-safe; after the family, 2-D attention masks converted to 4-D float
+       additive masks.
+    4. The family's ``apply(model, options)`` (kernel replacements when ``performance``).
+    5. ``performance``: the ``loss_only=True`` forward for causal LMs, using the
+       ``linear_cross_entropy`` kernel chosen from ``fused_linear_cross_entropy`` (Triton, CUDA),
+       ``chunked_linear_cross_entropy`` (``True``: automatic 2-D tiling; an int: cap on the
+       vocabulary tile width; ``False``/``0``: off) and ``kernels``.
+
+    Args:
+        model: a Hugging Face model (optionally PEFT-wrapped).
+        performance: kernel replacements and the loss-only forward.
+        compat: the shared HF compatibility patches.
+        vmap_checkpointing: see step 1 and 3 (None: install the runtime patches if none are).
+        fused_linear_cross_entropy: True forces the Triton loss kernel (raises where it cannot
+            run), False excludes it, None lets selection decide.
+        chunked_linear_cross_entropy: True / int forces the chunked loss kernel, False/0
+            excludes it, None lets selection decide.
+        kernels: None/True (automatic per op), False (no kernel replacements; the loss-only
+            forward then uses the ``torch`` reference), a backend name for every op, or a
+            mapping op → None/True/False/backend name.
+
+    Returns:
+        A frozen :class:`ModelPatchReport`; ``report.remove()`` undoes everything. Applying again
+        with the same options returns the same report; other options raise until the model is
+        un-patched. Unknown keyword arguments raise ``ConfigurationError``.
+
+    Example:
+        >>> import torch
+        >>> apply_model_patches(torch.nn.Linear(2, 2))
+        Traceback (most recent call last):
+        ...
+        opake.core.errors.ConfigurationError: Linear has no config.model_type, so no model family can be chosen: apply_model_patches patches Hugging Face models (PreTrainedModel, optionally PEFT-wrapped). For other modules use apply_runtime_patches() alone.
+    """  # noqa: E501 - the doctest's expected message is one line
+    if unknown:
+        raise ConfigurationError(
+            f"apply_model_patches() got unknown keyword argument(s) {sorted(unknown)}; valid "
+            f"ones are {list(_OPTION_NAMES)}."
+        )
+    for name, value in (("performance", performance), ("compat", compat)):
+        if not isinstance(value, bool):
+            raise InputTypeError(f"apply_model_patches({name}={value!r}): expected True or False.")
+    if vmap_checkpointing is not None and not isinstance(vmap_checkpointing, bool):
+        raise InputTypeError(
+            f"apply_model_patches(vmap_checkpointing={vmap_checkpointing!r}): expected True, "
+            "False or None."
+        )
+    kernels = check_kernels(kernels)
+    base = unwrap_model(model)
+    model_type = _model_type(base)
+    key = (
+        performance,
+        compat,
+        vmap_checkpointing,
+        fused_linear_cross_entropy,
+        chunked_linear_cross_entropy,
+        dict(kernels) if isinstance(kernels, Mapping) else kernels,
+    )
+    with _registry.lock:
+        existing = _registry.entries.get(base)
+        if existing is not None:
+            if existing.key == key:
+                return existing.report
+            raise ConfigurationError(
+                f"this {type(base).__name__} is already patched with other options "
+                f"({dict(zip(_OPTION_NAMES, existing.key, strict=True))}); call "
+                "remove_model_patches(model) first."
+            )
+        family = _family_for(model_type)
+        runtime = _runtime(vmap_checkpointing)
+        device_type = _device_type(base)
+        loss_kernel, loss_reason = resolve_loss_kernel(
+            performance=performance,
+            kernels=kernels,
+            fused=fused_linear_cross_entropy,
+            chunked=chunked_linear_cross_entropy,
+            device_type=device_type,
+        )
+        routed = compat and vmap_checkpointing is not False and runtime.vmap_checkpointing
+        options = PatchOptions(
+            family=family.name,
+            model_type=model_type,
+            device_type=device_type,
+            performance=performance,
+            compat=compat,
+            vmap_checkpointing=routed,
+            kernels=kernels,
+            fused_linear_cross_entropy=fused_linear_cross_entropy,
+            chunked_linear_cross_entropy=chunked_linear_cross_entropy,
+            loss_kernel=loss_kernel,
+            loss_kernel_reason=loss_reason or (loss_kernel.reason if loss_kernel else ""),
+        )
+        patcher = Patcher()
+        try:
+            report = _apply(base, family, options, patcher)
+        except BaseException:
+            patcher.undo()
+            raise
+        report = ModelPatchReport(
+            family=family.name,
+            model_type=model_type,
+            runtime=runtime,
+            options=options,
+            _model=weakref.ref(base),
+            **report,
+        )
+        _registry.entries[base] = _Entry(report, patcher, key)
+        return report
+
+
+def _apply(base: Any, family: Any, options: PatchOptions, patcher: Patcher) -> dict[str, Any]:
+    applied: list[str] = []
+    skipped: dict[str, str] = {}
+    kernels: dict[str, KernelUse] = {}
+    notes: list[str] = []
+    if options.compat:
+        if disable_kv_cache(base, patcher):
+            applied.append("kv_cache: config.use_cache=False")
+        if options.vmap_checkpointing:
+            n = route_gradient_checkpointing(base, patcher)
+            applied.append(
+                "gradient_checkpointing: routed to the vmap-safe checkpoint, use_reentrant=False"
+                + (f" ({n} modules already enabled)" if n else "")
+            )
+        else:
+            from opake.patches.runtime._hf import make_hooks_transform_safe, restore_hooks
+
+            changed = make_hooks_transform_safe(base)
+            if changed:
+                patcher.push(lambda: restore_hooks(changed))
+            skipped["gradient_checkpointing"] = "vmap_checkpointing=False"
+    else:
+        skipped["compat"] = "compat=False"
+    result = family.load_apply()(base, options)
+    fields = read_family_patch(result, family.name)
+    patcher.push(result.undo)
+    applied.extend(fields["applied"])
+    kernels.update({op: KernelUse(*use) for op, use in fields["kernels"].items()})
+    skipped.update(fields["skipped"])
+    hf = fields["hf"]
+    head = hf.head if hf is not None else None
+    if not options.performance:
+        skipped["loss_only"] = "performance=False"
+    elif head is None:
+        skipped["loss_only"] = f"family {family.name!r} describes no causal-LM head for this model"
+    elif options.loss_kernel is None:
+        skipped["loss_only"] = options.loss_kernel_reason
+    else:
+        install_loss_only(base, head, options.loss_kernel, patcher)
+        applied.append(f"loss_only: {LCE_OP} via the {options.loss_kernel.backend} backend")
+        kernels[LCE_OP] = KernelUse(options.loss_kernel.backend, options.loss_kernel.reason)
+    attention = hf.attention if hf is not None else None
+    if not options.compat:
+        pass
+    elif attention is None:
+        skipped["attention_mask"] = f"family {family.name!r} describes no attention kind"
+    else:
+        install_mask_conversion(base, attention, patcher)
+        applied.append(f"attention_mask: 2-D masks become 4-D float additive ({attention})")
+    active = dropout_status(base)
+    if active:
+        notes.append(
+            "dropout is active in training mode ("
+            + ", ".join(active[:4])
+            + (", ..." if len(active) > 4 else "")
+            + "): under vmap pass randomness='different' (e.g. clipped_grad(..., "
+            "randomness='different')) so each example draws its own mask, or call model.eval()."
+        )
+    return {
+        "applied": tuple(applied),
+        "kernels": MappingProxyType(kernels),
+        "skipped": MappingProxyType(skipped),
+        "notes": tuple(notes),
+    }
+
+
+def remove_model_patches(model: Any) -> bool:
+    """Undo :func:`apply_model_patches` on *model* (PEFT-wrapped or not); True if it was patched.
+
+    The runtime patches stay (they are global: :func:`~opake.patches.remove_runtime_patches`).
+
+    >>> import torch
+    >>> remove_model_patches(torch.nn.Linear(1, 1))
+    False
+    """
+    base = unwrap_model(model)
+    with _registry.lock:
+        entry = _registry.entries.pop(base, None)
+        if entry is None:
+            return False
+        entry.patcher.undo()
+        return True
+
+
+def model_patch_report(model: Any) -> ModelPatchReport | None:
+    """The report of the patches currently on *model*, or None.
+
+    >>> import torch
+    >>> model_patch_report(torch.nn.Linear(1, 1)) is None
+    True
+    """
+    base = unwrap_model(model)
+    with _registry.lock:
+        entry = _registry.entries.get(base)
+        return entry.report if entry is not None else None

@@ -1,0 +1,221 @@
+"""The options a family's ``apply`` receives, and how the loss kernel is chosen from them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from opake.core.errors import ConfigurationError, InputTypeError, OperationError
+from opake.patches.hf._loss_only import LossKernel
+
+__all__ = ["LCE_OP", "KernelsOption", "PatchOptions", "check_kernels", "resolve_loss_kernel"]
+
+#: the kernel op behind the loss-only forward
+LCE_OP = "linear_cross_entropy"
+
+KernelsOption = None | bool | str | Mapping[str, "str | bool | None"]
+
+
+def check_kernels(kernels: object) -> KernelsOption:
+    """Validate the ``kernels`` option; mappings are frozen.
+
+    ``None``/``True``: automatic selection per op; ``False``: no kernel replacements; a backend
+    name: that backend for every op; a mapping op → ``None``/``True``/``False``/backend name.
+
+    >>> check_kernels({"rms_norm": "torch"})["rms_norm"]
+    'torch'
+    """
+    if kernels is None or isinstance(kernels, (bool, str)):
+        if isinstance(kernels, str) and not kernels:
+            raise ConfigurationError("kernels='' : give a backend name such as 'chunked'.")
+        return kernels
+    if isinstance(kernels, Mapping):
+        for op, value in kernels.items():
+            if not isinstance(op, str):
+                raise InputTypeError(f"kernels: op names must be strings, got {op!r}.")
+            if value is not None and not isinstance(value, (bool, str)):
+                raise InputTypeError(
+                    f"kernels[{op!r}]={value!r}: expected None/True (automatic), False (off) or "
+                    "a backend name."
+                )
+        return MappingProxyType(dict(kernels))
+    raise InputTypeError(
+        f"kernels={kernels!r}: expected None/True (automatic), False (no kernel replacements), "
+        "a backend name such as 'chunked', or a mapping op -> one of those."
+    )
+
+
+@dataclass(frozen=True)
+class PatchOptions:
+    """What ``apply_model_patches`` asks of a family's ``apply(model, options)``.
+
+    Attributes:
+        family: the family name the model was dispatched to.
+        model_type: the model's ``config.model_type``.
+        device_type: where the model's parameters live (``"cpu"``, ``"cuda"``, ...).
+        performance: kernel replacements and the loss-only forward are wanted.
+        compat: the shared HF compatibility patches are wanted.
+        vmap_checkpointing: HF gradient checkpointing is routed to the vmap-safe path.
+        kernels: the user's ``kernels`` option (see :meth:`kernel_for`).
+        fused_linear_cross_entropy: as given by the user (None: automatic).
+        chunked_linear_cross_entropy: as given by the user (None: automatic).
+        loss_kernel: the resolved ``linear_cross_entropy`` implementation for the loss-only
+            forward, or None when that path is off (``loss_kernel_reason`` says why).
+        loss_kernel_reason: why that kernel (or none) was chosen.
+
+    Example:
+        >>> opts = PatchOptions(kernels={"rms_norm": False})
+        >>> opts.kernel_for("rms_norm"), opts.kernel_for("swiglu")
+        ((False, None), (True, None))
+        >>> PatchOptions(performance=False).kernel_for("swiglu")
+        (False, None)
+    """
+
+    family: str = ""
+    model_type: str = ""
+    device_type: str = "cpu"
+    performance: bool = True
+    compat: bool = True
+    vmap_checkpointing: bool = True
+    kernels: KernelsOption = None
+    fused_linear_cross_entropy: bool | None = None
+    chunked_linear_cross_entropy: bool | int | None = None
+    loss_kernel: LossKernel | None = field(default=None, compare=False)
+    loss_kernel_reason: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kernels", check_kernels(self.kernels))
+
+    def kernel_for(self, op: str) -> tuple[bool, str | None]:
+        """``(enabled, backend)`` for one op: backend None means automatic selection.
+
+        Disabled when ``performance=False``, ``kernels=False`` or ``kernels[op]=False``.
+        """
+        if not self.performance:
+            return False, None
+        kernels = self.kernels
+        if isinstance(kernels, Mapping):
+            kernels = kernels.get(op)
+        if kernels is None or kernels is True:
+            return True, None
+        if kernels is False:
+            return False, None
+        return True, str(kernels)
+
+
+def _check_chunked(value: object) -> bool | int | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise InputTypeError(
+            f"chunked_linear_cross_entropy={value!r}: expected True (automatic 2-D tiling), a "
+            "positive int (cap on the vocabulary tile width), False or 0 (off), or None."
+        )
+    if value < 0:
+        raise ConfigurationError(
+            f"chunked_linear_cross_entropy={value}: a vocabulary tile width must be positive "
+            "(0 or False turns the chunked backend off)."
+        )
+    return value
+
+
+def resolve_loss_kernel(
+    *,
+    performance: bool,
+    kernels: KernelsOption,
+    fused: bool | None,
+    chunked: bool | int | None,
+    device_type: str,
+) -> tuple[LossKernel | None, str]:
+    """Choose the ``linear_cross_entropy`` implementation of the loss-only forward.
+
+    * ``fused_linear_cross_entropy=True`` → the ``triton`` backend (raises if it cannot run);
+    * ``chunked_linear_cross_entropy=True`` → the ``chunked`` backend with automatic 2-D tiling,
+      a positive int → ``chunked`` with that cap on the vocabulary tile width;
+    * ``False``/``0`` for either excludes that backend from automatic selection;
+    * ``kernels`` (a name, or ``kernels["linear_cross_entropy"]``) names a backend explicitly;
+      ``kernels=False`` uses the ``torch`` reference;
+    * otherwise automatic selection (``OPAKE_KERNEL_BACKEND``, then priority); an automatic
+      choice that is excluded falls back to the ``torch`` reference.
+
+    Returns ``(kernel, reason)``; ``kernel`` is None (with the reason) when the path is off.
+    Contradictory requests raise :class:`~opake.core.errors.ConfigurationError`; an explicit
+    backend that cannot run raises :class:`~opake.core.errors.OperationError`.
+
+    >>> resolve_loss_kernel(performance=False, kernels=None, fused=None, chunked=None,
+    ...                     device_type="cpu")
+    (None, 'performance=False')
+    """
+    from opake.core.plugins import select_kernel
+
+    if fused is not None and not isinstance(fused, bool):
+        raise InputTypeError(
+            f"fused_linear_cross_entropy={fused!r}: expected True, False or None (automatic)."
+        )
+    chunked = _check_chunked(chunked)
+    chunk_on = chunked is not None and chunked is not False and chunked != 0
+    chunk_size: bool | int = chunked if chunk_on and chunked is not True else True
+    if not performance:
+        if fused or chunk_on:
+            raise ConfigurationError(
+                "performance=False turns the loss-only forward off, but fused_linear_cross_entropy"
+                " / chunked_linear_cross_entropy asked for it; drop one of them."
+            )
+        return None, "performance=False"
+    if fused and chunk_on:
+        raise ConfigurationError(
+            f"fused_linear_cross_entropy=True and chunked_linear_cross_entropy={chunked!r} ask "
+            "for two different loss kernels (triton and chunked); choose one."
+        )
+    named = kernels.get(LCE_OP) if isinstance(kernels, Mapping) else kernels
+    if isinstance(named, str):
+        wanted = "triton" if fused else "chunked" if chunk_on else named
+        if wanted != named:
+            raise ConfigurationError(
+                f"kernels names backend {named!r} for {LCE_OP}, which contradicts "
+                f"fused_linear_cross_entropy={fused!r} / chunked_linear_cross_entropy="
+                f"{chunked!r}; choose one."
+            )
+        choice = select_kernel(LCE_OP, device_type, named)
+        return LossKernel(choice.backend, choice.impl, chunk_size, f"kernels={named!r}"), ""
+    if fused:
+        choice = select_kernel(LCE_OP, device_type, "triton")
+        reason = "fused_linear_cross_entropy=True"
+        return LossKernel(choice.backend, choice.impl, True, reason), ""
+    if chunk_on:
+        choice = select_kernel(LCE_OP, device_type, "chunked")
+        reason = f"chunked_linear_cross_entropy={chunked!r}"
+        return LossKernel(choice.backend, choice.impl, chunk_size, reason), ""
+    if named is False:
+        return _reference(device_type, "kernels=False: the torch reference"), ""
+    excluded = set()
+    if fused is False:
+        excluded.add("triton")
+    if chunked is not None and not chunk_on:
+        excluded.add("chunked")
+    try:
+        choice = select_kernel(LCE_OP, device_type)
+    except OperationError as err:
+        return None, f"no kernel backend provides {LCE_OP} on {device_type!r} ({err})"
+    if choice.backend in excluded:
+        why = (
+            "fused_linear_cross_entropy=False"
+            if choice.backend == "triton"
+            else (f"chunked_linear_cross_entropy={chunked!r}")
+        )
+        return _reference(device_type, f"{choice.backend} turned off by {why}"), ""
+    return LossKernel(choice.backend, choice.impl, True, choice.reason), ""
+
+
+def _reference(device_type: str, reason: str) -> LossKernel:
+    from opake.core.plugins import select_kernel
+
+    choice = select_kernel(LCE_OP, device_type, "torch")
+    return LossKernel(choice.backend, choice.impl, True, reason)
+
+
+def describe(kernel: Any) -> str:
+    """One line for the report: ``"chunked (chunked_linear_cross_entropy=2048)"``."""
+    return f"{kernel.backend} ({kernel.reason})"
