@@ -333,3 +333,47 @@ def test_vmap_checkpoint_function_directly():
         got = vmap(grad(lambda t: vmap_checkpoint(lin, t).pow(2).sum()))(x)
     ref = vmap(grad(lambda t: lin(t).pow(2).sum()))(x)
     torch.testing.assert_close(got, ref)
+
+
+GLOBAL_BLOCK = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+
+def _uses_global_block(t):
+    return GLOBAL_BLOCK(t)
+
+
+class _Runner:
+    """A plain object holding a module: its bound method is checkpointed."""
+
+    def __init__(self, block):
+        self.block = block
+
+    def run(self, t):
+        return self.block(t)
+
+
+@pytest.mark.parametrize("how", ["global", "object_attribute", "list_in_closure"])
+def test_modules_reached_through_globals_objects_and_containers(patched, how):
+    torch.manual_seed(5)
+    block = GLOBAL_BLOCK
+    params = {k: v.detach() for k, v in block.named_parameters()}
+    runner = _Runner(block)
+    blocks = [block]
+
+    def region(t):
+        return blocks[0](t)
+
+    fn = {"global": _uses_global_block, "object_attribute": runner.run, "list_in_closure": region}[
+        how
+    ]
+
+    def loss(p, t, ckpt):
+        with torch.nn.utils.stateless._reparametrize_module(block, p):
+            out = tuc.checkpoint(fn, t, use_reentrant=False) if ckpt else fn(t)
+        return out.pow(2).sum()
+
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        ref = vmap(grad(functools.partial(loss, ckpt=False)), in_dims=(None, 0))(params, x)
+        got = vmap(grad(functools.partial(loss, ckpt=True)), in_dims=(None, 0))(params, x)
+    _assert_same(ref, got)
