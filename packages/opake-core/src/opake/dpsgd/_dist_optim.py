@@ -1,0 +1,549 @@
+"""Data-parallel DP-SGD: reduce the clipped sums across ranks, then noise once (implementation).
+
+:class:`DistributedDPOptimizer` is a :class:`~opake.dpsgd.optimizer.DPOptimizer` whose
+:meth:`~DistributedDPOptimizer.step` first SUM-all-reduces, in fp32, the clipped per-example
+gradient sums every rank accumulated for its shard of the global Poisson batch, and only then
+lets :class:`DPOptimizer` add the Gaussian noise — once, to the global sum — divide by the
+global expected batch size, update and account. Every rank ends the step with the same
+parameters. See ``docs/guide/distributed.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from opake.core.errors import ConfigurationError, InputTypeError, OperationError
+from opake.dpsgd._dist_comm import all_reduce_tensors, broadcast_tensors, fingerprint
+from opake.dpsgd._dist_env import _world
+from opake.dpsgd._optim import DPOptimizer, StepReport
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DistributedDPOptimizer", "check_replicas_in_sync", "unwrap_ddp"]
+
+NoiseSync = Literal["auto", "replicated", "broadcast"]
+_NOISE_SYNC = ("auto", "replicated", "broadcast")
+_DDP_PREFIX = "module."
+
+
+def unwrap_ddp(module: Any) -> Any:
+    """The module inside a ``DistributedDataParallel`` wrapper (any other object unchanged).
+
+    Build ``make_functional`` on the unwrapped module: DDP's ``forward`` may run collectives
+    (buffer broadcasts) once per call, and under Poisson sampling ranks make different numbers
+    of forward calls, which would deadlock. Opake reduces the clipped sums itself.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Linear(2, 1)
+        >>> unwrap_ddp(net) is net
+        True
+    """
+    import torch
+
+    while isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        module = module.module
+    return module
+
+
+def _comm_device(group: Any) -> torch.device:
+    """Where collective buffers live: the current CUDA device for nccl, else CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() and str(dist.get_backend(group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _gather_rows(row: torch.Tensor, *, group: Any, world_size: int) -> torch.Tensor:
+    """All-gather one float64 row per rank: a ``[world_size, n]`` CPU tensor."""
+    import torch
+    import torch.distributed as dist
+
+    device = _comm_device(group)
+    local = row.to(device=device, dtype=torch.float64).contiguous()
+    rows = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(rows, local, group=group)
+    return torch.stack(rows).cpu()
+
+
+def _structure_hash(named: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """48-bit hash of names, shapes and dtypes (exact in float64)."""
+    digest = hashlib.sha256()
+    for name, tensor in named:
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+    return int.from_bytes(digest.digest()[:6], "big")
+
+
+def _replica_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors every replica must hold identically: parameters (and buffers of a module)."""
+    import torch
+
+    if isinstance(params, torch.nn.Module):
+        named = list(params.named_parameters())
+        named += [(f"buffer:{n}", b) for n, b in params.named_buffers()]
+        return named
+    if isinstance(params, Mapping):
+        return [(str(n), t) for n, t in params.items() if isinstance(t, torch.Tensor)]
+    raise InputTypeError(
+        f"params={type(params).__name__}: expected the nn.Module (or its DistributedDataParallel "
+        "wrapper) or the name -> tensor dict from make_functional"
+    )
+
+
+def check_replicas_in_sync(
+    params: Any, *, group: Any = None, what: str = "parameters"
+) -> tuple[float, float]:
+    """Raise :class:`OperationError` on every rank if the replicas' tensors differ.
+
+    ``params`` is a module (parameters and buffers) or a ``name -> tensor`` dict. Compares a
+    float64 fingerprint of every rank's tensors (one small all-gather); the check is exact, so
+    any drift — different seeds, a rank that skipped a step, a non-deterministic update — is
+    reported. Returns this rank's fingerprint. A single process always passes.
+
+    Example:
+        >>> import torch
+        >>> from opake.dpsgd.distributed import check_replicas_in_sync
+        >>> _ = check_replicas_in_sync(torch.nn.Linear(2, 1))  # one process: trivially in sync
+    """
+    import torch
+
+    named = _replica_tensors(unwrap_ddp(params))
+    local = fingerprint([t for _, t in named])
+    rank, world_size = _world(group)
+    if world_size == 1:
+        return local
+    rows = _gather_rows(
+        torch.tensor(local, dtype=torch.float64), group=group, world_size=world_size
+    )
+    reference = rows[0]
+    differing = [
+        r
+        for r in range(world_size)
+        if not bool(torch.equal(rows[r], reference))
+        and not (bool(torch.isnan(rows[r]).any()) and bool(torch.isnan(reference).any()))
+    ]
+    if differing:
+        raise OperationError(
+            f"the {what} differ between ranks: rank(s) {differing} do not match rank 0 (this is "
+            f"rank {rank}). Data-parallel DP-SGD needs identical replicas: start every rank from "
+            "the same weights (DistributedDPOptimizer broadcasts rank 0's), use the same noise "
+            "seed, and call step() on every rank for every logical step"
+        )
+    return local
+
+
+class _BroadcastNoise:
+    """Rank 0 draws the noise (e.g. from OS entropy) and broadcasts the noised sum."""
+
+    def __init__(self, inner: Any, *, rank: int, group: Any, device: torch.device) -> None:
+        self._inner = inner
+        self._rank = rank
+        self._group = group
+        self._device = device
+
+    @property
+    def inner(self) -> Any:
+        """The noise object rank 0 draws from."""
+        return self._inner
+
+    @property
+    def noise_multiplier(self) -> float:
+        return float(self._inner.noise_multiplier)
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        self._inner.noise_multiplier = value
+
+    def __getattr__(self, name: str) -> Any:
+        # state_dict / load_state_dict / secure / seed exist here iff the inner object has them
+        if name.startswith("__") or name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def add(
+        self, grads: Mapping[str, torch.Tensor], sensitivity: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        import torch
+
+        names = list(grads)
+        if self._rank == 0:
+            out = self._inner.add(dict(grads), sensitivity=sensitivity)
+            if isinstance(out, tuple):
+                out = out[0]
+            if not isinstance(out, Mapping) or set(out) != set(names):
+                raise OperationError(
+                    "the noise object returned a different set of entries than it was given"
+                )
+            values = [out[n].detach().to(torch.float32).clone() for n in names]
+        else:
+            values = [
+                torch.empty(grads[n].shape, dtype=torch.float32, device=grads[n].device)
+                for n in names
+            ]
+        broadcast_tensors(values, src=0, group=self._group, device=self._device)
+        return dict(zip(names, values, strict=True))
+
+    __call__ = add
+
+    def __repr__(self) -> str:
+        return f"BroadcastNoise({self._inner!r}, from rank 0)"
+
+
+class DistributedDPOptimizer(DPOptimizer):
+    """:class:`~opake.dpsgd.optimizer.DPOptimizer` for data-parallel training (DDP-style).
+
+    Every rank computes the clipped per-example gradient sums of its own shard of the global
+    Poisson batch (``PoissonSampler(..., rank=, world_size=)``) and :meth:`accumulate`-s them
+    as usual. :meth:`step` then
+
+    1. checks, in one small all-gather, that every rank accumulated at least one (possibly
+       empty) physical batch and that all clipped to the same sensitivity;
+    2. SUM-all-reduces the fp32 sums (bucketed) — a rank with an empty shard contributes
+       zeros, so no rank ever waits on a collective the others skip;
+    3. adds Gaussian noise **once** to the global sum — every rank draws the *same* noise
+       from the shared seed (``noise_sync="replicated"``), or rank 0 draws it and broadcasts
+       the noised sum (``"broadcast"``, required for ``secure=True`` noise whose draws cannot
+       be replayed);
+    4. divides by the *global* expected batch size ``q·N``, updates, and records the step with
+       the global sample rate q in the accountant — identically on every rank.
+
+    Gradient accumulation (several :meth:`accumulate` calls) and ``clipped_grad``'s
+    microbatching stay local; there is one reduction per logical step. Opake never calls
+    ``backward()`` on the module's own parameters, so a ``DistributedDataParallel`` wrapper's
+    gradient hooks never fire and nothing is reduced twice; ``no_sync`` is not needed. Pass
+    the DDP module (it is unwrapped) and build ``make_functional`` on ``unwrap_ddp(model)``.
+
+    Args:
+        optimizer: the ``torch.optim`` optimizer over the trainable tensors (same on all ranks).
+        params: the module (or its DDP wrapper), or the ``name -> tensor`` dict.
+        process_group: the group to reduce over (default: the default group). Without an
+            initialised process group the optimizer runs as a single process.
+        noise_sync: ``"replicated"``, ``"broadcast"`` or ``"auto"`` (broadcast for secure noise
+            or a noise object without a seed, replicated otherwise).
+        broadcast_parameters: copy rank 0's parameters (and a module's buffers) to every rank
+            at construction, so replicas start identical (as DDP does).
+        check_sync_every: every this many steps (and after the first), verify that all ranks
+            hold identical parameters (one 2-float all-gather; 0 disables).
+        **options: every :class:`~opake.dpsgd.optimizer.DPOptimizer` keyword argument. With
+            several ranks, ``seed=None`` (and no ``noise=``/``secure=``) draws the noise seed on
+            rank 0 and shares it; a ``sampler=`` must be this rank's shard.
+
+    Construction compares the configuration of every rank (noise seed, sampler seed and rate,
+    expected batch size, σ, the parameters' names and shapes) and raises
+    :class:`~opake.core.errors.ConfigurationError` on every rank if they differ.
+
+    Example (one process; under ``torchrun`` the same code reduces across ranks):
+        >>> import torch
+        >>> from opake.dpsgd.distributed import DistributedDPOptimizer
+        >>> net = torch.nn.Linear(2, 1)
+        >>> opt = DistributedDPOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net,
+        ...                              noise_multiplier=1.0, expected_batch_size=4.0, seed=0)
+        >>> opt.world_size, opt.noise_sync
+        (1, 'replicated')
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Mapping[str, torch.Tensor] | torch.nn.Module,
+        *,
+        process_group: Any = None,
+        noise_sync: NoiseSync = "auto",
+        broadcast_parameters: bool = True,
+        check_sync_every: int = 100,
+        **options: Any,
+    ) -> None:
+        import torch
+
+        if noise_sync not in _NOISE_SYNC:
+            raise ConfigurationError(
+                f"noise_sync={noise_sync!r}: expected one of {', '.join(_NOISE_SYNC)}"
+            )
+        if not isinstance(broadcast_parameters, bool):
+            raise InputTypeError(f"broadcast_parameters={broadcast_parameters!r}: expected a bool")
+        if (
+            isinstance(check_sync_every, bool)
+            or not isinstance(check_sync_every, int)
+            or check_sync_every < 0
+        ):
+            raise ConfigurationError(
+                f"check_sync_every={check_sync_every!r}: expected an int ≥ 0 (0 disables the check)"
+            )
+        self._ddp_wrapped = isinstance(params, torch.nn.parallel.DistributedDataParallel)
+        params = unwrap_ddp(params)
+        rank, world_size = _world(process_group)
+        self._group = process_group
+        self._rank = rank
+        self._world_size = world_size
+        self._check_every = check_sync_every
+        self._comm = _comm_device(process_group)
+        named = _replica_tensors(params)
+        self._structure = _structure_hash(named)
+        self._replicas = params
+        mode = self._resolve_noise_sync(noise_sync, options)
+        if world_size > 1:
+            self._agree(options, mode)
+            if broadcast_parameters:
+                broadcast_tensors(
+                    [t for _, t in named], src=0, group=process_group, device=self._comm
+                )
+        super().__init__(optimizer, params, **options)
+        self._noise_sync: Literal["replicated", "broadcast"] = mode
+        if world_size > 1 and mode == "broadcast":
+            self.noise = _BroadcastNoise(
+                self.noise, rank=rank, group=process_group, device=self._comm
+            )
+
+    # -- configuration ---------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the reduction group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks whose sums are reduced (1: a single process)."""
+        return self._world_size
+
+    @property
+    def noise_sync(self) -> Literal["replicated", "broadcast"]:
+        """How ranks obtain identical noise: same seed (replicated) or rank 0's (broadcast)."""
+        return self._noise_sync
+
+    def _resolve_noise_sync(
+        self, requested: NoiseSync, options: dict[str, Any]
+    ) -> Literal["replicated", "broadcast"]:
+        noise = options.get("noise")
+        secure = bool(options.get("secure", False)) or bool(getattr(noise, "secure", False))
+        seeded = noise is None or getattr(noise, "seed", None) is not None
+        if requested == "replicated" and secure:
+            raise ConfigurationError(
+                "noise_sync='replicated' with secure noise: secure draws come from fresh OS "
+                "entropy and cannot be replayed on other ranks; use noise_sync='broadcast' (rank "
+                "0 draws, the noised sum is broadcast) or 'auto'"
+            )
+        if requested == "replicated" and not seeded:
+            raise ConfigurationError(
+                f"noise_sync='replicated' with noise={type(noise).__name__} that has no seed: "
+                "ranks could not draw identical noise; give it a seed or use 'broadcast'"
+            )
+        if requested != "auto":
+            return requested
+        return "broadcast" if secure or not seeded else "replicated"
+
+    def _agree(self, options: dict[str, Any], mode: str) -> None:
+        """One all-gather of every rank's configuration; raise on every rank if they differ."""
+        import torch.distributed as dist
+
+        noise = options.get("noise")
+        sampler = options.get("sampler")
+        share_seed = noise is None and options.get("seed") is None and not options.get("secure")
+        mine: dict[str, Any] = {
+            "structure": self._structure,
+            "noise_sync": mode,
+            "noise_seed": options.get("seed") if noise is None else getattr(noise, "seed", None),
+            "noise_multiplier": options.get(
+                "noise_multiplier", getattr(noise, "noise_multiplier", None)
+            ),
+            "expected_batch_size": options.get("expected_batch_size"),
+            "sample_rate": options.get("sample_rate"),
+            "sampler": None,
+            "shard": None,
+            "proposed_seed": secrets.randbits(63) if share_seed and self._rank == 0 else None,
+        }
+        if sampler is not None:
+            state = sampler.state_dict() if callable(getattr(sampler, "state_dict", None)) else {}
+            mine["sampler"] = {
+                "type": type(sampler).__name__,
+                "seed": getattr(sampler, "seed", None),
+                "config": state.get("config"),
+                "position": getattr(sampler, "position", None),
+            }
+            mine["shard"] = (getattr(sampler, "rank", None), getattr(sampler, "world_size", None))
+        everyone: list[Any] = [None] * self._world_size
+        dist.all_gather_object(everyone, mine, group=self._group)
+        problems = []
+        wrong_shard = [
+            f"rank {r} has a sampler for shard {conf['shard']}"
+            for r, conf in enumerate(everyone)
+            if conf["shard"] is not None and conf["shard"] != (r, self._world_size)
+        ]
+        if wrong_shard:
+            problems.append(
+                f"{', '.join(wrong_shard)}: build each rank's sampler with rank=<its rank>, "
+                f"world_size={self._world_size} (otherwise examples are counted on several ranks "
+                "and the sensitivity is no longer the clipping bound)"
+            )
+        for key in ("structure", "noise_sync", "noise_seed", "noise_multiplier", "sampler"):
+            values = [conf[key] for conf in everyone]
+            differing = [r for r, v in enumerate(values) if v != values[0]]
+            if differing:
+                problems.append(
+                    f"{_AGREE_HINTS[key]} differs between rank 0 and rank(s) {differing}"
+                )
+        for key in ("expected_batch_size", "sample_rate"):
+            values = [conf[key] for conf in everyone]
+            if any(
+                (v is None) != (values[0] is None)
+                or (v is not None and not math.isclose(float(v), float(values[0]), rel_tol=1e-12))
+                for v in values
+            ):
+                problems.append(f"{key} differs between ranks: {values}")
+        if problems:
+            raise ConfigurationError(
+                "DistributedDPOptimizer: the ranks are not configured alike: "
+                + "; ".join(problems)
+                + ". Every rank must build the same model, optimizer, sampler (its own shard of "
+                "the same global sampling) and noise, from the same seeds"
+            )
+        if everyone[0]["proposed_seed"] is not None:
+            options["seed"] = int(everyone[0]["proposed_seed"])
+
+    # -- the logical step ------------------------------------------------------------------
+
+    def accumulate(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Add this rank's clipped sum of one physical batch (see :meth:`DPOptimizer.accumulate`).
+
+        Nothing is communicated here: the reduction happens once, in :meth:`step`.
+        """
+        if self._ddp_wrapped and isinstance(grads, Mapping):
+            prefixed = [n for n in grads if isinstance(n, str) and n.startswith(_DDP_PREFIX)]
+            if prefixed and prefixed[0] not in self.param_names:
+                raise ConfigurationError(
+                    f"gradient for {prefixed[0]!r}: these gradients were computed through the "
+                    "DistributedDataParallel wrapper (make_functional(ddp_model)). DDP's forward "
+                    "may run collectives a different number of times on each rank under Poisson "
+                    "sampling and deadlock; build the functional model on the inner module: "
+                    "make_functional(unwrap_ddp(model))"
+                )
+        super().accumulate(grads)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """SUM of ``tensor`` over the ranks (a new tensor; the input itself in one process).
+
+        The ``reduce=`` hook of ``AdaptiveClipping.end_step``: with adaptive clipping and
+        manual :meth:`accumulate`/:meth:`step`, call ``grad_fn(..., end_step=False)`` for every
+        physical batch and then ``state = state.end_step(reduce=opt.all_reduce_sum)`` on every
+        rank (:meth:`logical_step` does this for you).
+        """
+        import torch
+        import torch.distributed as dist
+
+        if self._world_size == 1:
+            return tensor
+        buffer = tensor.detach().to(device=self._comm, dtype=torch.float64).clone()
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group)
+        return buffer.to(device=tensor.device)
+
+    def step(self) -> StepReport:
+        """Reduce every rank's sums, then noise once, divide, update and account (every rank).
+
+        ``StepReport.physical_batches`` counts the physical batches of all ranks.
+        """
+        if self._world_size > 1:
+            try:
+                self._reduce_pending()
+            except BaseException:
+                self._clear()
+                raise
+        report = super().step()
+        if self._check_every and (report.step == 1 or report.step % self._check_every == 0):
+            check_replicas_in_sync(
+                self._replicas, group=self._group, what=f"parameters after step {report.step}"
+            )
+        return report
+
+    def _reduce_pending(self) -> None:
+        import torch
+
+        names = list(self.param_names)
+        world = self._world_size
+        sensitivity = self._sensitivity
+        row = torch.zeros(3 + len(names), dtype=torch.float64)
+        row[0] = float(self._physical)
+        row[1] = float("nan") if sensitivity is None else float(sensitivity)
+        row[2] = float(self._structure)
+        for k, name in enumerate(names):
+            row[3 + k] = 1.0 if name in self._sums else 0.0
+        rows = _gather_rows(row, group=self._group, world_size=world)
+        if bool((rows[:, 2] != rows[0, 2]).any()):
+            raise ConfigurationError(
+                "the ranks' parameters differ in names, shapes or dtypes; every rank must build "
+                "the same model and optimizer"
+            )
+        idle = [r for r in range(world) if rows[r, 0] == 0]
+        if idle:
+            raise OperationError(
+                f"DistributedDPOptimizer.step(): rank(s) {idle} accumulated nothing for this "
+                f"step (this is rank {self._rank}). Every rank must accumulate at least one "
+                "physical batch per logical step — an empty Poisson shard is still passed "
+                "through grad_fn (it returns zeros) and accumulated"
+            )
+        sens = rows[:, 1].tolist()
+        if any(not math.isclose(s, sens[0], rel_tol=1e-9) for s in sens):
+            raise ConfigurationError(
+                f"the ranks clipped to different sensitivities {sens}: the noise is calibrated to "
+                "one bound, so every rank must use the same clipping_norm (and, with adaptive "
+                "clipping, the same state seed and the reduce= hook)"
+            )
+        present = [name for k, name in enumerate(names) if bool((rows[:, 3 + k] > 0).any())]
+        local = []
+        for name in present:
+            value = self._sums.get(name)
+            if value is None:
+                param = self._params[name]
+                value = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+            local.append(value)
+        reduced = all_reduce_tensors(local, group=self._group, device=self._comm)
+        self._sums = dict(zip(present, reduced, strict=True))
+        self._sensitivity = sens[0]
+        self._physical = int(rows[:, 0].sum())
+
+    def logical_step(
+        self,
+        grad_fn: Callable[..., Any],
+        params: Any,
+        batches: Iterable[tuple[Any, ...] | Mapping[str, Any]],
+        *,
+        state: Any,
+    ) -> tuple[StepReport, Any]:
+        """:meth:`DPOptimizer.logical_step` on this rank's physical batches, then reduce.
+
+        With :class:`~opake.dpsgd.clipping.AdaptiveClipping` the clipping bound is updated
+        once, from the count summed over all ranks (``end_step(reduce=self.all_reduce_sum)``),
+        so every rank keeps the same bound; the state needs an integer ``seed`` shared by all
+        ranks (its count noise is then identical everywhere).
+        """
+        from opake.dpsgd.clipping import AdaptiveClipping
+
+        if self._world_size == 1 or not isinstance(state, AdaptiveClipping):
+            return super().logical_step(grad_fn, params, batches, state=state)
+        if state.seed is None:
+            raise ConfigurationError(
+                "AdaptiveClipping(seed=None) with several ranks: each rank would draw different "
+                "count noise and their clipping bounds would drift apart; give the state an "
+                "integer seed shared by all ranks"
+            )
+
+        def local_grad_fn(*args: Any, end_step: bool = True, **kwargs: Any) -> Any:
+            return grad_fn(*args, end_step=False, **kwargs)
+
+        report, state = super().logical_step(local_grad_fn, params, batches, state=state)
+        return report, state.end_step(reduce=self.all_reduce_sum)
+
+
+_AGREE_HINTS = {
+    "structure": "the model (parameter names, shapes, dtypes)",
+    "noise_sync": "noise_sync",
+    "noise_seed": "the noise seed",
+    "noise_multiplier": "noise_multiplier",
+    "sampler": "the sampler (type, seed, configuration or position)",
+}

@@ -1,0 +1,58 @@
+"""Data-parallel DP-SGD on ``torch.distributed`` (``torchrun``; gloo on CPU, nccl on CUDA).
+
+One logical step across ``W`` ranks::
+
+    each rank: its shard of the global Poisson batch ──► clipped_grad (fp32 sums)
+        ──► all-reduce SUM (fp32) ──► + N(0, σ²C²) once, identical on every rank
+        ──► / global expected batch size q·N ──► identical update ──► accountant (global q)
+
+- :func:`init_distributed` — process group from ``torchrun``'s environment, with a finite
+  timeout; a single-process context without a launcher;
+- :class:`DistributedDPOptimizer` — :class:`~opake.dpsgd.optimizer.DPOptimizer` that reduces
+  the clipped sums of every rank before the noise; :func:`unwrap_ddp` for DDP-wrapped modules;
+- :func:`fail_fast` — one rank's exception stops every rank quickly, naming its cause;
+- :func:`save_checkpoint_distributed` / :func:`load_checkpoint_distributed` — rank 0 writes
+  atomically after every rank agreed; every rank restores;
+- :func:`gather_metrics` — per-rank figures (e.g. ``opake.profiling.step_perf``) gathered and
+  aggregated; :func:`check_replicas_in_sync` — verify identical parameters.
+
+Sampling: build ``PoissonSampler(N, q, seed=shared, **ctx.sampler_kwargs())`` on every rank;
+each example is included with probability q over the whole dataset and each rank keeps its
+share of the global batch. See ``docs/guide/distributed.md``.
+
+Example:
+    >>> from opake.dpsgd.distributed import init_distributed
+    >>> ctx = init_distributed()  # without torchrun: one process, no collectives
+    >>> ctx.world_size
+    1
+"""
+
+from __future__ import annotations
+
+from opake.dpsgd._dist_checkpoint import load_checkpoint_distributed, save_checkpoint_distributed
+from opake.dpsgd._dist_env import (
+    DEFAULT_TIMEOUT_SEC,
+    DistributedContext,
+    current_context,
+    init_distributed,
+)
+from opake.dpsgd._dist_failure import ABORT_EXIT_CODE, FailFast, fail_fast
+from opake.dpsgd._dist_metrics import RankMetrics, gather_metrics
+from opake.dpsgd._dist_optim import DistributedDPOptimizer, check_replicas_in_sync, unwrap_ddp
+
+__all__ = [
+    "ABORT_EXIT_CODE",
+    "DEFAULT_TIMEOUT_SEC",
+    "DistributedContext",
+    "DistributedDPOptimizer",
+    "FailFast",
+    "RankMetrics",
+    "check_replicas_in_sync",
+    "current_context",
+    "fail_fast",
+    "gather_metrics",
+    "init_distributed",
+    "load_checkpoint_distributed",
+    "save_checkpoint_distributed",
+    "unwrap_ddp",
+]

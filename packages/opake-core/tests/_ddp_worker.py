@@ -1,0 +1,481 @@
+"""One rank of the distributed tests (launched by test_distributed*.py as a subprocess).
+
+    RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p python _ddp_worker.py SCENARIO OUTDIR
+
+(the environment ``torchrun`` sets; ``torchrun ... _ddp_worker.py SCENARIO OUTDIR`` works too).
+Each scenario writes ``OUTDIR/<name>.rank<r>.pt`` with what the test compares. The training
+functions also run in the test process itself with ``world_size=1`` (no process group), to
+produce the single-process reference.
+
+Scenarios: ``train`` (every happy-path check in one process group), ``small`` (the MLP run
+only, for the torchrun test), ``fail`` (rank 1 raises while rank 0 checkpoints), ``fail_step``
+(rank 1 raises mid-step), ``hang`` (rank 1 is stuck; the timeout and the watchdog end it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# -- configuration shared with the tests -------------------------------------------------------
+
+N = 24  # dataset size
+Q = 0.15  # global Poisson rate
+STEPS = 5
+SAMPLER_SEED = 53  # global batch sizes [2, 1, 5, 0, 6]: an empty step and a one-example step
+NOISE_SEED = 11
+SIGMA = 0.7
+CLIP = 1.0
+LR = 0.5
+LLAMA = {"hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 128}
+SEQ = 8
+
+
+def mlp_data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(N, 8, generator=gen) * torch.linspace(0.2, 5.0, N)[:, None]
+    y = torch.randint(0, 4, (N,), generator=gen)
+    return x, y
+
+
+def make_mlp(seed: int = 0) -> torch.nn.Module:
+    from opake.core import testing
+
+    return testing.tiny_mlp(in_features=8, hidden=16, classes=4, seed=seed)
+
+
+def mlp_loss(fmodel: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    def loss_fn(params: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(fmodel(params, x[None]), y[None])
+
+    return loss_fn
+
+
+def _chunks(idx: list[int], parts: int) -> list[list[int]]:
+    """Split a shard into ``parts`` physical batches (some possibly empty)."""
+    size = -(-len(idx) // parts) if idx else 0
+    return [idx[i * size : (i + 1) * size] for i in range(parts)]
+
+
+def _optimizer_cls(world_size: int) -> Any:
+    if world_size == 1:
+        from opake.dpsgd.optimizer import DPOptimizer
+
+        return DPOptimizer
+    from opake.dpsgd.distributed import DistributedDPOptimizer
+
+    return DistributedDPOptimizer
+
+
+def train_mlp(
+    rank: int,
+    world_size: int,
+    *,
+    chunks: int = 2,
+    microbatch_size: int | None = 1,
+    wrap_ddp: bool = False,
+    noise: dict[str, Any] | None = None,
+    steps: int = STEPS,
+) -> dict[str, Any]:
+    """DP-SGD on the tiny MLP with Poisson shards, accumulation and microbatching."""
+    from opake.accounting import RDPAccountant
+    from opake.dpsgd.clipping import clipped_grad
+    from opake.dpsgd.sampling import PoissonSampler
+    from opake.functional import make_functional
+
+    x, y = mlp_data()
+    # ranks > 0 start from different weights: the optimizer must broadcast rank 0's
+    model = make_mlp(seed=rank)
+    module: torch.nn.Module = model
+    if wrap_ddp:
+        module = torch.nn.parallel.DistributedDataParallel(model)
+    sampler = PoissonSampler(N, Q, seed=SAMPLER_SEED, rank=rank, world_size=world_size)
+    accountant = RDPAccountant()
+    opt = _optimizer_cls(world_size)(
+        torch.optim.SGD(module.parameters(), lr=LR),
+        module,
+        sampler=sampler,
+        accountant=accountant,
+        delta=1e-5,
+        **(noise if noise is not None else {"noise_multiplier": SIGMA, "seed": NOISE_SEED}),
+    )
+    fmodel, params = make_functional(model)
+    grad_fn, state = clipped_grad(
+        mlp_loss(fmodel), clipping_norm=CLIP, batch_argnums=(1, 2), microbatch_size=microbatch_size
+    )
+    reports, local_sizes = [], []
+    for _, idx in zip(range(steps), sampler, strict=False):
+        local_sizes.append(len(idx))
+        for part in _chunks(idx, chunks):
+            rows = torch.tensor(part, dtype=torch.long)
+            grads, state = grad_fn(params, x[rows], y[rows], state=state)
+            opt.accumulate(grads)
+        report = opt.step()
+        reports.append(
+            {
+                "step": report.step,
+                "physical_batches": report.physical_batches,
+                "sensitivity": report.sensitivity,
+                "expected_batch_size": report.expected_batch_size,
+                "sample_rate": report.sample_rate,
+                "epsilon": report.epsilon,
+            }
+        )
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "reports": reports,
+        "local_sizes": local_sizes,
+        "noise_sync": getattr(opt, "noise_sync", None),
+        "model": model,
+        "optimizer": opt,
+        "accountant": accountant,
+        "sampler": sampler,
+    }
+
+
+def train_adaptive(rank: int, world_size: int) -> dict[str, Any]:
+    """Adaptive clipping through logical_step: the bound follows the count of all ranks."""
+    from opake.dpsgd.clipping import AdaptiveClipping, clipped_grad
+    from opake.dpsgd.sampling import PoissonSampler
+    from opake.functional import make_functional
+
+    x, y = mlp_data()
+    model = make_mlp(seed=0)
+    sampler = PoissonSampler(N, Q, seed=SAMPLER_SEED, rank=rank, world_size=world_size)
+    opt = _optimizer_cls(world_size)(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        model,
+        sampler=sampler,
+        noise_multiplier=SIGMA,
+        seed=NOISE_SEED,
+    )
+    fmodel, params = make_functional(model)
+    start = AdaptiveClipping(
+        0.5, count_noise_multiplier=1.0, expected_batch_size=N * Q, learning_rate=0.5, seed=5
+    )
+    grad_fn, state = clipped_grad(mlp_loss(fmodel), clipping_norm=start, batch_argnums=(1, 2))
+    bounds = []
+    for _, idx in zip(range(STEPS), sampler, strict=False):
+        batches = [(x[torch.tensor(p, dtype=torch.long)], y[p]) for p in _chunks(idx, 2)]
+        _, state = opt.logical_step(grad_fn, params, batches, state=state)
+        bounds.append(state.clipping_norm)
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "bounds": bounds,
+    }
+
+
+def train_llama(rank: int, world_size: int) -> dict[str, Any]:
+    """Two DP steps on a tiny Llama (causal LM loss, per-example vmap) over Poisson shards."""
+    from opake.core import testing
+    from opake.dpsgd.clipping import clipped_grad
+    from opake.dpsgd.sampling import PoissonSampler
+    from opake.functional import make_functional
+
+    model = testing.tiny_llama(**LLAMA, seed=0)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, LLAMA["vocab_size"], (12, SEQ), generator=gen)
+    sampler = PoissonSampler(12, 0.34, seed=2, rank=rank, world_size=world_size)
+    opt = _optimizer_cls(world_size)(
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        model,
+        sampler=sampler,
+        noise_multiplier=SIGMA,
+        seed=NOISE_SEED,
+    )
+    fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
+    loss_fn = testing.causal_lm_loss(fmodel)
+    grad_fn, state = clipped_grad(
+        loss_fn, clipping_norm=CLIP, batch_argnums=(2, 3), microbatch_size=2, check_unused=False
+    )
+    sizes = []
+    for _, idx in zip(range(2), sampler, strict=False):
+        sizes.append(len(idx))
+        rows = torch.tensor(idx, dtype=torch.long)
+        grads, state = grad_fn(trainable, frozen, ids[rows], ids[rows], state=state)
+        opt.accumulate(grads)
+        opt.step()
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "local_sizes": sizes,
+    }
+
+
+# -- distributed-only checks ---------------------------------------------------------------------
+
+
+def _error(fn: Callable[[], Any]) -> str | None:
+    """Run ``fn``; return ``"Type: message"`` of what it raised (``None`` if nothing)."""
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def misconfigurations(rank: int, world_size: int) -> dict[str, str | None]:
+    """Mistakes on one rank must raise on *every* rank (and leave the group usable)."""
+    from opake.dpsgd.clipping import clipped_grad
+    from opake.dpsgd.distributed import DistributedDPOptimizer, check_replicas_in_sync
+    from opake.dpsgd.sampling import PoissonSampler
+    from opake.functional import make_functional
+
+    x, y = mlp_data()
+    model = make_mlp()
+
+    def build(**options: Any) -> DistributedDPOptimizer:
+        kwargs: dict[str, Any] = {"noise_multiplier": SIGMA, "expected_batch_size": N * Q}
+        kwargs.update(options)
+        return DistributedDPOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model, **kwargs)
+
+    out: dict[str, str | None] = {}
+    out["seed"] = _error(lambda: build(seed=NOISE_SEED + rank))
+    wrong = PoissonSampler(N, Q, seed=SAMPLER_SEED, rank=0, world_size=world_size)
+    out["shard"] = _error(lambda: build(seed=NOISE_SEED, sampler=wrong, expected_batch_size=None))
+    out["rate"] = _error(lambda: build(seed=NOISE_SEED, expected_batch_size=N * Q + rank))
+    out["replicated_secure"] = _error(lambda: build(secure=True, noise_sync="replicated"))
+
+    fmodel, params = make_functional(model)
+    opt = build(seed=NOISE_SEED)
+
+    def idle_step() -> None:
+        if rank == 0:
+            grad_fn, state = clipped_grad(
+                mlp_loss(fmodel), clipping_norm=CLIP, batch_argnums=(1, 2)
+            )
+            opt.accumulate(grad_fn(params, x[:2], y[:2], state=state)[0])
+        opt.step()
+
+    out["idle"] = _error(idle_step)
+    out["idle_pending_after"] = str(opt.pending_batches)
+
+    def mixed_bounds() -> None:
+        grad_fn, state = clipped_grad(
+            mlp_loss(fmodel), clipping_norm=CLIP * (1 + rank), batch_argnums=(1, 2)
+        )
+        opt.accumulate(grad_fn(params, x[:2], y[:2], state=state)[0])
+        opt.step()
+
+    out["sensitivity"] = _error(mixed_bounds)
+
+    def ddp_keys() -> None:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        wrapped_opt = DistributedDPOptimizer(
+            torch.optim.SGD(ddp.parameters(), lr=LR),
+            ddp,
+            noise_multiplier=SIGMA,
+            expected_batch_size=N * Q,
+            seed=NOISE_SEED,
+        )
+        fddp, dparams = make_functional(ddp)
+        grad_fn, state = clipped_grad(mlp_loss(fddp), clipping_norm=CLIP, batch_argnums=(1, 2))
+        wrapped_opt.accumulate(grad_fn(dparams, x[:2], y[:2], state=state)[0])
+
+    out["ddp_keys"] = _error(ddp_keys)
+
+    def diverged() -> None:
+        if rank == 1:
+            with torch.no_grad():
+                model[0].bias[0] += 1e-6
+        check_replicas_in_sync(model)
+
+    out["diverged"] = _error(diverged)
+    return out
+
+
+def _drop_live(result: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: v for k, v in result.items() if k not in {"model", "optimizer", "accountant", "sampler"}
+    }
+
+
+def scenario_train(rank: int, world_size: int, out: Path) -> None:
+    from opake.dpsgd.distributed import (
+        gather_metrics,
+        load_checkpoint_distributed,
+        save_checkpoint_distributed,
+    )
+    from opake.profiling import PerfState, step_perf
+
+    timings: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        value = fn()
+        timings[name] = time.perf_counter() - start
+        return value
+
+    results: dict[str, Any] = {}
+    mlp = timed("mlp", lambda: train_mlp(rank, world_size))
+    results["mlp"] = _drop_live(mlp)
+    results["ddp"] = _drop_live(timed("ddp", lambda: train_mlp(rank, world_size, wrap_ddp=True)))
+    results["one_chunk"] = _drop_live(
+        timed("one_chunk", lambda: train_mlp(rank, world_size, chunks=1, microbatch_size=None))
+    )
+    results["broadcast"] = _drop_live(
+        timed(
+            "broadcast",
+            lambda: train_mlp(
+                rank, world_size, steps=2, noise={"noise_multiplier": SIGMA, "secure": True}
+            ),
+        )
+    )
+    results["adaptive"] = timed("adaptive", lambda: train_adaptive(rank, world_size))
+    results["llama"] = timed("llama", lambda: train_llama(rank, world_size))
+    results["errors"] = timed("errors", lambda: misconfigurations(rank, world_size))
+
+    # checkpoint: rank 0 writes; every rank restores into fresh objects (own RNG state back)
+    path = out / "ckpt.pt"
+    torch.manual_seed(1000 + rank)
+    rng_before = torch.get_rng_state()
+    save_checkpoint_distributed(
+        path,
+        step=STEPS,
+        model=mlp["model"],
+        optimizer=mlp["optimizer"],
+        accountant=mlp["accountant"],
+        sampler=mlp["sampler"],
+    )
+    torch.manual_seed(7)
+    fresh = train_mlp(rank, world_size, steps=0)
+    ckpt = load_checkpoint_distributed(
+        path,
+        model=fresh["model"],
+        optimizer=fresh["optimizer"],
+        accountant=fresh["accountant"],
+        sampler=fresh["sampler"],
+    )
+    results["checkpoint"] = {
+        "step": ckpt.step,
+        "extra": ckpt.extra,
+        "params": {n: p.detach().clone() for n, p in fresh["model"].named_parameters()},
+        "optimizer_steps": fresh["optimizer"].steps,
+        "rng_restored": bool(torch.equal(torch.get_rng_state(), rng_before)),
+    }
+
+    # profiling: per-rank step_perf, aggregated over ranks
+    perf_state = PerfState(device="cpu")
+    for _ in range(2):
+        with step_perf("cpu", batch_size=3 + rank) as perf:
+            time.sleep(0.01 * (1 + rank))
+            perf.mark("data")
+            train_step_zero(mlp["optimizer"], mlp["model"])
+            perf.mark("step")
+        perf_state = perf_state.add(perf.result)
+    results["metrics"] = {
+        "step": gather_metrics(perf.result).per_rank,
+        "run": gather_metrics(perf_state).to_dict(),
+    }
+    results["timings"] = timings
+    torch.save(results, out / f"train.rank{rank}.pt")
+
+
+def scenario_small(rank: int, world_size: int, out: Path) -> None:
+    torch.save(_drop_live(train_mlp(rank, world_size)), out / f"small.rank{rank}.pt")
+
+
+def scenario_fail(rank: int, world_size: int, out: Path, where: str) -> None:
+    """Rank 1 raises (mid-step, or instead of joining the checkpoint); rank 0 must stop fast."""
+    from opake.dpsgd.distributed import fail_fast, save_checkpoint_distributed
+
+    mlp = light_run(rank, world_size)
+    path = out / "ckpt.pt"
+    save_checkpoint_distributed(path, step=1, model=mlp["model"], optimizer=mlp["optimizer"])
+    (out / f"saved.rank{rank}").write_text("1")
+    with fail_fast(grace_sec=5.0, poll_sec=0.05):
+        opt = mlp["optimizer"]
+        if where == "step":
+            if rank == 1:
+                raise ValueError("injected failure on rank 1 at step 2")
+            (out / "entered.rank0").write_text(str(time.time()))
+            opt.zero_grad()
+            train_step_zero(opt, mlp["model"])
+        else:
+            train_step_zero(opt, mlp["model"])
+            if rank == 1:
+                raise ValueError("injected failure on rank 1 before the checkpoint of step 2")
+            (out / "entered.rank0").write_text(str(time.time()))
+            save_checkpoint_distributed(
+                path, step=2, model=mlp["model"], optimizer=mlp["optimizer"]
+            )
+    (out / f"finished.rank{rank}").write_text("1")
+
+
+def train_step_zero(opt: Any, model: torch.nn.Module) -> None:
+    """One logical step with an empty shard (noise only): a real collective step.
+
+    Builds the zero sum ``clipped_grad`` returns for an empty batch directly, so the failure
+    scenarios do not pay for importing ``torch.func`` in every process.
+    """
+    from opake.dpsgd.clipping import ClippedGrads
+
+    zeros = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    opt.accumulate(ClippedGrads(zeros, max_norm=CLIP, batch_size=0))
+    opt.step()
+
+
+def light_run(rank: int, world_size: int) -> dict[str, Any]:
+    """An MLP and its DistributedDPOptimizer, one noise-only step taken."""
+    from opake.dpsgd.distributed import DistributedDPOptimizer
+
+    model = make_mlp(seed=rank)
+    opt = DistributedDPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        model,
+        noise_multiplier=SIGMA,
+        expected_batch_size=N * Q,
+        seed=NOISE_SEED,
+    )
+    train_step_zero(opt, model)
+    return {"model": model, "optimizer": opt}
+
+
+def scenario_hang(rank: int, world_size: int, out: Path) -> None:
+    """Rank 1 is stuck (no exception): the timeout fails rank 0, the watchdog aborts rank 1."""
+    from opake.dpsgd.distributed import fail_fast
+
+    mlp = light_run(rank, world_size)
+    with fail_fast(grace_sec=2.0, poll_sec=0.05):
+        if rank == 1:
+            (out / "stuck.rank1").write_text(str(time.time()))
+            time.sleep(120)
+        (out / "entered.rank0").write_text(str(time.time()))
+        train_step_zero(mlp["optimizer"], mlp["model"])
+    (out / f"finished.rank{rank}").write_text("1")
+
+
+def main(argv: list[str]) -> int:
+    from opake.dpsgd.distributed import init_distributed
+
+    scenario, out = argv[0], Path(argv[1])
+    torch.set_num_threads(1)
+    timeout = float(os.environ.get("OPAKE_TEST_TIMEOUT", "60"))
+    with init_distributed(backend="gloo", timeout=timeout) as ctx:
+        rank, world_size = ctx.rank, ctx.world_size
+        try:
+            if scenario == "train":
+                scenario_train(rank, world_size, out)
+            elif scenario == "small":
+                scenario_small(rank, world_size, out)
+            elif scenario in ("fail", "fail_step"):
+                scenario_fail(rank, world_size, out, "save" if scenario == "fail" else "step")
+            elif scenario == "hang":
+                scenario_hang(rank, world_size, out)
+            else:
+                raise SystemExit(f"unknown scenario {scenario!r}")
+        except Exception:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)  # do not wait in destroy_process_group for ranks that are gone
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,376 @@
+"""Data-parallel DP-SGD on real gloo process groups (2 processes on CPU, launched here).
+
+One launch of ``_ddp_worker.py train`` runs every happy-path check in a single process group;
+the failure scenarios get their own launches (a failed group cannot be reused). The reference
+is computed in this process: the per-example autograd loop (clip, sum, one noise draw from the
+same seed, divide by q·N, SGD) and the single-process ``DPOptimizer`` on the global batches.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("_ddp_worker.py")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="this PyTorch build has no gloo backend",
+)
+
+
+def _load_worker() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("opake_test_ddp_worker", WORKER)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+W = _load_worker()
+
+
+@dataclass
+class Rank:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _env(rank: int, world_size: int, port: int, extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+    )
+    env.update(extra or {})
+    return env
+
+
+def launch(
+    scenario: str,
+    out: Path,
+    *,
+    world_size: int = 2,
+    timeout: float = 240.0,
+    env: dict[str, str] | None = None,
+) -> list[Rank]:
+    """Start ``world_size`` worker processes (the environment torchrun would set); wait."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, str(out)],
+            env=_env(rank, world_size, port, env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    deadline = time.monotonic() + timeout
+    ranks = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            ranks.append(Rank(proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return ranks
+
+
+def _require_success(ranks: list[Rank]) -> None:
+    failed = [(r, rank) for r, rank in enumerate(ranks) if rank.returncode != 0]
+    assert not failed, "\n".join(
+        f"--- rank {r} exited {rank.returncode}:\n{rank.stderr[-4000:]}" for r, rank in failed
+    )
+
+
+@pytest.fixture(scope="module")
+def train(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("ddp_train")
+    _require_success(launch("train", out))
+    return [torch.load(out / f"train.rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+# -- references ------------------------------------------------------------------------------
+
+
+def oracle_mlp(steps: int = W.STEPS) -> dict[str, torch.Tensor]:
+    """The obvious DP-SGD: per-example autograd loop, clip, sum, noise once, divide, SGD."""
+    from opake.core.testing import reference_clipped_grad
+    from opake.dpsgd.noise import GaussianNoise
+    from opake.dpsgd.sampling import PoissonSampler
+    from opake.functional import make_functional
+
+    fmodel, params = make_functional(W.make_mlp(seed=0))
+    params = {n: p.detach().clone() for n, p in params.items()}
+    loss_fn = W.mlp_loss(fmodel)
+    x, y = W.mlp_data()
+    sampler = PoissonSampler(W.N, W.Q, seed=W.SAMPLER_SEED)
+    noise = GaussianNoise(W.SIGMA, seed=W.NOISE_SEED)
+    for step in range(steps):
+        idx = torch.as_tensor(sampler.global_batch(step), dtype=torch.long)
+        if len(idx):
+            total = reference_clipped_grad(
+                loss_fn, (params, x[idx], y[idx]), clipping_norm=W.CLIP, batch_argnums=(1, 2)
+            )
+        else:
+            total = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
+        noisy = noise.add({n: v.float() for n, v in total.items()}, sensitivity=W.CLIP)
+        params = {n: p - W.LR * noisy[n] / (W.N * W.Q) for n, p in params.items()}
+    return params
+
+
+@pytest.fixture(scope="module")
+def oracle() -> dict[str, torch.Tensor]:
+    return oracle_mlp()
+
+
+def _close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float) -> None:
+    assert actual.keys() == expected.keys()
+    for name, want in expected.items():
+        torch.testing.assert_close(
+            actual[name], want.to(actual[name].dtype), atol=atol, rtol=1e-5, msg=name
+        )
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+# -- the DP step across ranks ----------------------------------------------------------------
+
+
+def test_two_ranks_equal_the_per_example_oracle(train, oracle):
+    # the 2-rank run (shards of the global Poisson batches, accumulation, microbatching,
+    # different initial weights on rank 1) ends where the obvious single-process loop ends
+    assert _same(train[0]["mlp"]["params"], train[1]["mlp"]["params"])
+    _close(train[0]["mlp"]["params"], oracle, atol=2e-6)
+
+
+def test_two_ranks_equal_the_single_process_optimizer(train):
+    single = W.train_mlp(0, 1)
+    _close(train[0]["mlp"]["params"], single["params"], atol=2e-6)
+    # the accountant saw the global rate on every rank: same ε as the single process
+    for rank in train:
+        for got, want in zip(rank["mlp"]["reports"], single["reports"], strict=True):
+            assert got["sample_rate"] == want["sample_rate"] == W.Q
+            assert got["expected_batch_size"] == pytest.approx(W.N * W.Q)
+            assert got["epsilon"] == pytest.approx(want["epsilon"], rel=1e-12)
+            assert got["sensitivity"] == W.CLIP
+
+
+def test_shards_partition_the_global_batch_including_empty_shards(train):
+    from opake.dpsgd.sampling import PoissonSampler
+
+    sampler = PoissonSampler(W.N, W.Q, seed=W.SAMPLER_SEED)
+    global_sizes = [len(sampler.global_batch(t)) for t in range(W.STEPS)]
+    local = [train[r]["mlp"]["local_sizes"] for r in range(2)]
+    assert [a + b for a, b in zip(*local, strict=True)] == global_sizes
+    assert 0 in global_sizes  # a step where both shards are empty (noise only)
+    assert any(a > 0 and b == 0 for a, b in zip(*local, strict=True))  # one empty shard
+    # every rank accumulated 2 physical batches per step: the report counts all ranks'
+    assert [r["physical_batches"] for r in train[0]["mlp"]["reports"]] == [4] * W.STEPS
+
+
+def test_accumulation_and_microbatching_do_not_change_the_result(train, oracle):
+    _close(train[0]["one_chunk"]["params"], oracle, atol=2e-6)
+    assert [r["physical_batches"] for r in train[0]["one_chunk"]["reports"]] == [2] * W.STEPS
+
+
+def test_ddp_wrapped_module_is_reduced_once(train, oracle):
+    # DDP's hooks never fire (Opake never back-propagates into the module's parameters) and
+    # Opake reduces once: a double reduction would double the sums and miss the oracle
+    _close(train[0]["ddp"]["params"], oracle, atol=2e-6)
+    assert _same(train[0]["ddp"]["params"], train[1]["ddp"]["params"])
+
+
+def test_secure_noise_is_drawn_on_rank0_and_broadcast(train):
+    assert train[0]["broadcast"]["noise_sync"] == "broadcast"
+    assert _same(train[0]["broadcast"]["params"], train[1]["broadcast"]["params"])
+    seeded = oracle_mlp(steps=2)
+    # fresh OS-entropy noise, not the seeded stream: far from the seeded run
+    diff = max(float((train[0]["broadcast"]["params"][n] - seeded[n]).abs().max()) for n in seeded)
+    assert diff > 1e-3
+    assert train[0]["mlp"]["noise_sync"] == "replicated"
+
+
+def test_adaptive_clipping_bound_uses_the_count_of_all_ranks(train):
+    single = W.train_adaptive(0, 1)
+    assert train[0]["adaptive"]["bounds"] == train[1]["adaptive"]["bounds"]
+    assert train[0]["adaptive"]["bounds"] == pytest.approx(single["bounds"], rel=1e-9)
+    assert len(set(single["bounds"])) == W.STEPS  # the bound really moved every step
+    _close(train[0]["adaptive"]["params"], single["params"], atol=2e-6)
+
+
+def test_tiny_llama_two_ranks_equal_single_process(train):
+    single = W.train_llama(0, 1)
+    assert _same(train[0]["llama"]["params"], train[1]["llama"]["params"])
+    assert sum(train[0]["llama"]["local_sizes"]) + sum(train[1]["llama"]["local_sizes"]) > 0
+    _close(train[0]["llama"]["params"], single["params"], atol=1e-5)
+
+
+# -- misconfiguration raises on every rank, and the group stays usable -------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "kind", "words"),
+    [
+        ("seed", "ConfigurationError", "the noise seed differs"),
+        ("shard", "ConfigurationError", "rank 1 has a sampler for shard (0, 2)"),
+        ("rate", "ConfigurationError", "expected_batch_size differs"),
+        ("replicated_secure", "ConfigurationError", "noise_sync='replicated' with secure"),
+        ("idle", "OperationError", "rank(s) [1] accumulated nothing"),
+        ("sensitivity", "ConfigurationError", "different sensitivities"),
+        ("ddp_keys", "ConfigurationError", "make_functional(unwrap_ddp(model))"),
+        ("diverged", "OperationError", "rank(s) [1] do not match rank 0"),
+    ],
+)
+def test_misconfiguration_raises_on_every_rank(train, case, kind, words):
+    for rank in train:
+        message = rank["errors"][case]
+        assert message is not None, f"{case}: nothing raised"
+        assert message.startswith(kind + ":"), message
+        assert words in message, message
+    assert train[0]["errors"]["idle_pending_after"] == "0"
+
+
+# -- checkpoint, metrics -----------------------------------------------------------------------
+
+
+def test_checkpoint_written_by_rank0_restores_every_rank(train):
+    for r, rank in enumerate(train):
+        ckpt = rank["checkpoint"]
+        assert ckpt["step"] == W.STEPS
+        assert ckpt["extra"] == {}
+        assert ckpt["optimizer_steps"] == W.STEPS
+        assert _same(ckpt["params"], train[0]["mlp"]["params"]), f"rank {r}"
+        assert ckpt["rng_restored"], f"rank {r} did not get its own RNG state back"
+
+
+def test_profiling_figures_per_rank_and_aggregated(train):
+    for rank in train:
+        step = rank["metrics"]["step"]
+        assert [figures["batch_size"] for figures in step] == [3.0, 4.0]
+        assert all(figures["step_time_sec"] > 0 for figures in step)
+        assert all("memory_peak_gb" in figures for figures in step)
+        run = rank["metrics"]["run"]
+        assert run["samples/sum"] == 2 * 3 + 2 * 4
+        assert run["rank1/samples"] == 8.0
+        assert run["steps/max"] == 2.0
+        assert run["step_time_sec/max"] >= run["step_time_sec/min"] > 0
+    assert train[0]["metrics"] == train[1]["metrics"]
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+
+def _no_temp_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
+
+
+def _assert_fail_fast(out: Path, ranks: list[Rank], finished_at: float, message: str) -> None:
+    assert ranks[1].returncode != 0
+    assert message in ranks[1].stderr
+    assert ranks[0].returncode != 0
+    # rank 0 names the failed rank and its error instead of a bare transport error
+    assert "OperationError: rank 1 (" in ranks[0].stderr, ranks[0].stderr[-3000:]
+    assert message in ranks[0].stderr
+    assert not (out / "finished.rank0").exists()
+    # fast: far below the 60 s collective timeout of the process group
+    entered = float((out / "entered.rank0").read_text())
+    assert finished_at - entered < 30.0
+
+
+@pytest.mark.slow
+def test_failing_rank_stops_the_others_and_leaves_the_checkpoint_intact(tmp_path):
+    from opake.dpsgd.checkpoint import load_checkpoint
+
+    ranks = launch("fail", tmp_path)
+    finished = time.time()
+    assert (tmp_path / "saved.rank0").exists(), ranks[0].stderr[-3000:]
+    _assert_fail_fast(
+        tmp_path, ranks, finished, "ValueError: injected failure on rank 1 before the checkpoint"
+    )
+    # rank 0 was inside save_checkpoint_distributed when rank 1 failed: it wrote nothing, the
+    # step-1 checkpoint is intact and loads, and no temporary file is left behind
+    assert load_checkpoint(tmp_path / "ckpt.pt", model=W.make_mlp(), strict=False).step == 1
+    assert _no_temp_files(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_failing_rank_mid_step_stops_the_others(tmp_path):
+    ranks = launch("fail_step", tmp_path)
+    _assert_fail_fast(tmp_path, ranks, time.time(), "ValueError: injected failure on rank 1")
+
+
+@pytest.mark.slow
+def test_stuck_rank_times_out_and_is_aborted(tmp_path):
+    from opake.dpsgd.distributed import ABORT_EXIT_CODE
+
+    ranks = launch("hang", tmp_path, env={"OPAKE_TEST_TIMEOUT": "3"}, timeout=100)
+    finished = time.time()
+    # rank 0's collective hit the 3 s timeout: a clear error, not a hang
+    assert ranks[0].returncode == 1, ranks[0].stderr[-3000:]
+    assert "no rank had reported an error" in ranks[0].stderr
+    # rank 1, stuck in a 120 s sleep, was ended by the watchdog after the 2 s grace
+    assert ranks[1].returncode == ABORT_EXIT_CODE, ranks[1].stderr[-3000:]
+    assert "aborting the process" in ranks[1].stderr
+    assert finished - float((tmp_path / "stuck.rank1").read_text()) < 60.0
+
+
+@pytest.mark.slow
+def test_torchrun_launch_matches_the_oracle(tmp_path, oracle):
+    env = _env(0, 1, 0, None)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            "--nproc-per-node=2",
+            "--master-addr=127.0.0.1",
+            f"--master-port={_free_port()}",
+            str(WORKER),
+            "small",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [torch.load(tmp_path / f"small.rank{r}.pt", weights_only=False) for r in range(2)]
+    assert _same(results[0]["params"], results[1]["params"])
+    _close(results[0]["params"], oracle, atol=2e-6)
