@@ -276,6 +276,8 @@ def test_checkpoint_written_by_rank0_restores_every_rank(train):
 
 
 def test_profiling_figures_per_rank_and_aggregated(train):
+    if train[0]["metrics"] is None:
+        pytest.skip("opake-profiling (step_perf) is not installed in this environment")
     for rank in train:
         step = rank["metrics"]["step"]
         assert [figures["batch_size"] for figures in step] == [3.0, 4.0]

@@ -34,7 +34,8 @@ def _local_rng() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    state: tuple[Any, ...] = np.random.get_state(legacy=True)  # type: ignore[assignment]
+    name, keys, pos, has_gauss, cached = state
     version, internal, gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),

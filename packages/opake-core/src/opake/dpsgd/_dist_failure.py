@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.dpsgd._dist_env import _world
@@ -192,7 +192,7 @@ class FailFast:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
+    ) -> Literal[False]:
         if self.world_size == 1 or self._thread is None:
             return False
         try:

@@ -86,7 +86,7 @@ def _replica_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
     import torch
 
     if isinstance(params, torch.nn.Module):
-        named = list(params.named_parameters())
+        named: list[tuple[str, torch.Tensor]] = list(params.named_parameters())
         named += [(f"buffer:{n}", b) for n, b in params.named_buffers()]
         return named
     if isinstance(params, Mapping):
