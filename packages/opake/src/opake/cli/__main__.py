@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from opake.cli import _bench, _epsilon, _info, _train
+from opake.cli import _bench, _epsilon, _info, _train, _tune
 
 __all__ = ["OneLineErrorParser", "build_parser", "main"]
 
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train.register(sub)
     _epsilon.register(sub)
     _bench.register(sub)
+    _tune.register(sub)
     return parser
 
 
