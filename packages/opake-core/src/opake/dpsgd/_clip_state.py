@@ -28,6 +28,7 @@ __all__ = [
     "GroupClipping",
     "adaptive_noise_split",
     "clip_state_from_dict",
+    "gradient_noise_multiplier",
 ]
 
 
@@ -414,6 +415,20 @@ class AdaptiveNoiseSplit:
     count_privacy_fraction: float
 
 
+def gradient_noise_multiplier(noise_multiplier: float, *, count_noise_multiplier: float) -> float:
+    """Gradient noise multiplier σ_Δ = (σ⁻² − (2σ_b)⁻²)^-½ that keeps a step at total σ.
+
+    The same function as :func:`opake.accounting.gradient_noise_multiplier` (imported when
+    called, so importing the clipping module stays cheap); see :func:`adaptive_noise_split`.
+
+    >>> round(gradient_noise_multiplier(1.0, count_noise_multiplier=10.0), 6)
+    1.001252
+    """
+    from opake.accounting import gradient_noise_multiplier as implementation
+
+    return implementation(noise_multiplier, count_noise_multiplier=count_noise_multiplier)
+
+
 def adaptive_noise_split(
     noise_multiplier: float, *, count_noise_multiplier: float
 ) -> AdaptiveNoiseSplit:
@@ -429,8 +444,6 @@ def adaptive_noise_split(
     >>> round(split.gradient_noise_multiplier, 6), round(split.count_privacy_fraction, 4)
     (1.001252, 0.0025)
     """
-    from opake.accounting import gradient_noise_multiplier
-
     grad_sigma = gradient_noise_multiplier(
         noise_multiplier, count_noise_multiplier=count_noise_multiplier
     )

@@ -8,7 +8,7 @@ Clipping methods (each a frozen, serialisable dataclass that is both configurati
 :class:`FixedClipping` (``clipping_norm=1.0`` is shorthand), :class:`GroupClipping`
 (``clipping_norm={"group": C, ...}``), :class:`AutoSClipping` and :class:`AdaptiveClipping`
 (whose count query costs privacy: see :func:`adaptive_noise_split` and
-:func:`gradient_noise_multiplier`, re-exported from :mod:`opake.accounting`). The diagnostics
+:func:`gradient_noise_multiplier`, the same as in :mod:`opake.accounting`). The diagnostics
 in :class:`ClipAux` are not private.
 
 >>> import torch
@@ -21,7 +21,6 @@ in :class:`ClipAux` are not private.
 
 from __future__ import annotations
 
-from opake.accounting import gradient_noise_multiplier
 from opake.dpsgd._clip_engine import ClippedGradFn, clipped_grad
 from opake.dpsgd._clip_grads import ClipAux, ClippedGrads
 from opake.dpsgd._clip_state import (
@@ -33,6 +32,7 @@ from opake.dpsgd._clip_state import (
     GroupClipping,
     adaptive_noise_split,
     clip_state_from_dict,
+    gradient_noise_multiplier,
 )
 
 __all__ = [

@@ -1,0 +1,297 @@
+"""One DP-SGD step vs one non-private step on a tiny Llama (full fine-tuning and LoRA).
+
+Every configuration runs in a fresh Python process (its peak RSS is its own): a Llama built from
+a config (hidden 256, 4 layers, 4 heads, intermediate 688, vocab 4096, eager attention, no
+download), batch 32 × sequence 64 of random tokens, SGD. Per configuration: ``--warmup`` steps,
+then the median of ``--steps`` (≥ 5) timed steps, as wall time and as process CPU time (the
+latter is robust to other processes sharing the machine), and the peak RSS.
+
+- ``nonprivate``: ``model(input_ids, labels).loss.backward()``, ``optimizer.step()``.
+- ``opake``: ``clipped_grad`` (per-example ``vmap`` + clip + fp32 sum) over
+  ``make_functional(model, partition_trainable=True)``, then ``DPOptimizer`` (Gaussian noise
+  once, divide by the expected batch size, ``optimizer.step()``).
+- ``opacus-hooks`` / ``opacus-ghost``: Opacus ``GradSampleModule`` (per-sample gradient hooks)
+  and ghost clipping, if ``import opacus`` works in ``--opacus-python`` (default: this
+  interpreter); skipped with a note otherwise.
+
+    python tools/bench/dpsgd_step.py                      # all configurations, markdown table
+    python tools/bench/dpsgd_step.py --modes lora --methods nonprivate opake
+    python tools/bench/dpsgd_step.py --opacus-python /tmp/bench-venv/bin/python
+    python tools/bench/dpsgd_step.py --json results.json
+
+Results are recorded in docs/benchmarks.md ("DP-SGD step (opake-core)").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MODES = ("full", "lora")
+METHODS = ("nonprivate", "opake", "opacus-hooks", "opacus-ghost")
+CONFIG = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "intermediate_size": 688,
+    "vocab_size": 4096,
+}
+BATCH, SEQ, LORA_R = 32, 64, 8
+CLIP, SIGMA, LR = 1.0, 1.0, 1e-3
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _build(mode: str) -> tuple[Any, Any]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**CONFIG, max_position_embeddings=SEQ, attn_implementation="eager")
+    model = LlamaForCausalLM(cfg)
+    if mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=LORA_R, lora_alpha=2 * LORA_R, target_modules=["q_proj", "v_proj"])
+        model = get_peft_model(model, lora)
+    model.train()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=gen)
+    return model, ids
+
+
+def _nonprivate(model: Any, ids: Any, args: argparse.Namespace) -> Callable[[], None]:
+    import torch
+
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+
+    return step
+
+
+def _opake(model: Any, ids: Any, args: argparse.Namespace) -> Callable[[], None]:
+    import torch
+
+    from opake.dpsgd.clipping import clipped_grad
+    from opake.dpsgd.optimizer import DPOptimizer
+    from opake.functional import make_functional
+
+    fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
+
+    def loss_fn(trainable, frozen, input_ids, labels):  # one example: [SEQ]
+        out = fmodel(
+            (trainable, frozen), input_ids=input_ids[None], labels=labels[None], use_cache=False
+        )
+        return out.loss
+
+    grad_fn, clip_state = clipped_grad(
+        loss_fn,
+        clipping_norm=CLIP,
+        batch_argnums=(2, 3),
+        microbatch_size=args.microbatch_size,
+    )
+    opt = DPOptimizer(
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR),
+        trainable,
+        noise_multiplier=SIGMA,
+        expected_batch_size=float(BATCH),
+        seed=0,
+        unused_params="warn",
+    )
+    state = {"clip": clip_state}
+
+    def step() -> None:
+        grads, state["clip"] = grad_fn(trainable, frozen, ids, ids, state=state["clip"])
+        opt.accumulate(grads)
+        opt.step()
+
+    return step
+
+
+def _opacus(model: Any, ids: Any, args: argparse.Namespace, ghost: bool) -> Callable[[], None]:
+    import torch
+    from opacus import PrivacyEngine
+
+    data = torch.utils.data.TensorDataset(ids)
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    engine = PrivacyEngine()
+    vocab = CONFIG["vocab_size"]
+    if ghost:
+        criterion = torch.nn.CrossEntropyLoss()
+        model, opt, criterion, _ = engine.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            criterion=criterion,
+            noise_multiplier=SIGMA,
+            max_grad_norm=CLIP,
+            grad_sample_mode="ghost",
+            poisson_sampling=False,
+        )
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            logits = model(input_ids=ids, use_cache=False).logits
+            loss = criterion(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+
+        return step
+
+    model, opt, _ = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=loader,
+        noise_multiplier=SIGMA,
+        max_grad_norm=CLIP,
+        poisson_sampling=False,
+    )
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+
+    return step
+
+
+def run_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One configuration, in this process."""
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    model, ids = _build(mode)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if method == "nonprivate":
+        step = _nonprivate(model, ids, args)
+    elif method == "opake":
+        step = _opake(model, ids, args)
+    else:
+        step = _opacus(model, ids, args, ghost=method == "opacus-ghost")
+    for _ in range(args.warmup):
+        step()
+    wall, cpu = [], []
+    for _ in range(args.steps):
+        w0, c0 = time.perf_counter(), time.process_time()
+        step()
+        wall.append(time.perf_counter() - w0)
+        cpu.append(time.process_time() - c0)
+    return {
+        "mode": mode,
+        "method": method,
+        "trainable_params": trainable,
+        "wall_s": statistics.median(wall),
+        "cpu_s": statistics.median(cpu),
+        "peak_rss_mib": _peak_rss_mib(),
+        "microbatch_size": args.microbatch_size if method == "opake" else None,
+        "torch": torch.__version__,
+    }
+
+
+def _worker_cmd(python: str, mode: str, method: str, args: argparse.Namespace) -> list[str]:
+    cmd = [python, __file__, "--worker", mode, method, "--threads", str(args.threads)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.microbatch_size:
+        cmd += ["--microbatch-size", str(args.microbatch_size)]
+    return cmd
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (median; ≥ 5)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads (default 1: on a shared machine, OpenMP threads spin-waiting "
+        "for a busy core inflate both wall and CPU time)",
+    )
+    parser.add_argument("--microbatch-size", type=int, default=None)
+    parser.add_argument("--opacus-python", default=sys.executable)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--worker", nargs=2, metavar=("MODE", "METHOD"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 5:
+        parser.error("--steps must be at least 5 (the median of ≥ 5 steps is reported)")
+    if args.worker:
+        print(json.dumps(run_one(*args.worker, args)))
+        return 0
+
+    results, notes = [], []
+    for mode in args.modes:
+        for method in args.methods:
+            python = args.opacus_python if method.startswith("opacus") else sys.executable
+            if method.startswith("opacus"):
+                probe = subprocess.run(
+                    [python, "-c", "import opacus"], capture_output=True, text=True, check=False
+                )
+                if probe.returncode != 0:
+                    notes.append(f"{mode}/{method}: skipped (opacus not importable in {python})")
+                    continue
+            env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+            proc = subprocess.run(
+                _worker_cmd(python, mode, method, args),
+                capture_output=True,
+                text=True,
+                env=env,
+                check=False,
+            )
+            if proc.returncode != 0:
+                tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+                notes.append(f"{mode}/{method}: failed ({tail[:200]})")
+                print(notes[-1], file=sys.stderr)
+                continue
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            results.append(result)
+            print(json.dumps(result), file=sys.stderr)
+
+    base = {r["mode"]: r for r in results if r["method"] == "nonprivate"}
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}")
+    print(f"python {platform.python_version()}, threads {args.threads}, steps {args.steps}")
+    print()
+    print(
+        "| mode | method | trainable | wall s/step | CPU s/step | ×non-private (wall) |"
+        " ×non-private (CPU) | peak RSS MiB |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        ref = base.get(r["mode"])
+        ratio_w = f"{r['wall_s'] / ref['wall_s']:.2f}" if ref else "–"
+        ratio_c = f"{r['cpu_s'] / ref['cpu_s']:.2f}" if ref else "–"
+        print(
+            f"| {r['mode']} | {r['method']} | {r['trainable_params']:,} | {r['wall_s']:.3f} | "
+            f"{r['cpu_s']:.3f} | {ratio_w} | {ratio_c} | {r['peak_rss_mib']:.0f} |"
+        )
+    for note in notes:
+        print(f"\n- {note}")
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "notes": notes}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
