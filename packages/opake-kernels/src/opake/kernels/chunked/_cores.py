@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from opake.kernels._args import LossSpec
-from opake.kernels._math import token_loss, transform_grad_, transform_logits_
+from opake.kernels._math import token_loss, transform_logits_
 
 __all__ = [
     "act_and_grad",
@@ -46,9 +46,31 @@ def _tiles(opts: Any, n: int, v: int) -> tuple[int, int]:
     return max(1, min(int(tt), max(1, n))), max(1, min(int(vt), v))
 
 
-def _logits_tile(h: Tensor, w: Tensor, b: Tensor | None, spec: LossSpec) -> Tensor:
-    z = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
-    return transform_logits_(z if z.dtype == _F32 else z.float(), spec)
+class _TileBuffers:
+    """Scratch reused by every tile of one call: allocation churn (and page faults on fresh
+    large allocations) would otherwise cost as much as the arithmetic on the CPU."""
+
+    def __init__(self, tt: int, vt: int, dtype: torch.dtype, device: torch.device, extra: bool):
+        self.z = torch.empty(tt * vt, dtype=_F32, device=device)
+        self.raw = None if dtype == _F32 else torch.empty(tt * vt, dtype=dtype, device=device)
+        self.t = torch.empty(tt * vt, dtype=_F32, device=device) if extra else None
+
+    @staticmethod
+    def view(buf: Tensor, rows: int, cols: int) -> Tensor:
+        return buf[: rows * cols].view(rows, cols)
+
+    def logits(self, h: Tensor, w: Tensor, b: Tensor | None, spec: LossSpec) -> Tensor:
+        """Transformed fp32 logits ``h @ w.T + b`` of one tile, in the reused buffer."""
+        rows, cols = h.shape[0], w.shape[0]
+        z = self.view(self.z, rows, cols)
+        out = z if self.raw is None else self.view(self.raw, rows, cols)
+        if b is None:
+            torch.mm(h, w.t(), out=out)
+        else:
+            torch.addmm(b, h, w.t(), out=out)
+        if self.raw is not None:
+            z.copy_(out)
+        return transform_logits_(z, spec)
 
 
 def _target_logit(z: Tensor, y: Tensor, v0: int) -> Tensor:
@@ -71,41 +93,70 @@ def _subtract_target(d: Tensor, y: Tensor, v0: int, amount: Tensor) -> None:
 def lce_forward(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, spec: LossSpec, opts: Any
 ) -> tuple[Tensor, Tensor]:
-    """Per-token losses (masked) and log-sum-exps, both fp32 ``(N,)``."""
+    """Per-token losses (masked) and log-sum-exps, both fp32 ``(N,)``.
+
+    Online log-sum-exp across vocabulary tiles: a running max ``m`` and sum ``s`` per token,
+    rescaled when a tile raises the max.
+    """
     n = hidden.shape[0]
     v = weight.shape[0]
     tt, vt = _tiles(opts, n, v)
-    lse = torch.empty(n, dtype=_F32, device=hidden.device)
-    tok = torch.empty(n, dtype=_F32, device=hidden.device)
+    dev = hidden.device
+    lse = torch.empty(n, dtype=_F32, device=dev)
+    tok = torch.empty(n, dtype=_F32, device=dev)
+    if n == 0:
+        return tok, lse
+    bufs = _TileBuffers(tt, vt, hidden.dtype, dev, extra=False)
     for t0 in range(0, n, tt):
         t1 = min(n, t0 + tt)
         h, y = hidden[t0:t1], labels[t0:t1]
-        run = torch.full((t1 - t0,), -math.inf, dtype=_F32, device=hidden.device)
-        zy = torch.zeros_like(run)
-        zs = torch.zeros_like(run) if spec.smoothing else None
+        m = torch.full((t1 - t0,), -math.inf, dtype=_F32, device=dev)
+        s = torch.zeros_like(m)
+        zy = torch.zeros_like(m)
+        zs = torch.zeros_like(m) if spec.smoothing else None
         for v0 in range(0, v, vt):
             v1 = min(v, v0 + vt)
-            z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1], spec)
-            run = torch.logaddexp(run, torch.logsumexp(z, 1))
+            z = bufs.logits(h, weight[v0:v1], None if bias is None else bias[v0:v1], spec)
             zy += _target_logit(z, y, v0)
             if zs is not None:
                 zs += z.sum(1)
+            m_new = torch.maximum(m, z.amax(1))
+            s.mul_(torch.exp(m - m_new)).add_(z.sub_(m_new.unsqueeze(1)).exp_().sum(1))
+            m = m_new
+        run = m + torch.log(s)
         lse[t0:t1] = run
         loss = token_loss(run, zy, zs, v, spec)
         tok[t0:t1] = torch.where(y != spec.ignore_index, loss, torch.zeros_like(loss))
     return tok, lse
 
 
-def _dlogits(
-    z: Tensor, y: Tensor, lse: Tensor, tgrad: Tensor, v0: int, vocab: int, spec: LossSpec
+def _dlogits_(
+    z: Tensor,
+    y: Tensor,
+    lse: Tensor,
+    tgrad: Tensor,
+    v0: int,
+    vocab: int,
+    spec: LossSpec,
+    scratch: Tensor | None = None,
 ) -> Tensor:
-    """Gradient w.r.t. the raw logits of a tile whose transformed logits are *z* (fp32)."""
-    d = (z - lse.unsqueeze(1)).exp_().mul_(tgrad.unsqueeze(1))
+    """Turn transformed logits *z* (fp32) into the gradient w.r.t. the raw logits, in place.
+
+    With a softcap, ``tanh`` of the tile is kept in *scratch* (same shape) for the chain rule.
+    """
+    t = None
+    if spec.softcap is not None:
+        t = torch.div(z, spec.softcap, out=scratch) if scratch is not None else z / spec.softcap
+    d = z.sub_(lse.unsqueeze(1)).exp_().mul_(tgrad.unsqueeze(1))
     eps = spec.smoothing
     if eps:
         d.sub_((eps / vocab) * tgrad.unsqueeze(1))
     _subtract_target(d, y, v0, (1.0 - eps) * tgrad)
-    return transform_grad_(d, z, spec)
+    if t is not None:
+        d.mul_(t.mul_(t).neg_().add_(1.0))
+    if spec.mult is not None:
+        d.mul_(spec.mult)
+    return d
 
 
 def lce_backward(
@@ -129,8 +180,11 @@ def lce_backward(
     gw = torch.zeros(groups, v, hsize, dtype=_F32, device=dev) if need_w else None
     gb = torch.zeros(groups, v, dtype=_F32, device=dev) if need_b else None
     per = n // groups if groups else 0
+    if per == 0:
+        return _cast_grads(gh, gw, gb, hidden, weight, bias)
     tt, vt = _tiles(opts, per, v)
     fp32 = hidden.dtype == _F32
+    bufs = _TileBuffers(tt, vt, hidden.dtype, dev, extra=spec.softcap is not None)
     for g in range(groups):
         for t0 in range(g * per, (g + 1) * per, tt):
             t1 = min((g + 1) * per, t0 + tt)
@@ -138,9 +192,14 @@ def lce_backward(
             for v0 in range(0, v, vt):
                 v1 = min(v, v0 + vt)
                 w = weight[v0:v1]
-                z = _logits_tile(h, w, None if bias is None else bias[v0:v1], spec)
-                d = _dlogits(z, y, lse[t0:t1], tgrad[t0:t1], v0, v, spec)
-                dc = d if fp32 else d.to(hidden.dtype)
+                z = bufs.logits(h, w, None if bias is None else bias[v0:v1], spec)
+                scratch = None if bufs.t is None else bufs.view(bufs.t, *z.shape)
+                d = _dlogits_(z, y, lse[t0:t1], tgrad[t0:t1], v0, v, spec, scratch)
+                if gb is not None:
+                    gb[g, v0:v1] += d.sum(0)
+                dc = d
+                if not fp32:
+                    dc = bufs.view(bufs.raw, *d.shape).copy_(d)  # type: ignore[arg-type]
                 if gh is not None:
                     if fp32:
                         gh[t0:t1].addmm_(dc, w)
@@ -151,8 +210,17 @@ def lce_backward(
                         gw[g, v0:v1].addmm_(dc.t(), h)
                     else:
                         gw[g, v0:v1] += torch.mm(dc.t(), h)
-                if gb is not None:
-                    gb[g, v0:v1] += d.sum(0)
+    return _cast_grads(gh, gw, gb, hidden, weight, bias)
+
+
+def _cast_grads(
+    gh: Tensor | None,
+    gw: Tensor | None,
+    gb: Tensor | None,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     return (
         None if gh is None else gh.to(hidden.dtype),
         None if gw is None else gw.to(weight.dtype),
@@ -188,7 +256,7 @@ def ce_backward(
     for t0 in range(0, n, rows):
         t1 = min(n, t0 + rows)
         z = transform_logits_(logits[t0:t1].to(_F32, copy=True), spec)
-        d = _dlogits(z, labels[t0:t1], lse[t0:t1], tgrad[t0:t1], 0, v, spec)
+        d = _dlogits_(z, labels[t0:t1], lse[t0:t1], tgrad[t0:t1], 0, v, spec)
         out[t0:t1] = d
     return out
 
