@@ -14,8 +14,9 @@ from opake.core.plugins import KernelBackend, hookimpl
 from opake.models import apply_family, family_names, family_spec
 from opake.models._swaps import identify_activation, modules_of_class
 from opake.models.testing import tiny_model
+from opake.patches import PatchOptions, apply_model_patches
 
-GATED_OPS = ("rms_norm", "swiglu", "geglu")
+OPS = ("rms_norm", "swiglu", "geglu", "linear_cross_entropy")
 
 
 class CountingBackend:
@@ -35,7 +36,7 @@ class CountingBackend:
 
     @hookimpl
     def opake_kernel_backends(self):
-        ops = {op: self._wrap(op) for op in GATED_OPS}
+        ops = {op: self._wrap(op) for op in OPS}
         return [KernelBackend("counting", ops, devices=("cpu",), priority=-5)]
 
 
@@ -56,7 +57,8 @@ def _out(model, ids):
 
 
 def _instance_forwards(model):
-    return [name for name, m in model.named_modules() if "forward" in m.__dict__]
+    """Submodules (not the model itself) whose forward is an instance attribute."""
+    return [name for name, m in model.named_modules() if name and "forward" in m.__dict__]
 
 
 @pytest.mark.parametrize("family", family_names())
@@ -65,7 +67,7 @@ def test_swaps_are_exact_counted_and_reversible(family, counting):
     model = tiny_model(family)
     ids = _ids()
     stock = _out(model, ids)
-    report = apply_family(spec, model, {"kernels": "counting"})
+    report = apply_family(spec, model, PatchOptions(kernels="counting"))
     n_rms = len(list(modules_of_class(model, spec.norm.module))) if spec.norm.kind == "rms" else 0
     n_mlp = len(list(modules_of_class(model, spec.mlp.module))) if spec.mlp.gated else 0
     patched = _out(model, ids)
@@ -78,8 +80,11 @@ def test_swaps_are_exact_counted_and_reversible(family, counting):
     for op, (backend, reason) in report.kernels.items():
         assert backend == "counting", op
         assert "explicit" in reason
+    assert report.hf.attention == spec.attention.mask
+    assert (report.hf.head is not None) == (spec.task == "causal_lm")
     report.undo()
     assert _instance_forwards(model) == []
+    assert "forward" not in vars(model)
     assert not report.active
     counting.calls.clear()
     assert torch.equal(_out(model, ids), stock)
@@ -89,7 +94,7 @@ def test_swaps_are_exact_counted_and_reversible(family, counting):
 
 def test_only_the_given_instance_is_patched(counting):
     patched, other = tiny_model("llama"), tiny_model("llama")
-    apply_family(family_spec("llama"), patched, {"kernels": "counting"})
+    apply_family(family_spec("llama"), patched, PatchOptions(kernels="counting"))
     _out(other, _ids())
     assert sum(counting.calls.values()) == 0
     assert _instance_forwards(other) == []
@@ -99,12 +104,12 @@ def test_only_the_given_instance_is_patched(counting):
 
 def test_applying_twice_returns_the_first_report(counting):
     model = tiny_model("gemma")
-    first = apply_family(family_spec("gemma"), model, {"kernels": "counting"})
-    assert apply_family(family_spec("gemma"), model, {"kernels": "torch"}) is first
+    first = apply_family(family_spec("gemma"), model, PatchOptions(kernels="counting"))
+    assert apply_family(family_spec("gemma"), model, PatchOptions(kernels="torch")) is first
     _out(model, _ids())
     assert counting.calls["geglu"] == 2  # not wrapped twice, still the first backend
     first.undo()
-    again = apply_family(family_spec("gemma"), model, {"kernels": "torch"})
+    again = apply_family(family_spec("gemma"), model, PatchOptions(kernels="torch"))
     assert again is not first
     assert again.kernels["geglu"][0] == "torch"
 
@@ -112,7 +117,7 @@ def test_applying_twice_returns_the_first_report(counting):
 def test_activation_that_does_not_match_the_mlp_kind_is_left_alone(counting):
     model = tiny_model("llama", hidden_act="gelu")
     stock = _out(model, _ids())
-    report = apply_family(family_spec("llama"), model, {"kernels": "counting"})
+    report = apply_family(family_spec("llama"), model, PatchOptions(kernels="counting"))
     assert "swiglu" not in report.kernels
     assert "not the activation" in report.skipped["mlp"]
     torch.testing.assert_close(_out(model, _ids()), stock)
@@ -122,15 +127,15 @@ def test_activation_that_does_not_match_the_mlp_kind_is_left_alone(counting):
 
 def test_kernels_option_turns_ops_off(counting):
     model = tiny_model("llama")
-    report = apply_family(family_spec("llama"), model, {"kernels": False})
+    report = apply_family(family_spec("llama"), model, PatchOptions(kernels=False))
     assert report.kernels == {}
     assert _instance_forwards(model) == []
     report.undo()
-    report = apply_family(family_spec("llama"), model, {"kernels": {"swiglu": False}})
+    report = apply_family(family_spec("llama"), model, PatchOptions(kernels={"swiglu": False}))
     assert set(report.kernels) == {"rms_norm"}
     assert report.kernels["rms_norm"][0] == "chunked"  # automatic selection on CPU
     report.undo()
-    report = apply_family(family_spec("llama"), model, {"performance": False})
+    report = apply_family(family_spec("llama"), model, PatchOptions(performance=False))
     assert report.skipped["kernels"] == "performance=False"
     assert report.kernels == {}
 
@@ -138,7 +143,7 @@ def test_kernels_option_turns_ops_off(counting):
 def test_explicit_backend_that_cannot_run_fails_at_patch_time_and_leaves_nothing():
     model = tiny_model("llama")
     with pytest.raises(ConfigurationError, match=r"'nope'.*not installed"):
-        apply_family(family_spec("llama"), model, {"kernels": {"swiglu": "nope"}})
+        apply_family(family_spec("llama"), model, PatchOptions(kernels={"swiglu": "nope"}))
     assert _instance_forwards(model) == []  # the norms swapped first were restored
     assert "_opake_family_report" not in model.__dict__
 
@@ -158,7 +163,7 @@ def swiglu_only_backend():
 def test_backend_without_the_op_raises_operation_error():
     model = tiny_model("llama")
     with pytest.raises(OperationError, match="has no op 'rms_norm'"):
-        apply_family(family_spec("llama"), model, {"kernels": "example-missing-op"})
+        apply_family(family_spec("llama"), model, PatchOptions(kernels="example-missing-op"))
     assert _instance_forwards(model) == []
 
 
@@ -178,7 +183,7 @@ def test_peft_wrapped_model_is_patched_inside(counting):
     from opake.core.testing import with_lora
 
     model = with_lora(tiny_model("qwen3"))
-    report = apply_family(family_spec("qwen3"), model, {"kernels": "counting"})
+    report = apply_family(family_spec("qwen3"), model, PatchOptions(kernels="counting"))
     assert report.model_type == "qwen3"
     model(input_ids=_ids())
     assert counting.calls["rms_norm"] == 9
@@ -213,8 +218,34 @@ def test_per_example_grads_through_swapped_modules_match_the_loop(family):
         return fmodel(p, input_ids=x[None], labels=x[None], use_cache=False).loss
 
     expected, _ = per_example_grads_loop(loss_fn, (params, ids))
-    apply_family(family_spec(family), model, {"kernels": "chunked"})
+    apply_family(family_spec(family), model, PatchOptions(kernels="chunked"))
     got = torch.func.vmap(torch.func.grad(loss_fn), in_dims=(None, 0))(params, ids)
     for i, ref in enumerate(expected):
         for k, v in ref.items():
             torch.testing.assert_close(got[k][i], v, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "cohere", "granite", "gpt2"])
+def test_dispatcher_runs_the_family_and_the_loss_only_head(family, counting):
+    spec = family_spec(family)
+    model = tiny_model(family)
+    ids = _ids()
+    with torch.no_grad():
+        stock_logits = model(input_ids=ids).logits
+        stock_loss = model(input_ids=ids[:1], labels=ids[:1]).loss
+    report = apply_model_patches(model, kernels="counting")
+    assert report.family == family
+    assert report.kernels["linear_cross_entropy"].backend == "counting"
+    with torch.no_grad():
+        out = model(input_ids=ids[:1], labels=ids[:1], loss_only=True)
+        logits = model(input_ids=ids).logits
+    assert out.logits is None
+    assert counting.calls["linear_cross_entropy"] == 1
+    torch.testing.assert_close(out.loss, stock_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, stock_logits, rtol=1e-5, atol=1e-6)
+    family_report = vars(model)["_opake_family_report"]
+    assert family_report.transform == spec.head.transform(model.config)
+    report.remove()
+    assert "_opake_family_report" not in vars(model)
+    assert _instance_forwards(model) == []
+    assert "forward" not in vars(model)

@@ -1,48 +1,61 @@
 """Turn a :class:`~opake.models.FamilySpec` into patches on one model instance.
 
-:func:`apply_family` is what every family module's ``apply`` calls. It checks that the model
-has the structure the spec describes (fail closed: a transformers version that renamed or
-reshaped a module raises instead of being patched wrongly), then applies the kernel swaps the
-spec allows. Every change is recorded and undone, in reverse, by :meth:`FamilyReport.undo` —
-also when a later step fails (all or nothing).
+:func:`apply_family` is what every family module's ``apply`` calls, and implements
+opake-patches' family contract (:class:`opake.patches.FamilyApply`): it receives the
+unwrapped Hugging Face model and the frozen :class:`~opake.patches.PatchOptions`, checks that
+the model has the structure the spec describes (fail closed: a transformers version that
+renamed or reshaped a module raises instead of being patched wrongly), applies what is
+family-specific, and *describes* the rest to the dispatcher in ``hf``
+(:class:`~opake.patches.HFCompat`):
+
+* kernel swaps (``performance``): RMSNorm and gated-MLP modules call opake-kernels ops;
+* sliding-window masks (``compat``): the backbone receives per-layer-type windowed masks
+  (:mod:`opake.models._masks`);
+* ``hf.attention`` — causal or bidirectional 2-D → 4-D mask conversion — and ``hf.head`` — the
+  loss-only head, with the logit transform read from the config through the spec's
+  :class:`~opake.models.LogitTransform`, the same object that reproduces the logits path.
+
+Every change is recorded in a :class:`~opake.patches.Patcher` and undone, newest first, by
+:meth:`FamilyReport.undo` — also when a later step fails (all or nothing).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
+from opake.models._masks import install_window_masks
 from opake.models._spec import CausalLMHead, FamilySpec, LogitTransform
 from opake.models._swaps import (
     KernelSlot,
-    Undo,
     gated_op,
     modules_of_class,
     swap_gated_mlps,
     swap_rms_norms,
 )
+from opake.patches import HFCompat, LossOnlyHead, Patcher, PatchOptions
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FamilyReport", "apply_family", "kernel_backend_for", "unwrap_model"]
+__all__ = ["FamilyReport", "apply_family", "unwrap_model"]
 
 _REPORT_ATTR = "_opake_family_report"
 
 
 @dataclass
 class FamilyReport:
-    """What :func:`apply_family` did to one model instance.
+    """What :func:`apply_family` did to one model (an :class:`opake.patches.FamilyPatch`).
 
     Attributes:
         family: the family name.
         model_type: the model's ``config.model_type``.
         task: ``"causal_lm"`` or ``"sequence_classification"``.
         applied: one line per patch applied (``"rms_norm: 5 LlamaRMSNorm modules"``).
-        kernels: op → ``(backend, reason)`` for every kernel the patches call.
+        kernels: op → ``(backend, reason)`` for every kernel the family's patches call.
         skipped: part → reason, for every part of the spec that was not applied.
+        hf: what the dispatcher applies next: the attention kind and the loss-only head.
         tied: whether the output projection shares its weight with the input embedding
             (its per-example gradient is then the sum of both uses); None without a LM head.
         transform: the logit transform the head applies (None without a LM head).
@@ -54,18 +67,19 @@ class FamilyReport:
     applied: list[str] = field(default_factory=list)
     kernels: dict[str, tuple[str, str]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    hf: HFCompat | None = None
     tied: bool | None = None
     transform: LogitTransform | None = None
-    _undo: Undo = field(default_factory=Undo, repr=False)
+    _patcher: Patcher = field(default_factory=Patcher, repr=False)
 
     @property
     def active(self) -> bool:
         """True while the patches are in place (until :meth:`undo`)."""
-        return len(self._undo) > 0
+        return len(self._patcher) > 0
 
     def undo(self) -> None:
         """Restore the instance exactly as it was before :func:`apply_family` (idempotent)."""
-        self._undo()
+        self._patcher.undo()
 
 
 def unwrap_model(model: Any) -> torch.nn.Module:
@@ -76,51 +90,9 @@ def unwrap_model(model: Any) -> torch.nn.Module:
     >>> unwrap_model(m) is m
     True
     """
-    import torch
+    from opake.patches.model import unwrap_model as unwrap
 
-    if not isinstance(model, torch.nn.Module):
-        raise InputTypeError(
-            f"expected a torch.nn.Module (a Hugging Face model, optionally PEFT-wrapped), got "
-            f"{type(model).__name__}."
-        )
-    get_base = getattr(model, "get_base_model", None)
-    base = get_base() if callable(get_base) else model
-    return base if isinstance(base, torch.nn.Module) else model
-
-
-def _option(options: Any, name: str, default: Any) -> Any:
-    if options is None:
-        return default
-    if isinstance(options, Mapping):
-        return options.get(name, default)
-    value = getattr(options, name, default)
-    return default if value is None and default is not None else value
-
-
-def kernel_backend_for(options: Any, op: str) -> tuple[bool, str | None]:
-    """Read the ``kernels`` option for one op: ``(enabled, backend or None for automatic)``.
-
-    ``kernels`` may be None/True (automatic), False (no kernel swaps), a backend name for
-    every op, or a mapping op → backend name / None / False.
-
-    >>> kernel_backend_for({"kernels": "chunked"}, "rms_norm")
-    (True, 'chunked')
-    >>> kernel_backend_for({"kernels": {"swiglu": False}}, "swiglu")
-    (False, None)
-    """
-    kernels = _option(options, "kernels", None)
-    if isinstance(kernels, Mapping):
-        kernels = kernels.get(op)
-    if kernels is None or kernels is True:
-        return True, None
-    if kernels is False:
-        return False, None
-    if isinstance(kernels, str):
-        return True, kernels
-    raise InputTypeError(
-        f"kernels={kernels!r} for op {op!r}: expected None/True (automatic), False (off), a "
-        "backend name such as 'chunked', or a mapping op -> one of those."
-    )
+    return unwrap(model)  # type: ignore[no-any-return]
 
 
 def _layer_count(config: Any) -> int | None:
@@ -163,28 +135,36 @@ def check_structure(spec: FamilySpec, model: torch.nn.Module) -> list[torch.nn.M
         raise ConfigurationError(
             f"family {spec.name!r} expects {expected} layers of class {spec.layer} in {where}, "
             f"found {len(layers)}: this transformers version changed the model's structure. "
-            f"The adapter targets {spec.requires}; update it or patch with performance=False."
+            f"The adapter targets {spec.requires}: update it for this version."
         )
-    if spec.norm.kind == "rms" and next(modules_of_class(model, spec.norm.module), None) is None:
+    expected_modules = [spec.norm.module, spec.mlp.module]
+    if spec.rope.module is not None:
+        expected_modules.append(spec.rope.module)
+    missing = [c for c in expected_modules if next(modules_of_class(model, c), None) is None]
+    if missing:
         raise ConfigurationError(
-            f"family {spec.name!r} expects {spec.norm.module} modules in {where}; none found."
+            f"family {spec.name!r} expects {missing} modules in {where}; none found. The "
+            f"adapter targets {spec.requires}: update it for this version."
         )
     return layers
 
 
-def _head_facts(spec: FamilySpec, model: torch.nn.Module, report: FamilyReport) -> None:
+def _head(spec: FamilySpec, model: torch.nn.Module, report: FamilyReport) -> LossOnlyHead | None:
+    """Record tie and transform; the loss-only head to describe, or None (reason recorded)."""
+    import torch
+
     head = spec.head
     if not isinstance(head, CausalLMHead):
         report.skipped["loss_only"] = (
             "sequence-classification head: there is no vocabulary projection to fuse"
         )
-        return
+        return None
     if type(model).__name__ not in spec.models:
         report.skipped["loss_only"] = (
             f"{type(model).__name__} is not one of the task models {spec.models} the "
-            f"{spec.name!r} adapter patches heads for"
+            f"{spec.name!r} adapter describes a head for"
         )
-        return
+        return None
     lm_head = _resolve(model, head.lm_head)
     embedding = _resolve(model, head.embedding)
     weight = getattr(lm_head, "weight", None)
@@ -194,85 +174,129 @@ def _head_facts(spec: FamilySpec, model: torch.nn.Module, report: FamilyReport) 
             f"{head.embedding}.weight; this transformers version changed the head."
         )
     report.tied = weight is embedding.weight
-    report.transform = head.transform(model.config)
+    transform = head.transform(model.config)
+    report.transform = transform
+    if not isinstance(lm_head, torch.nn.Linear):
+        report.skipped["loss_only"] = (
+            f"{head.lm_head} is a {type(lm_head).__name__}, not a plain Linear (e.g. wrapped by "
+            "LoRA): the loss-only path reads its weight alone and would ignore the wrapper"
+        )
+        return None
+    return LossOnlyHead(
+        lm_head=head.lm_head,
+        backbone=head.backbone,
+        logit_scale=transform.scale,
+        logit_divisor=transform.divisor,
+        softcap=transform.softcap,
+    )
 
 
-def apply_family(spec: FamilySpec, model: Any, options: Any = None) -> FamilyReport:
+def apply_family(spec: FamilySpec, model: Any, options: PatchOptions | None = None) -> FamilyReport:
     """Patch one model instance as ``spec`` describes; returns a :class:`FamilyReport`.
 
-    Applying twice is a no-op that returns the first report.
+    Called by :func:`opake.patches.apply_model_patches` through a family module's ``apply``;
+    the dispatcher then installs what ``report.hf`` describes (mask conversion, loss-only
+    forward). Called directly, only the family's own patches are applied. Applying twice is a
+    no-op that returns the first report.
 
     Args:
         spec: the family description.
         model: a Hugging Face model of one of ``spec.model_types`` (PEFT-wrapped is fine).
-        options: the patch options from :func:`opake.patches.apply_model_patches` (an object
-            with attributes, or a mapping). Read here: ``performance`` (kernel swaps, default
-            True) and ``kernels`` (see :func:`kernel_backend_for`).
+        options: the dispatcher's :class:`~opake.patches.PatchOptions` (default: all on,
+            automatic kernel selection). Read here: ``performance``, ``compat`` and the
+            ``kernels`` choice per op (``options.kernel_for(op)``).
 
     Example:
-        >>> import torch
         >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> from opake.models import apply_family, family_spec
-        >>> cfg = LlamaConfig(**family_spec("llama").tiny_config)
-        >>> model = LlamaForCausalLM(cfg)
-        >>> report = apply_family(family_spec("llama"), model, {"kernels": "torch"})
-        >>> report.kernels["rms_norm"][0], report.tied
-        ('torch', False)
-        >>> report.undo(); "forward" in model.model.norm.__dict__
+        >>> from opake.patches import PatchOptions
+        >>> model = LlamaForCausalLM(LlamaConfig(**family_spec("llama").tiny_config))
+        >>> report = apply_family(family_spec("llama"), model, PatchOptions(kernels="torch"))
+        >>> report.kernels["rms_norm"][0], report.tied, report.hf.attention
+        ('torch', False, 'causal')
+        >>> report.undo(); "forward" in vars(model.model.norm)
         False
     """
     if not isinstance(spec, FamilySpec):
         raise InputTypeError(f"apply_family(spec, ...): spec must be a FamilySpec, got {spec!r}.")
+    if options is None:
+        options = PatchOptions()
+    if not isinstance(options, PatchOptions):
+        raise InputTypeError(
+            f"apply_family(options=...): expected an opake.patches.PatchOptions, got "
+            f"{type(options).__name__}."
+        )
     base = unwrap_model(model)
-    previous = base.__dict__.get(_REPORT_ATTR)
+    previous = vars(base).get(_REPORT_ATTR)
     if isinstance(previous, FamilyReport) and previous.active:
         return previous  # idempotent: the instance is already patched
     check_structure(spec, base)
     report = FamilyReport(spec.name, base.config.model_type, spec.task)
-    undo = Undo()
+    patcher = report._patcher
     try:
-        _head_facts(spec, base, report)
-        if _option(options, "performance", True):
-            _swap_kernels(spec, base, options, report, undo)
+        head = _head(spec, base, report)
+        report.hf = HFCompat(spec.attention.mask, head)
+        if options.performance:
+            _swap_kernels(spec, base, options, report, patcher)
         else:
             report.skipped["kernels"] = "performance=False"
+        if options.compat:
+            _windows(spec, base, report, patcher)
+        patcher.set_attr(base, _REPORT_ATTR, report)
     except BaseException:
-        undo()
+        patcher.undo()
         raise
-    base.__dict__[_REPORT_ATTR] = report
-    undo.push(lambda: base.__dict__.pop(_REPORT_ATTR, None))
-    report._undo.extend(undo)
     return report
+
+
+def _windows(
+    spec: FamilySpec, model: torch.nn.Module, report: FamilyReport, patcher: Patcher
+) -> None:
+    backbone = _resolve(model, spec.head.backbone)
+    if backbone is None:
+        raise ConfigurationError(
+            f"family {spec.name!r}: {type(model).__name__} has no backbone at "
+            f"{spec.head.backbone!r}; this transformers version changed the model."
+        )
+    window = install_window_masks(backbone, model.config, spec.attention, patcher)
+    if window is not None:
+        where = "sliding layers" if spec.attention.layer_types else "every layer"
+        report.applied.append(f"attention_mask: sliding window of {window} keys on {where}")
 
 
 def _swap_kernels(
     spec: FamilySpec,
     model: torch.nn.Module,
-    options: Any,
+    options: PatchOptions,
     report: FamilyReport,
-    undo: Undo,
+    patcher: Patcher,
 ) -> None:
     device = _device_of(model)
     if spec.norm.kind == "rms":
-        enabled, backend = kernel_backend_for(options, "rms_norm")
+        enabled, backend = options.kernel_for("rms_norm")
         if enabled:
             slot = KernelSlot("rms_norm", backend)
             report.kernels["rms_norm"] = slot.choose(device)
-            count, _why = swap_rms_norms(model, spec.norm, slot, undo)
+            count, _why = swap_rms_norms(model, spec.norm, slot, patcher)
             report.applied.append(f"rms_norm: {count} {spec.norm.module} modules")
         else:
             report.skipped["rms_norm"] = "kernels option turned it off"
     else:
         report.skipped["rms_norm"] = f"{spec.norm.module} is a LayerNorm"
+    if spec.rope.kind != "none":
+        report.skipped["rope"] = (
+            f"{spec.rope.kind} RoPE stays transformers' own: it is applied by a module-level "
+            "function, and Opake patches instances only"
+        )
     op, activation = gated_op(spec.mlp, model)
     if op is None:
         report.skipped["mlp"] = activation
         return
-    enabled, backend = kernel_backend_for(options, op)
+    enabled, backend = options.kernel_for(op)
     if not enabled:
         report.skipped[op] = "kernels option turned it off"
         return
     slot = KernelSlot(op, backend)
     report.kernels[op] = slot.choose(device)
-    count = swap_gated_mlps(model, spec.mlp, slot, undo, activation)
+    count = swap_gated_mlps(model, spec.mlp, slot, patcher, activation)
     report.applied.append(f"{op}: {count} {spec.mlp.module} modules ({activation})")

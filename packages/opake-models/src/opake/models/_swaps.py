@@ -23,10 +23,10 @@ if TYPE_CHECKING:
     import torch
 
     from opake.models._spec import Mlp, Norm
+    from opake.patches._patcher import Patcher
 
 __all__ = [
     "KernelSlot",
-    "Undo",
     "gated_op",
     "identify_activation",
     "modules_of_class",
@@ -35,36 +35,6 @@ __all__ = [
 ]
 
 _MARK = "_opake_kernel_swap"
-
-
-class Undo:
-    """A stack of restore actions, run in reverse order (all-or-nothing patching).
-
-    >>> log = []
-    >>> undo = Undo()
-    >>> undo.push(lambda: log.append("a")); undo.push(lambda: log.append("b"))
-    >>> undo(); log
-    ['b', 'a']
-    """
-
-    def __init__(self) -> None:
-        self._actions: list[Callable[[], None]] = []
-
-    def push(self, action: Callable[[], None]) -> None:
-        """Remember how to undo one change."""
-        self._actions.append(action)
-
-    def extend(self, other: Undo) -> None:
-        """Take over another stack's actions (they run after this one's newer actions)."""
-        self._actions.extend(other._actions)
-        other._actions = []
-
-    def __len__(self) -> int:
-        return len(self._actions)
-
-    def __call__(self) -> None:
-        while self._actions:
-            self._actions.pop()()
 
 
 class KernelSlot:
@@ -146,21 +116,9 @@ def identify_activation(act: Callable[[Any], Any]) -> str | None:
     return None
 
 
-def _install(module: torch.nn.Module, forward: Callable[..., Any], undo: Undo) -> None:
-    had = "forward" in module.__dict__
-    previous = module.__dict__.get("forward")
-    bound = types.MethodType(forward, module)
-    module.forward = bound  # type: ignore[method-assign]
-    module.__dict__[_MARK] = True
-
-    def restore() -> None:
-        module.__dict__.pop(_MARK, None)
-        if had:
-            module.forward = previous  # type: ignore[method-assign]
-        else:
-            module.__dict__.pop("forward", None)
-
-    undo.push(restore)
+def _install(module: torch.nn.Module, forward: Callable[..., Any], patcher: Patcher) -> None:
+    patcher.set_attr(module, "forward", types.MethodType(forward, module))
+    patcher.set_attr(module, _MARK, True)
 
 
 def _swapped(module: torch.nn.Module) -> bool:
@@ -179,7 +137,7 @@ class _RmsForward:
 
 
 def swap_rms_norms(
-    model: torch.nn.Module, norm: Norm, slot: KernelSlot, undo: Undo
+    model: torch.nn.Module, norm: Norm, slot: KernelSlot, patcher: Patcher
 ) -> tuple[int, str | None]:
     """Route every ``norm.module`` RMSNorm through the ``rms_norm`` op: ``(count, skip reason)``."""
     if norm.kind != "rms":
@@ -196,7 +154,7 @@ def swap_rms_norms(
                 "attribute: this transformers version changed the norm module the adapter "
                 "expects. Pass kernels=False to skip kernel swaps, or update the adapter."
             )
-        _install(module, forward, undo)
+        _install(module, forward, patcher)
     return len(found), None
 
 
@@ -244,7 +202,7 @@ def gated_op(mlp: Mlp, model: torch.nn.Module) -> tuple[str | None, str]:
 
 
 def swap_gated_mlps(
-    model: torch.nn.Module, mlp: Mlp, slot: KernelSlot, undo: Undo, activation: str
+    model: torch.nn.Module, mlp: Mlp, slot: KernelSlot, patcher: Patcher, activation: str
 ) -> int:
     """Route every ``mlp.module`` through ``slot`` (``swiglu`` or ``geglu``); returns the count."""
     kwargs = _OP_FOR_ACTIVATION[(mlp.kind, activation)][1]
@@ -261,6 +219,6 @@ def swap_gated_mlps(
                 "version changed the MLP the adapter expects. Pass kernels=False to skip "
                 "kernel swaps, or update the adapter."
             )
-        _install(module, forward, undo)
+        _install(module, forward, patcher)
         count += 1
     return count

@@ -1,0 +1,23 @@
+"""Every first-party family passes the conformance suite (the checks are in opake.models.testing).
+
+Per family: outputs and per-example losses equal the stock model's; per-example gradients and
+clipped sums under ``vmap`` (2-D padded masks, loss-only, chunked kernels) equal a per-example
+loop of plain autograd on an unpatched copy (fp32, rtol 1e-4); checkpointing recomputes and
+keeps the gradients; a PEFT LoRA model works with ``make_functional(partition_trainable=True)``;
+dropout runs under ``randomness="different"``; patches are instance-only and reversible.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from opake.models import family_names
+from opake.models.testing import CHECKS, ConformanceCase, run_check, tiny_model
+
+CASES = {name: ConformanceCase(lambda name=name: tiny_model(name)) for name in family_names()}
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+@pytest.mark.parametrize("family", family_names())
+def test_conformance(family, check):
+    run_check(check, CASES[family])
