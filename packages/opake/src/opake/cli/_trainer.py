@@ -13,6 +13,7 @@ continues exactly where the run stopped, with no privacy spending forgotten.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import platform
 import sys
@@ -28,14 +29,16 @@ from opake.cli._models import load_model, load_tokenizer, resolve_model
 from opake.cli._outputs import plot_metrics, write_json, write_metrics
 from opake.cli._settings import DEFAULT_STEPS, RESUME_LOCKED, TrainSettings
 from opake.cli._tokenizer import ByteTokenizer
-from opake.core.errors import ConfigurationError
+from opake.core.errors import ConfigurationError, OpakePrivacyWarning
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CHECKPOINT_FILE", "PLD_OPTIONS", "RunPlan", "plan_run", "run"]
+__all__ = ["CHECKPOINT_FILE", "PLD_OPTIONS", "SETTINGS_FILE", "RunPlan", "plan_run", "run"]
 
 CHECKPOINT_FILE = "checkpoint.pt"
+#: the settings of the run in --out, written before the first step (checked by --resume)
+SETTINGS_FILE = "settings.json"
 #: PLD discretisation of the run's accountant: pessimistic (ε stays an upper bound), within
 #: ~1e-5 relative of the library default and fast enough to report ε after every step
 PLD_OPTIONS = {"value_discretization_interval": 1e-3}
@@ -140,6 +143,8 @@ def plan_run(settings: TrainSettings) -> RunPlan:
             f"--resume: {checkpoint} does not exist; start the run without --resume, or point "
             "--out at the directory of the run to continue"
         )
+    if settings.resume:
+        _check_resumed_settings(_read_settings(out / SETTINGS_FILE), settings)
     if not settings.resume and checkpoint.exists():
         raise ConfigurationError(
             f"--out {out} already holds a run ({CHECKPOINT_FILE}); pass --resume to continue it "
@@ -223,8 +228,8 @@ def plan_run(settings: TrainSettings) -> RunPlan:
             )
         except ConfigurationError as err:
             raise ConfigurationError(
-                f"--target-epsilon {settings.target_epsilon} cannot be met with {steps} steps at "
-                f"q = {q:.4g}, δ = {delta:.3g}: {err}; change --steps, --batch-size or the target"
+                f"--target-epsilon {settings.target_epsilon} with {steps} steps at q = {q:.4g}: "
+                f"{err} (or change --steps / --batch-size)"
             ) from None
     planned = accounting.epsilon(
         sample_rate=q,
@@ -401,6 +406,7 @@ def run(plan: RunPlan) -> dict[str, Any]:
         microbatch = s.microbatch if isinstance(s.microbatch, int) else None
     grad_fn, clip_state = make_grad_fn(microbatch)
 
+    expected_zero = _zero_partner_lora_a(trainable)
     params = [p for p in model.parameters() if p.requires_grad]
     if s.optimizer == "sgd":
         inner: torch.optim.Optimizer = torch.optim.SGD(
@@ -429,6 +435,8 @@ def run(plan: RunPlan) -> dict[str, Any]:
         sampler = PoissonSampler(plan.dataset_size, plan.sample_rate, seed=s.seed)
 
     checkpoint_path = plan.out / CHECKPOINT_FILE
+    if not s.resume:
+        write_json(plan.out / SETTINGS_FILE, s.to_dict())
     rows: list[dict[str, Any]] = []
     start_step = 0
     initial_val: float | None = None
@@ -506,7 +514,10 @@ def run(plan: RunPlan) -> dict[str, Any]:
                 )
                 perf.mark("clipped_grad")
                 dp_opt.accumulate(grads)
-                report = dp_opt.step()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always", OpakePrivacyWarning)
+                    report = dp_opt.step()
+                _reemit(caught, expected_zero, trainable)
                 perf.mark("noise_and_update")
             accountant.step(
                 noise_multiplier=report.noise_multiplier,
@@ -588,6 +599,41 @@ def run(plan: RunPlan) -> dict[str, Any]:
     return summary
 
 
+def _zero_partner_lora_a(trainable: dict[str, torch.Tensor]) -> frozenset[str]:
+    """LoRA ``A`` matrices whose ``B`` partner is all zeros (PEFT's initialisation).
+
+    Their gradient is exactly zero until ``B`` moves, so the optimizer's first-step check
+    ("all-zero gradient ... updated by noise alone") is expected for them, not a sign that they
+    are unused: on the first step they do receive noise alone, which costs no privacy.
+    """
+    names = set()
+    for name in trainable:
+        if ".lora_A." in name:
+            partner = trainable.get(name.replace(".lora_A.", ".lora_B."))
+            if partner is not None and not bool(partner.count_nonzero()):
+                names.add(name)
+    return frozenset(names)
+
+
+def _reemit(
+    caught: list[warnings.WarningMessage], expected_zero: frozenset[str], names: Iterable[str]
+) -> None:
+    """Re-issue caught warnings, except a zero-gradient warning naming only *expected_zero*
+    among the trainable *names*."""
+    names = tuple(names)
+    for item in caught:
+        message = str(item.message)
+        mentioned = {name for name in names if name in message}
+        if (
+            issubclass(item.category, OpakePrivacyWarning)
+            and "all-zero gradient" in message
+            and mentioned
+            and mentioned <= expected_zero
+        ):
+            continue
+        warnings.warn_explicit(item.message, item.category, item.filename, item.lineno)
+
+
 def _fmt_gb(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f} GB"
 
@@ -612,6 +658,17 @@ def _check_resumed_settings(saved: Any, current: TrainSettings) -> None:
             + "; ".join(diffs)
             + "; resume with the saved run's options"
         )
+
+
+def _read_settings(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigurationError(
+            f"--resume: {path} is missing; the directory was not written by opake train"
+        ) from None
+    except json.JSONDecodeError as err:
+        raise ConfigurationError(f"--resume: {path} is damaged ({err.msg})") from None
 
 
 def _save_model(plan: RunPlan, loaded: Any, model: Any) -> dict[str, str]:

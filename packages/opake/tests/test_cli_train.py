@@ -1,0 +1,260 @@
+"""``opake train`` end to end on a tiny setting, resume equivalence, and every bad input."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from opake import accounting
+from opake.cli import _trainer as trainer
+from opake.cli import main
+
+SUMMARY_KEYS = {
+    "epsilon",
+    "delta",
+    "noise_multiplier",
+    "sample_rate",
+    "steps",
+    "train_loss",
+    "val_loss",
+    "samples_per_second",
+    "peak_memory_gb",
+    "settings",
+}
+
+
+def _weights(directory):
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model.safetensors"))
+
+
+def test_tiny_run_writes_every_output(tiny_args, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(tiny_args("--target-epsilon", "4", out=out)) == 0
+    stdout = capsys.readouterr().out
+    assert "done: 4 steps" in stdout
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) >= SUMMARY_KEYS
+    n = summary["dataset_size"]
+    assert summary["steps"] == 4
+    assert summary["delta"] == pytest.approx(1 / n**2)
+    assert summary["sample_rate"] == pytest.approx(8 / n)
+    assert summary["epsilon"] <= 4.0 + 1e-9
+    # the reported ε is the accountant's for exactly this schedule
+    assert summary["epsilon"] == pytest.approx(
+        accounting.epsilon(
+            sample_rate=summary["sample_rate"],
+            noise_multiplier=summary["noise_multiplier"],
+            steps=4,
+            delta=summary["delta"],
+            accountant_options=trainer.PLD_OPTIONS,
+        ),
+        rel=1e-9,
+    )
+    for key in ("block_size", "batch_size", "lr", "clip", "seed", "model", "data"):
+        assert key in summary["settings"]
+    assert math.isfinite(summary["val_loss"])
+    assert summary["val_loss"] > 0
+    assert summary["peak_memory_gb"] > 0
+    assert summary["samples_per_second"] > 0
+
+    with (out / "metrics.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+    eps = [float(r["epsilon"]) for r in rows]
+    assert eps == sorted(eps)
+    assert eps[-1] == pytest.approx(summary["epsilon"])
+    assert [r["val_loss"] != "" for r in rows] == [False, True, False, True]
+    assert float(rows[-1]["val_loss"]) == pytest.approx(summary["val_loss"])
+
+    for name in ("loss.png", "epsilon.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # the final model and its tokenizer load back with from_pretrained
+    from transformers import AutoModelForCausalLM
+
+    from opake.cli._tokenizer import ByteTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    tok = ByteTokenizer.from_pretrained(out / "model")
+    assert model.config.vocab_size == tok.vocab_size
+    assert (out / trainer.CHECKPOINT_FILE).is_file()
+
+
+def test_training_lowers_the_loss_below_initial(tiny_args, tmp_path):
+    out = tmp_path / "run"
+    args = tiny_args("--noise-multiplier", "0.5", "--steps", "12", "--lr", "0.02", out=out)
+    assert main(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["val_loss"] < summary["initial_val_loss"] - 0.3
+
+
+def _interrupt_at(monkeypatch, step_index):
+    real = trainer._lr_at
+
+    def lr_at(step, **kwargs):
+        if step == step_index:
+            raise KeyboardInterrupt
+        return real(step, **kwargs)
+
+    monkeypatch.setattr(trainer, "_lr_at", lr_at)
+
+
+@pytest.mark.slow
+def test_resume_is_identical_to_an_uninterrupted_run(tiny_args, tmp_path, monkeypatch, capsys):
+    full, parts = tmp_path / "full", tmp_path / "parts"
+    extra = ("--steps", "6", "--checkpoint-every", "2")
+    assert main(tiny_args(*extra, out=full)) == 0
+
+    _interrupt_at(monkeypatch, 3)  # stops after 3 completed steps (not a checkpoint boundary)
+    assert main(tiny_args(*extra, out=parts)) == 130
+    assert "interrupted after step 3" in capsys.readouterr().err
+    assert not (parts / "summary.json").exists()
+    monkeypatch.undo()
+
+    assert main(tiny_args(*extra, "--resume", out=parts)) == 0
+    a = json.loads((full / "summary.json").read_text())
+    b = json.loads((parts / "summary.json").read_text())
+    assert b["resumed_from_step"] == 3
+    for key in ("epsilon", "val_loss", "train_loss", "noise_multiplier", "steps"):
+        assert a[key] == b[key], key
+    wa, wb = _weights(full / "model"), _weights(parts / "model")
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+    with (full / "metrics.csv").open() as fa, (parts / "metrics.csv").open() as fb:
+        ra, rb = list(csv.DictReader(fa)), list(csv.DictReader(fb))
+    for key in ("step", "train_loss", "val_loss", "epsilon", "batch_size", "lr"):
+        assert [r[key] for r in ra] == [r[key] for r in rb], key
+
+
+def test_resume_keeps_the_accountant_history(tiny_args, tmp_path):
+    out = tmp_path / "run"
+    assert main(tiny_args("--steps", "2", out=out)) == 0
+    first = json.loads((out / "summary.json").read_text())
+    # resuming a finished run with more steps is a settings change: refused, nothing trained
+    assert main(tiny_args("--steps", "3", "--resume", out=out)) == 2
+    # a finished run resumed with its own settings trains nothing and spends nothing more
+    assert main(tiny_args("--steps", "2", "--resume", out=out)) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert again["epsilon"] == first["epsilon"]
+    assert again["steps"] == 2
+
+
+def test_lora_trains_only_adapters(tiny_args, tmp_path):
+    pytest.importorskip("peft")
+    out = tmp_path / "run"
+    assert main(tiny_args("--lora-r", "2", "--steps", "2", out=out)) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0 < summary["trainable_parameters"] < summary["parameters"] / 2
+    assert (out / "model" / "adapter_config.json").is_file()
+    assert (out / "base_model" / "config.json").is_file()
+
+
+def test_fixed_shape_sampler_accounts_for_truncation(tiny_args, tmp_path):
+    out = tmp_path / "run"
+    assert main(tiny_args("--sampler", "fixed", "--steps", "2", out=out)) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    b_max = summary["max_batch_size"]
+    assert b_max >= 8
+    assert summary["epsilon"] == pytest.approx(
+        accounting.epsilon(
+            sample_rate=summary["sample_rate"],
+            noise_multiplier=summary["noise_multiplier"],
+            steps=2,
+            delta=summary["delta"],
+            max_batch_size=b_max,
+            dataset_size=summary["dataset_size"],
+            accountant_options=trainer.PLD_OPTIONS,
+        ),
+        rel=1e-9,
+    )
+
+
+def _bad(capsys, argv):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own errors exit
+        code = exit_.code
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (("--data", "/nonexistent/corpus.txt"), "does not exist"),
+        (("--microbatch", "9"), "larger than --batch-size"),
+        (("--kernels", "no-such-backend"), "unknown kernel backend"),
+        (("--target-epsilon", "1e-7", "--steps", "100000"), "unreachable"),
+        (("--model", "no-such-model"), "not a local directory nor a named config"),
+        (("--batch-size", "100000"), "exceeds the"),
+        (("--resume",), "does not exist"),
+        (("--delta", "2"), "expected a probability"),
+        (("--clip", "0"), "expected a finite number > 0"),
+        (("--microbatch", "lots"), "neither an integer nor 'auto'"),
+        (("--steps", "3", "--epochs", "1"), "not allowed with argument"),
+        (("--target-epsilon", "2", "--noise-multiplier", "1"), "not allowed with argument"),
+        (("--device", "cuda:7"), "--device"),
+    ],
+)
+def test_bad_input_fails_in_one_line_before_training(tiny_args, tmp_path, capsys, extra, expected):
+    out = tmp_path / "run"
+    code, err = _bad(capsys, tiny_args(*extra, out=out))
+    assert code != 0
+    assert len(err.splitlines()) == 1, err
+    assert expected in err
+    assert not out.exists()  # nothing was trained or written
+
+
+def test_empty_corpus_is_refused(tiny_args, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n\n ", encoding="utf-8")
+    jsonl = tmp_path / "empty.jsonl"
+    jsonl.write_text('{"text": ""}\n\n{"text": "   "}\n', encoding="utf-8")
+    for path in (empty, jsonl):
+        code, err = _bad(capsys, tiny_args("--data", str(path)))
+        assert code == 2
+        assert len(err.splitlines()) == 1
+        assert "corpus is empty" in err
+
+
+def test_too_little_text_is_refused(tiny_args, tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("just a few words", encoding="utf-8")
+    code, err = _bad(capsys, tiny_args("--data", str(short)))
+    assert code == 2
+    assert "need at least 2" in err
+
+
+def test_existing_run_is_not_overwritten(tiny_args, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / trainer.CHECKPOINT_FILE).write_bytes(b"x")
+    code, err = _bad(capsys, tiny_args(out=out))
+    assert code == 2
+    assert "already holds a run" in err
+
+
+def test_resume_with_other_settings_is_refused(tiny_args, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(tiny_args("--steps", "1", out=out)) == 0
+    capsys.readouterr()
+    code, err = _bad(capsys, tiny_args("--steps", "1", "--clip", "2", "--resume", out=out))
+    assert code == 2
+    assert len(err.splitlines()) == 1
+    assert "--clip 1.0 (saved) vs 2.0 (given)" in err
+
+
+def test_lr_schedule_warms_up_then_decays():
+    lrs = [trainer._lr_at(s, steps=20, peak=1.0, warmup=4) for s in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in itertools.pairwise(lrs[3:]))
+    assert lrs[-1] == pytest.approx(0.1, abs=0.01)
