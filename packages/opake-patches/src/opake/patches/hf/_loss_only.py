@@ -193,10 +193,9 @@ def install_loss_only(model: Any, head: LossOnlyHead, kernel: LossKernel, patche
     inner = model.forward
     signature = inspect.signature(inner)
     try:
-        backbone_params = inspect.signature(backbone.forward).parameters
+        backbone_takes_cache_flag = "use_cache" in inspect.signature(backbone.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - exotic modules
-        backbone_params = {}
-    backbone_takes_cache_flag = "use_cache" in backbone_params
+        backbone_takes_cache_flag = False
 
     @functools.wraps(inner)
     def forward(*args: Any, loss_only: bool = False, **kwargs: Any) -> Any:
@@ -275,7 +274,6 @@ def _loss_only_forward(
     result = CausalLMOutputWithPast(
         loss=loss,
         logits=None,
-        past_key_values=None,
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
     )

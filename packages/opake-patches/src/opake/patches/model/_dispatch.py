@@ -304,7 +304,7 @@ def apply_model_patches(
         )
         patcher = Patcher()
         try:
-            report = _apply(base, family, options, patcher)
+            parts = _apply(base, family, options, patcher)
         except BaseException:
             patcher.undo()
             raise
@@ -314,7 +314,7 @@ def apply_model_patches(
             runtime=runtime,
             options=options,
             _model=weakref.ref(base),
-            **report,
+            **parts,
         )
         _registry.entries[base] = _Entry(report, patcher, key)
         return report

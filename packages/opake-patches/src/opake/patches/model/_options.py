@@ -156,7 +156,9 @@ def resolve_loss_kernel(
         )
     chunked = _check_chunked(chunked)
     chunk_on = chunked is not None and chunked is not False and chunked != 0
-    chunk_size: bool | int = chunked if chunk_on and chunked is not True else True
+    chunk_size: bool | int = True
+    if chunk_on and isinstance(chunked, int) and chunked is not True:
+        chunk_size = chunked
     if not performance:
         if fused or chunk_on:
             raise ConfigurationError(

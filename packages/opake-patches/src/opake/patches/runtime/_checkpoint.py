@@ -268,7 +268,7 @@ class _Region:
             return tuple(outs[k] for k in self.float_outputs)
 
         with torch.no_grad(), self.replay_rng():
-            _, vjp_fn = torch.func.vjp(recompute, *(tensors[i] for i in diff))
+            vjp_fn = torch.func.vjp(recompute, *(tensors[i] for i in diff))[1]
             cotangents = tuple(grads[k] for k in self.float_outputs)
             vjps = vjp_fn(cotangents)
         for i, g in zip(diff, vjps, strict=True):

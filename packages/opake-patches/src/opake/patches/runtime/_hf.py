@@ -155,6 +155,6 @@ def uninstall_transformers_patch() -> None:
                 sys.meta_path.remove(_State.finder)
             _State.finder = None
         if _State.cls is not None and _State.stock is not None:
-            _State.cls.enable_input_require_grads = _State.stock
+            _State.cls.enable_input_require_grads = _State.stock  # type: ignore[attr-defined]
         _State.cls = None
         _State.stock = None

@@ -94,7 +94,7 @@ def make_patched_save_on_cpu(stock: type) -> type:
             import torch
 
             policy_token = _OFFLOAD.set(self._opake_policy)
-            pushed = bool(torch._C._autograd._saved_tensors_hooks_is_enabled())
+            pushed = bool(torch._C._autograd._saved_tensors_hooks_is_enabled())  # type: ignore[attr-defined]
             hooks_token = None
             if pushed:  # outside transforms: the stock behaviour
                 super().__enter__()
