@@ -227,7 +227,7 @@ def _in_process(method: str, mode: str, args: argparse.Namespace) -> Result:
     try:
         (_measure_cuda if args.device == "cuda" else _measure_cpu)(res, args)
     except Exception as err:  # recorded, not raised: one failing baseline must not stop the rest
-        first = (str(err).splitlines() or [""])[0][:200]
+        first = (str(err).splitlines() or [""])[0][:120]
         res.error = f"{type(err).__name__}: {first}"
         res.times_s = []
     return res
@@ -257,7 +257,7 @@ def _run_fresh_process(method: str, mode: str, args: argparse.Namespace) -> Resu
         if line.startswith("RESULT "):
             return _from_json(json.loads(line[len("RESULT ") :]))
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    return Result(method, mode, _shapes(args)[mode], error=f"worker failed: {tail[0][:200]}")
+    return Result(method, mode, _shapes(args)[mode], error=f"worker failed: {tail[0][:120]}")
 
 
 def _machine(args: argparse.Namespace) -> str:
@@ -265,8 +265,14 @@ def _machine(args: argparse.Namespace) -> str:
 
     if args.device == "cuda":
         return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
     return (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"{cpu}, {os.cpu_count()} cores, "
         f"torch {torch.__version__} ({args.threads or torch.get_num_threads()} threads)"
     )
 

@@ -49,7 +49,7 @@ LCEForwardCore = Callable[
 LCEBackwardCore = Callable[..., tuple[Tensor | None, Tensor | None, Tensor | None]]
 
 
-def _no_double_backward(*_: object) -> Any:
+def _no_double_backward(ctx: Any, *grad_outputs: Any) -> Any:
     raise OperationError(
         "opake kernels are first-order: the backward of a fused kernel cannot be differentiated "
         "again (no Hessians or double backward through it). Use backend='torch' for that."

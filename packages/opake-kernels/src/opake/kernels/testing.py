@@ -118,7 +118,8 @@ def _close(what: str, got: Tensor | None, want: Tensor | None, dtype: torch.dtyp
     if not torch.isfinite(got).all():
         raise AssertionError(f"{what}: non-finite values")
     try:
-        torch.testing.assert_close(got.float(), want.float(), **tolerances(dtype))
+        tol = tolerances(dtype)
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol["rtol"], atol=tol["atol"])
     except AssertionError as err:
         raise AssertionError(f"{what}: {err}") from None
 

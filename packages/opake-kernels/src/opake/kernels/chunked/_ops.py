@@ -109,7 +109,10 @@ def linear_cross_entropy(
         label_smoothing=label_smoothing,
     )
     h = hidden.shape[-1]
-    tiles = resolve_chunking(chunk_size, hidden.device, h, weight.shape[0], hidden.dtype)
+    # tokens: this call's count (per example under vmap: folded calls tile within it too)
+    tiles = resolve_chunking(
+        chunk_size, hidden.device, h, weight.shape[0], hidden.dtype, tokens=labels.numel()
+    )
     loss, _lse = _LCE.apply(hidden.reshape(-1, h), weight, bias, labels.reshape(-1), spec, tiles)
     return finish_loss(loss, reduction, tuple(labels.shape))
 

@@ -13,6 +13,8 @@ probability (``softcap * tanh(-inf)`` would be ``-softcap``, a finite logit).
 and fp32 ``PREC="ieee"`` keeps fp32 inputs in full precision on the GPU (no TF32).
 """
 
+# mypy: disable-error-code="no-untyped-def"
+# (Triton types kernel arguments itself: Python annotations would change their specialisation)
 # ruff: noqa: PLR0917  (autograd.Function.apply and Triton launches take positional arguments only)
 
 from __future__ import annotations
