@@ -21,3 +21,22 @@ CASES = {name: ConformanceCase(lambda name=name: tiny_model(name)) for name in f
 @pytest.mark.parametrize("family", family_names())
 def test_conformance(family, check):
     run_check(check, CASES[family])
+
+
+def _triton_on_cpu() -> bool:
+    from opake.core import plugins
+
+    backend = plugins.kernel_backends().get("triton")
+    return backend is not None and "cpu" in backend.devices and backend.is_available()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", ["loss_only", "per_example_grads", "clipped_grads"])
+def test_triton_kernels_in_the_interpreter(check):
+    """Gemma 2 (softcapped loss kernel, tanh GeGLU, RMSNorm with offset) on the Triton backend,
+    interpreted on the CPU: the same answers as the loop."""
+    pytest.importorskip("triton")
+    if not _triton_on_cpu():
+        pytest.skip("the triton backend runs on CPU only under TRITON_INTERPRET=1")
+    case = ConformanceCase(lambda: tiny_model("gemma2"), kernels="triton", seq=6)
+    run_check(check, case)
