@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -126,6 +127,10 @@ class _Backend:
         """Peak since the last :meth:`reset_peak` (sampled backends fold the current value in)."""
         return None
 
+    def snapshot(self) -> tuple[int | None, int | None, int | None]:
+        """``(allocated, reserved, peak)`` in one go (backends that can, read them at once)."""
+        return self.allocated(), self.reserved(), self.peak()
+
     def reset_peak(self) -> None:
         """Start a new peak-tracking window."""
 
@@ -148,13 +153,15 @@ _SAMPLED_PEAK: dict[str, int] = {}
 class _Sampled(_Backend):
     """Mixin logic for backends whose peak is the maximum of sampled current values."""
 
-    def _sample(self) -> int | None:
-        current = self.allocated()
+    def _fold(self, current: int | None) -> int | None:
         if current is not None:
             previous = _SAMPLED_PEAK.get(self.key)
             if previous is None or current > previous:
                 _SAMPLED_PEAK[self.key] = current
         return _SAMPLED_PEAK.get(self.key)
+
+    def _sample(self) -> int | None:
+        return self._fold(self.allocated())
 
     def peak(self) -> int | None:
         return self._sample()
@@ -344,18 +351,55 @@ class _Accelerator(_Backend):
 _CPU_PEAK_MODE = {"mode": "lifetime"}
 
 
+# /proc files stay open (a read through a kept descriptor costs a fraction of open + read + close);
+# keyed by process id, because after a fork an inherited descriptor still names the parent.
+_PROC_FDS: dict[tuple[int, str, int], int | None] = {}
+
+
+def _proc_fd(path: str, flags: int) -> int | None:
+    key = (os.getpid(), path, flags)
+    if key not in _PROC_FDS:
+        try:
+            _PROC_FDS[key] = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            _PROC_FDS[key] = None
+    return _PROC_FDS[key]
+
+
+def _kb_field(text: bytes, name: bytes) -> int | None:
+    start = text.find(name)
+    if start < 0:
+        return None
+    end = text.find(b"kB", start)
+    return int(text[start + len(name) : end]) * 1024
+
+
 def _read_proc_status() -> dict[str, int] | None:
+    """``{"VmRSS": bytes, "VmHWM": bytes}`` of this process, or None without ``/proc``."""
+    fd = _proc_fd(_PROC_STATUS, os.O_RDONLY)
+    if fd is None:
+        return None
     try:
-        with open(_PROC_STATUS, "rb") as fh:
-            text = fh.read()
+        text = os.pread(fd, 1 << 16, 0)
     except OSError:
         return None
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        if line.startswith((b"VmRSS:", b"VmHWM:")):
-            key, _, rest = line.partition(b":")
-            out[key.decode()] = int(rest.split()[0]) * 1024  # kB
-    return out if "VmRSS" in out else None
+    rss = _kb_field(text, b"VmRSS:")
+    if rss is None:
+        return None
+    hwm = _kb_field(text, b"VmHWM:")
+    return {"VmRSS": rss} if hwm is None else {"VmRSS": rss, "VmHWM": hwm}
+
+
+def _clear_peak_rss() -> bool:
+    """Reset the kernel's peak RSS of this process (``5`` to ``clear_refs``); False if refused."""
+    fd = _proc_fd(_PROC_CLEAR_REFS, os.O_WRONLY)
+    if fd is None:
+        return False
+    try:
+        os.write(fd, b"5")
+    except OSError:
+        return False
+    return True
 
 
 def _lifetime_peak_rss() -> int | None:
@@ -421,38 +465,43 @@ class _Cpu(_Sampled):
             return _read_proc_status() is not None or _lifetime_peak_rss() is not None
         return mode == "proc"
 
-    def allocated(self) -> int | None:
+    def snapshot(self) -> tuple[int | None, int | None, int | None]:
+        """RSS (as allocated and reserved) and peak RSS, from one read of ``/proc``."""
         status = _read_proc_status()
         if status is not None:
-            return status["VmRSS"]
-        import psutil
+            rss = status["VmRSS"]
+        else:
+            import psutil
 
-        return int(psutil.Process().memory_info().rss)
+            rss = int(psutil.Process().memory_info().rss)
+        mode = _CPU_PEAK_MODE["mode"]
+        peak: int | None = None
+        if mode != "sampled":
+            if status is not None:
+                peak = status.get("VmHWM")
+            if peak is None and mode == "lifetime":
+                peak = _lifetime_peak_rss()
+        if peak is None:
+            peak = self._fold(rss)
+        return rss, rss, peak
 
-    reserved = allocated
+    def allocated(self) -> int | None:
+        return self.snapshot()[0]
+
+    def reserved(self) -> int | None:
+        return self.snapshot()[1]
 
     def peak(self) -> int | None:
-        mode = _CPU_PEAK_MODE["mode"]
-        if mode == "sampled":
-            return super().peak()
-        status = _read_proc_status()
-        if status is not None and "VmHWM" in status:
-            return status["VmHWM"]
-        lifetime = _lifetime_peak_rss() if mode == "lifetime" else None
-        if lifetime is not None:
-            return lifetime
-        return super().peak()
+        return self.snapshot()[2]
 
     def reset_peak(self) -> None:
-        if _CPU_PEAK_MODE["mode"] != "sampled" and _read_proc_status() is not None:
-            try:
-                with open(_PROC_CLEAR_REFS, "w") as fh:
-                    fh.write("5")
-            except OSError:
-                _CPU_PEAK_MODE["mode"] = "sampled"
-            else:
-                _CPU_PEAK_MODE["mode"] = "proc"
-                return
+        if (
+            _CPU_PEAK_MODE["mode"] != "sampled"
+            and _read_proc_status() is not None
+            and _clear_peak_rss()
+        ):
+            _CPU_PEAK_MODE["mode"] = "proc"
+            return
         _CPU_PEAK_MODE["mode"] = "sampled"
         super().reset_peak()
 
@@ -512,10 +561,12 @@ def _backend(device: Any) -> _Backend:
 _OPEN_WINDOWS: dict[str, list[Any]] = {}
 
 
-def _reset_window(backend: _Backend) -> None:
+def _reset_window(backend: _Backend, *, seen: int | None = None) -> None:
+    """Reset the peak; open windows first keep what they saw (``seen``: a peak just read)."""
     windows = _OPEN_WINDOWS.get(backend.key)
     if windows:
-        seen = backend.peak()
+        if seen is None:
+            seen = backend.peak()
         if seen is not None:
             for window in windows:
                 window.fold_peak(seen)
@@ -618,11 +669,12 @@ class MemoryStats:
 
 def _stats(backend: _Backend) -> MemoryStats:
     free, total = backend.free_total()
+    allocated, reserved, peak = backend.snapshot()
     return MemoryStats(
         device=backend.key,
-        allocated_gb=_gb(backend.allocated()),
-        reserved_gb=_gb(backend.reserved()),
-        peak_gb=_gb(backend.peak()),
+        allocated_gb=_gb(allocated),
+        reserved_gb=_gb(reserved),
+        peak_gb=_gb(peak),
         free_gb=_gb(free),
         total_gb=_gb(total),
         available=backend.available,

@@ -155,8 +155,8 @@ class StepPerfContext:
         """Keep a peak observed by a nested reset (called by :func:`reset_peak_memory`)."""
         self._segment_peak = _max(self._segment_peak, value)
 
-    def _close_segment(self) -> int | None:
-        seen = _max(self._segment_peak, self._backend.peak())
+    def _close_segment(self, peak_now: int | None) -> int | None:
+        seen = _max(self._segment_peak, peak_now)
         self._step_peak = _max(self._step_peak, seen)
         return seen
 
@@ -188,9 +188,9 @@ class StepPerfContext:
         peak: int | None = None
         allocated: int | None = None
         if self._track:
-            peak = self._close_segment()
-            allocated = self._backend.allocated()
-            _reset_window(self._backend)
+            allocated, _, peak_now = self._backend.snapshot()
+            peak = self._close_segment(peak_now)
+            _reset_window(self._backend, seen=peak_now)
             self._segment_peak = None
         self._marks.append(
             MarkPerf(
@@ -216,9 +216,8 @@ class StepPerfContext:
             end = time.perf_counter()
             allocated = reserved = None
             if self._track:
-                self._close_segment()
-                allocated = self._backend.allocated()
-                reserved = self._backend.reserved()
+                allocated, reserved, peak_now = self._backend.snapshot()
+                self._close_segment(peak_now)
             self._result = StepPerf(
                 device=self._backend.key,
                 batch_size=self._batch_size,
