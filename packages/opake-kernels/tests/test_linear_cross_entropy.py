@@ -278,3 +278,19 @@ def test_fp16_gradients_keep_the_input_dtype(gen):
     assert loss.dtype == torch.float32
     assert h.grad.dtype == torch.float16
     assert w.grad.dtype == torch.float16
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_grad_transform_without_vmap(backend, gen, devices):
+    dev = devices[backend]
+    hidden, weight, labels = _inputs(gen, b=1, device=dev)
+
+    def loss(h, w):
+        return linear_cross_entropy(h, w, labels[0], backend=backend, logit_scale=0.5)
+
+    got = torch.func.grad(loss, argnums=(0, 1))(hidden[0], weight)
+    want = torch.func.grad(lambda h, w: _ref(h, w, labels[0], logit_scale=0.5), argnums=(0, 1))(
+        hidden[0], weight
+    )
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
