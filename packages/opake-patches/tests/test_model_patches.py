@@ -552,10 +552,18 @@ def test_checkpointing_enabled_before_patching_is_rerouted(
         torch.testing.assert_close(results[0][k], results[1][k], atol=1e-6, rtol=1e-4)
 
 
-def test_checkpointing_enabled_after_patching_is_forced_non_reentrant(toy_plugins, tiny_llama):
+@pytest.mark.parametrize(
+    "method", ["gradient_checkpointing_enable", "activation_checkpointing_enable"]
+)
+def test_checkpointing_enabled_after_patching_is_forced_non_reentrant(
+    toy_plugins, tiny_llama, method
+):
     model = tiny_llama()
     apply_model_patches(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if not hasattr(model, method):
+        pytest.skip(f"this transformers has no {method}")
+    kwarg = method.replace("_enable", "_kwargs")
+    getattr(model, method)(**{kwarg: {"use_reentrant": True}})
     func = model.model.layers[0]._gradient_checkpointing_func
     assert func.keywords["use_reentrant"] is False
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -567,7 +575,8 @@ def test_checkpointing_enabled_after_patching_is_forced_non_reentrant(toy_plugin
         )(params, ids)
     assert torch.isfinite(g["lm_head.weight"]).all()
     remove_model_patches(model)
-    assert "gradient_checkpointing_enable" not in vars(model)
+    assert method not in vars(model)
+    assert "activation_checkpointing_enable" not in vars(model)
 
 
 def test_peft_wrapped_model(toy_plugins, tiny_llama):

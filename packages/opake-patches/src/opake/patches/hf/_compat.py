@@ -103,11 +103,19 @@ def route_gradient_checkpointing(model: Any, patcher: Patcher) -> int:
     ``gradient_checkpointing_enable`` made later on this instance are routed as they happen.
     """
     count = _reroute(model, patcher)
-    for method, kwarg in _ENABLE_METHODS.items():
+    # transformers >= 5.2x: gradient_checkpointing_enable is a deprecated alias that calls
+    # activation_checkpointing_enable, so wrapping the latter covers both (wrapping both would
+    # make transformers think the alias is overridden and warn on every call); older versions
+    # only have gradient_checkpointing_enable.
+    for method in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
         stock = getattr(model, method, None)
-        if stock is None or getattr(stock, "_opake_routed", False):
+        if stock is None:
             continue
-        patcher.set_attr(model, method, _routed_enable(model, stock, kwarg, patcher))
+        if not getattr(stock, "_opake_routed", False):
+            patcher.set_attr(
+                model, method, _routed_enable(model, stock, _ENABLE_METHODS[method], patcher)
+            )
+        break
     return count
 
 
