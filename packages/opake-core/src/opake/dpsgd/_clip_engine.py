@@ -1,11 +1,12 @@
 """Implementation of :func:`opake.dpsgd.clipping.clipped_grad`.
 
-Per-example gradients are computed as ``vmap`` over :func:`torch.func.vjp` (not
-:func:`torch.func.grad`): under ``no_grad`` a vjp's backward runs with ``create_graph=False``,
-whereas ``grad`` always records a differentiable backward graph (about 2× the time on the
-models in ``tools/bench/dpsgd_step.py``). Both give bitwise-identical gradients. When an outer
-``torch.func`` transform differentiates through ``grad_fn``, grad mode stays on and the vjp
-records the graph that transform needs.
+Per-example gradients are computed as ``vmap`` over :func:`torch.func.vjp` rather than
+:func:`torch.func.grad`. ``grad`` always runs its backward with ``create_graph=True``; a vjp's
+backward follows grad mode, so under the ``no_grad`` this module installs it records no
+differentiable graph, and inside an outer differentiating ``torch.func`` transform it records
+the graph that transform needs. The two agree to fp32 rounding; on CPU with torch 2.13 their
+speed and peak memory under ``vmap`` were the same within noise (``python
+tools/bench/dpsgd_step.py --engines``; figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from opake.core.errors import (
     InputTypeError,
     OpakePrivacyWarning,
 )
+from opake.dpsgd._bk_engine import BookkeepingMismatchError, BookkeepingRunner
+from opake.dpsgd._bk_engine import choose as choose_engine
+from opake.dpsgd._bk_engine import prepare as prepare_engine
 from opake.dpsgd._clip_grads import ClipAux, ClippedGrads
 from opake.dpsgd._clip_state import (
     AdaptiveClipping,
@@ -50,6 +54,7 @@ _OPTIONS = (
     "clipping_groups",
     "randomness",
     "check_unused",
+    "method",
 )
 
 GroupSpec = Mapping[str, str] | Callable[[str], str] | None
@@ -116,8 +121,15 @@ class ClippedGradFn:
         randomness: str,
         kind: type,
         check_unused: bool,
+        method: str = "vmap",
+        bookkeeping: BookkeepingRunner | None = None,
     ) -> None:
         self.loss_fn = loss_fn
+        self.method = method
+        self._bookkeeping = bookkeeping
+        #: engine of the last call ("vmap" or "bookkeeping") and why it was chosen
+        self.engine: str | None = None
+        self.engine_reason: str | None = None
         self.argnums = argnums
         self.has_aux = has_aux
         self.batch_argnums = batch_argnums
@@ -351,18 +363,42 @@ class ClippedGradFn:
 
             args = tuple(tree_map(cast, a) for a in args)
 
+        bk, self.engine_reason = choose_engine(
+            self._bookkeeping,
+            self.method,
+            names,
+            differentiable=differentiable,
+            randomness=self.randomness,
+        )
         context = contextlib.nullcontext() if differentiable else torch.no_grad()
         with context:
-            result = self._run(
-                args,
-                state=state,
-                batch=batch,
-                names=names,
-                device=device,
-                groups=groups,
-                example_mask=example_mask,
-                differentiable=differentiable,
-            )
+            try:
+                result = self._run(
+                    args,
+                    state=state,
+                    batch=batch,
+                    names=names,
+                    device=device,
+                    groups=groups,
+                    example_mask=example_mask,
+                    differentiable=differentiable,
+                    bk=bk,
+                )
+            except BookkeepingMismatchError as err:  # first-call check: "auto" falls back quietly
+                if self.method == "bookkeeping":
+                    raise
+                bk, self.engine_reason = None, str(err)
+                result = self._run(
+                    args,
+                    state=state,
+                    batch=batch,
+                    names=names,
+                    device=device,
+                    groups=groups,
+                    example_mask=example_mask,
+                    differentiable=differentiable,
+                )
+        self.engine = "vmap" if bk is None else "bookkeeping"
         sums, aux, centred = result
         if self._check_unused and batch > 0 and not differentiable:
             self._check_unused = False
@@ -392,6 +428,7 @@ class ClippedGradFn:
         groups: list[int] | None,
         example_mask: torch.Tensor | None,
         differentiable: bool,
+        bk: BookkeepingRunner | None = None,
     ) -> tuple[dict[str, torch.Tensor], ClipAux, torch.Tensor]:
         import torch
         from torch.utils._pytree import tree_map
@@ -434,26 +471,34 @@ class ClippedGradFn:
                     else arg
                     for i, arg in enumerate(args)
                 )
-            out = vmapped(*chunk_args)
-            grads, loss = out[0], out[1]
-            if self.has_aux:
-                aux_parts.append(out[2])
             m = stop - start
-            # per-leaf L2 norms in fp32, combined in fp64 so that the sum of squares cannot
-            # overflow for finite leaf norms
-            leaf_sq = torch.stack(
-                [
-                    torch.linalg.vector_norm(
-                        grads[n].reshape(m, -1),
-                        dim=1,
-                        dtype=torch.promote_types(grads[n].dtype, f32),
-                    )
-                    .double()
-                    .square()
-                    for n in names
-                ],
-                dim=1,
-            )
+            if bk is not None:  # book-keeping: norms from one batched backward, no grads
+                chunk = bk.run_checked(
+                    chunk_args, m, self.loss_fn, check=self.randomness == "error"
+                )
+                loss, leaf_sq = chunk.loss, chunk.leaf_sq
+                if self.has_aux:
+                    aux_parts.append(chunk.aux)
+            else:
+                out = vmapped(*chunk_args)
+                grads, loss = out[0], out[1]
+                if self.has_aux:
+                    aux_parts.append(out[2])
+                # per-leaf L2 norms in fp32, combined in fp64 so that the sum of squares cannot
+                # overflow for finite leaf norms
+                leaf_sq = torch.stack(
+                    [
+                        torch.linalg.vector_norm(
+                            grads[n].reshape(m, -1),
+                            dim=1,
+                            dtype=torch.promote_types(grads[n].dtype, f32),
+                        )
+                        .double()
+                        .square()
+                        for n in names
+                    ],
+                    dim=1,
+                )
             total = leaf_sq.sum(dim=1).sqrt()
             finite = torch.isfinite(total)
             is_real = (
@@ -496,7 +541,13 @@ class ClippedGradFn:
             after = torch.where(contributes, after, 0.0)
             nonfinite = nonfinite + (is_real & ~finite).sum()
             scaled = scaled + (is_real & shrunk).sum()
-            for j, name in enumerate(names):
+            if bk is not None:
+                for name, contrib in chunk.weighted(names, leaf_factor, contributes, sums).items():
+                    sums[name].add_(contrib)
+                names_vmap: tuple[str, ...] = ()
+            else:
+                names_vmap = names
+            for j, name in enumerate(names_vmap):
                 g = grads[name].reshape(m, -1).to(f32)
                 # a non-finite example has factor 0, but 0·NaN = NaN: zero its entries first
                 # (in place when that is safe: a contiguous tensor this call owns)
@@ -559,6 +610,7 @@ def clipped_grad(
     clipping_groups: GroupSpec = None,
     randomness: str = "error",
     check_unused: bool = True,
+    method: str = "auto",
     **unknown: Any,
 ) -> tuple[ClippedGradFn, ClipState]:
     """Build ``grad_fn``: the sum of per-example gradients, each clipped, in fp32.
@@ -596,6 +648,12 @@ def clipped_grad(
         check_unused: on the first call, warn (:class:`~opake.core.errors.OpakePrivacyWarning`)
             about differentiated parameters the loss does not depend on (one extra
             single-example backward).
+        method: the per-example engine — ``"vmap"`` (per-example gradients by ``vmap``),
+            ``"bookkeeping"`` (norms and the clipped sum from one ordinary batched backward;
+            needs ``loss_fn`` to be a :class:`~opake.dpsgd.bookkeeping.BatchedLoss`, see
+            :mod:`opake.dpsgd.bookkeeping`) or ``"auto"`` (book-keeping where every
+            differentiated parameter has a rule and its first-call check passes, vmap
+            otherwise; ``grad_fn.engine``/``grad_fn.engine_reason`` report the choice).
 
     Semantics: an example's gradient covers all differentiated leaves together. An example
     with a NaN/Inf gradient entry (or a norm beyond fp32 range) contributes zero and is
@@ -680,6 +738,9 @@ def clipped_grad(
                 f"clipped_grad(compute_dtype={compute_dtype!r}): expected a floating torch.dtype "
                 "such as torch.bfloat16, or None"
             )
+    loss_fn, bookkeeping = prepare_engine(
+        loss_fn, method, argnums=argnums, batch_argnums=batch, has_aux=has_aux
+    )
     state = _as_state(clipping_norm)
     if clipping_groups is not None and not isinstance(state, GroupClipping):
         raise ConfigurationError(
@@ -706,5 +767,7 @@ def clipped_grad(
         randomness=randomness,
         kind=type(state),
         check_unused=check_unused,
+        method=str(method),
+        bookkeeping=bookkeeping,
     )
     return grad_fn, state

@@ -1,0 +1,194 @@
+"""Per-example gradient pieces of the book-keeping engine and their algebra (all in fp32).
+
+A layer use leaves one *piece* per parameter it touches:
+
+- :class:`OuterSum` — the per-example gradient is ``G_i = Σ_t a_{i,t} ⊗ b_{i,t}`` (an
+  ``[R, C]`` matrix): a linear map over a sequence (``a`` = output grads, ``b`` = inputs), the
+  transposed ``Conv1D`` of GPT-2, or an embedding (``a`` = one-hot token ids, held as indices).
+- :class:`Dense` — the per-example gradient itself, ``[B, *shape]`` (biases, norm weights,
+  per-layer fallbacks).
+
+From pieces the engine needs two things, neither of which forms every ``G_i``:
+
+- inner products ``⟨G_i, G'_i⟩`` for every example (:func:`inner`); a parameter's squared norm is
+  the sum over all pairs of its uses, so tied weights (one matrix used as embedding and
+  ``lm_head``) get the cross term. ``⟨G, G⟩`` of an :class:`OuterSum` is the ghost identity
+  ``Σ_{t,s} (a_t·a_s)(b_t·b_s)`` (cost ``~T²(R+C)`` per example) or the materialised norm (cost
+  ``~T·R·C``, memory ``R·C``): :func:`ghost_is_cheaper` decides, like fastDP's MixOpt;
+- the clipped sum ``Σ_i c_i G_i`` (:func:`weighted_sum`): one contraction over batch × time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Dense", "OuterSum", "ghost_is_cheaper", "inner", "sq_norm", "weighted_sum"]
+
+
+@dataclass(frozen=True)
+class OuterSum:
+    """``G_i = Σ_t a[i, t] ⊗ b[i, t]``; ``a`` is ``[B, T, R]`` or int64 ids ``[B, T]`` (one-hot).
+
+    >>> import torch
+    >>> piece = OuterSum(torch.ones(1, 2, 3), torch.ones(1, 2, 4))
+    >>> piece.shape, sq_norm(piece).tolist()
+    ((3, 4), [48.0])
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    rows: int | None = None  # number of rows R when ``a`` holds indices (an embedding)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The parameter's shape ``(R, C)``."""
+        rows = self.rows if self.rows is not None else int(self.a.shape[-1])
+        return rows, int(self.b.shape[-1])
+
+    @property
+    def indexed(self) -> bool:
+        """True when ``a`` holds indices (an embedding lookup)."""
+        return self.rows is not None
+
+
+@dataclass(frozen=True)
+class Dense:
+    """The per-example gradients themselves, ``[B, *shape]``.
+
+    >>> import torch
+    >>> sq_norm(Dense(torch.tensor([[3.0, 4.0]]))).tolist()
+    [25.0]
+    """
+
+    g: torch.Tensor
+
+
+Piece = OuterSum | Dense
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def ghost_is_cheaper(steps: int, rows: int, cols: int) -> bool:
+    """MixOpt's rule: the Gram route needs ``2T²`` numbers per example, materialising ``R·C``.
+
+    >>> ghost_is_cheaper(64, 256, 256), ghost_is_cheaper(512, 64, 64)
+    (True, False)
+    """
+    return 2 * steps * steps <= rows * cols
+
+
+def _materialise(piece: OuterSum) -> torch.Tensor:
+    """``[B, R, C]`` per-example gradients of an :class:`OuterSum` (fp32)."""
+    import torch
+
+    b = _f32(piece.b)
+    if not piece.indexed:
+        return torch.einsum("btr,btc->brc", _f32(piece.a), b)
+    batch, _, cols = b.shape
+    rows = int(piece.rows or 0)
+    out = torch.zeros(batch, rows, cols, dtype=b.dtype, device=b.device)
+    return out.scatter_add_(1, piece.a[:, :, None].expand(-1, -1, cols), b)
+
+
+def _gram_a(u: OuterSum, v: OuterSum) -> torch.Tensor:
+    """``[B, T_u, T_v]`` of ``a_t · a'_s``."""
+    import torch
+
+    if u.indexed and v.indexed:
+        return (u.a[:, :, None] == v.a[:, None, :]).to(_f32(u.b).dtype)
+    if u.indexed:
+        # a_t is one-hot at u.a[t]: a_t · a'_s = a'_s[u.a[t]]
+        dense = _f32(v.a)  # [B, S, R]
+        idx = u.a[:, None, :].expand(-1, dense.shape[1], -1)  # [B, S, T]
+        return torch.gather(dense, 2, idx).transpose(1, 2)
+    if v.indexed:
+        return _gram_a(v, u).transpose(1, 2)
+    return torch.bmm(_f32(u.a), _f32(v.a).transpose(1, 2))
+
+
+def _inner_outer(u: OuterSum, v: OuterSum) -> torch.Tensor:
+    import torch
+
+    gram_b = torch.bmm(_f32(u.b), _f32(v.b).transpose(1, 2))
+    return (_gram_a(u, v) * gram_b).sum(dim=(1, 2))
+
+
+def _inner_dense_outer(m: torch.Tensor, v: OuterSum) -> torch.Tensor:
+    """``⟨M_i, Σ_t a_t ⊗ b_t⟩ = Σ_t a_t · (M_i b_t)``."""
+    import torch
+
+    mb = torch.einsum("brc,btc->btr", _f32(m), _f32(v.b))  # [B, T, R]
+    if v.indexed:
+        return torch.gather(mb, 2, v.a[:, :, None]).sum(dim=(1, 2))
+    return (mb * _f32(v.a)).sum(dim=(1, 2))
+
+
+def inner(u: Piece, v: Piece) -> torch.Tensor:
+    """Per-example ``⟨G_i, G'_i⟩`` ``[B]`` (fp32) of two pieces of the same parameter.
+
+    >>> import torch
+    >>> u = OuterSum(torch.tensor([[1, 2]]), torch.ones(1, 2, 2), rows=3)  # embedding
+    >>> v = OuterSum(torch.ones(1, 1, 3), torch.ones(1, 1, 2))  # a linear use
+    >>> inner(u, v).tolist(), inner(u, Dense(_materialise(v))).tolist()
+    ([4.0], [4.0])
+    """
+    if isinstance(u, Dense) and isinstance(v, Dense):
+        batch = u.g.shape[0]
+        return (_f32(u.g).reshape(batch, -1) * _f32(v.g).reshape(batch, -1)).sum(dim=1)
+    if isinstance(u, Dense):
+        assert isinstance(v, OuterSum)
+        return _inner_dense_outer(u.g.reshape(u.g.shape[0], *v.shape), v)
+    if isinstance(v, Dense):
+        return inner(v, u)
+    return _inner_outer(u, v)
+
+
+def sq_norm(piece: Piece) -> torch.Tensor:
+    """Per-example squared Frobenius norm ``[B]`` (fp32), by the cheaper route for an OuterSum."""
+    import torch
+
+    if isinstance(piece, Dense):
+        g = _f32(piece.g).reshape(piece.g.shape[0], -1)
+        return (g * g).sum(dim=1)
+    rows, cols = piece.shape
+    steps = int(piece.b.shape[1])
+    if piece.indexed or ghost_is_cheaper(steps, rows, cols):
+        return _inner_outer(piece, piece)
+    g = _materialise(piece)
+    return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
+
+
+def weighted_sum(piece: Piece, weights: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``Σ_i w_i G_i`` (fp32, the parameter's shape for an OuterSum, ``shape`` for a Dense).
+
+    Rows with ``keep[i]`` false contribute exactly zero even when their pieces are NaN/Inf.
+
+    >>> import torch
+    >>> piece = OuterSum(torch.ones(2, 1, 2), torch.ones(2, 1, 3))
+    >>> weighted_sum(piece, torch.tensor([1.0, 0.5]), torch.tensor([True, False])).tolist()
+    [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    """
+    import torch
+
+    w = _f32(weights)
+    if isinstance(piece, Dense):
+        g = _f32(piece.g)
+        g = torch.where(keep.reshape(-1, *([1] * (g.dim() - 1))), g, 0.0)
+        return torch.einsum("b,b...->...", torch.where(keep, w, 0.0), g)
+    b = torch.where(keep[:, None, None], _f32(piece.b), 0.0)
+    b = b * torch.where(keep, w, 0.0)[:, None, None]
+    cols = b.shape[-1]
+    if piece.indexed:
+        rows = int(piece.rows or 0)
+        out = torch.zeros(rows, cols, dtype=b.dtype, device=b.device)
+        return out.index_add_(0, piece.a.reshape(-1), b.reshape(-1, cols))
+    a = torch.where(keep[:, None, None], _f32(piece.a), 0.0)
+    return a.reshape(-1, a.shape[-1]).T @ b.reshape(-1, cols)

@@ -1,0 +1,64 @@
+"""Book-keeping clipping: per-example norms without per-example gradients.
+
+``clipped_grad(BatchedLoss(fn, fmodel), ..., method="bookkeeping")`` (or the default
+``method="auto"``) computes the same clipped sum as the vmap engine from **one ordinary batched
+forward and backward**: forward hooks keep each layer's input, an identity autograd node keeps
+its output gradient, and the backward computes activation gradients only (no weight gradient,
+no ``create_graph``). Per layer:
+
+- ``nn.Linear`` (LoRA adapters included) and GPT-2's ``Conv1D`` over a sequence: the ghost
+  identity ``‖Σ_t g_t x_tᵀ‖² = Σ_{t,s} (g_t·g_s)(x_t·x_s)`` or the materialised per-example
+  gradient, whichever :func:`ghost_is_cheaper` says (``2T²`` vs ``d·p``, fastDP's MixOpt);
+- ``nn.Embedding``: index matching (``Σ_{t,s} [id_t = id_s] (e_t·e_s)``, padding index excluded);
+- ``nn.LayerNorm`` / ``nn.RMSNorm`` weights and all biases directly;
+- a leaf layer without a rule (e.g. a model's own RMSNorm class): its per-example gradient by
+  ``vmap`` over that layer alone, checked to reproduce the batched output;
+- a parameter read by several layers (GPT-2's tied ``wte``/``lm_head``): the sum of the uses,
+  with every cross term.
+
+The clipped sum ``Σ_i c_i ∇ℓ_i`` is then one contraction per layer of the recorded inputs and
+the ``c_i``-scaled output gradients (fp32). On the first call the norm of example 0 is compared
+with plain autograd on that example alone; ``"auto"`` falls back to vmap when anything is
+unsupported or that check fails, ``"bookkeeping"`` raises. :func:`bookkeeping_plan` shows the
+rule of every layer.
+
+The loss must return per-example losses for a batch (:class:`BatchedLoss`): reduce over each
+example's tokens (:func:`causal_lm_losses`), never over the batch. The model must keep the
+batch on dimension 0 of every hooked layer's input (an input of batch 1 broadcast over the
+batch, like position ids, is handled) and must not recompute layers in backward (activation
+checkpointing: use vmap).
+
+>>> import torch
+>>> from opake.dpsgd.clipping import clipped_grad
+>>> from opake.dpsgd.bookkeeping import BatchedLoss
+>>> from opake.functional import make_functional
+>>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+>>> fmodel, params = make_functional(model)
+>>> def losses(p, x, y):  # a batch in, [B] per-example losses out
+...     return ((fmodel(p, x) - y) ** 2).sum(dim=1)
+>>> loss_fn = BatchedLoss(losses, fmodel)
+>>> grad_fn, state = clipped_grad(loss_fn, clipping_norm=1.0, batch_argnums=(1, 2))
+>>> x, y = torch.randn(4, 3), torch.randn(4, 2)
+>>> grads, state = grad_fn(params, x, y, state=state)
+>>> grad_fn.engine
+'bookkeeping'
+>>> vmap_fn, _ = clipped_grad(loss_fn, clipping_norm=1.0, batch_argnums=(1, 2), method="vmap")
+>>> reference, _ = vmap_fn(params, x, y, state=state)
+>>> all(torch.allclose(grads[k], reference[k], atol=1e-6) for k in grads)
+True
+"""
+
+from __future__ import annotations
+
+from opake.dpsgd._bk_engine import BookkeepingPlan, LayerRule, bookkeeping_plan
+from opake.dpsgd._bk_loss import BatchedLoss, causal_lm_losses
+from opake.dpsgd._bk_rules import ghost_is_cheaper
+
+__all__ = [
+    "BatchedLoss",
+    "BookkeepingPlan",
+    "LayerRule",
+    "bookkeeping_plan",
+    "causal_lm_losses",
+    "ghost_is_cheaper",
+]

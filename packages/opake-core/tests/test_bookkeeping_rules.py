@@ -1,0 +1,115 @@
+"""The norm identities of the book-keeping engine on random shapes (float64 oracle)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opake.dpsgd._bk_rules import (
+    Dense,
+    OuterSum,
+    _inner_outer,
+    _materialise,
+    ghost_is_cheaper,
+    inner,
+    sq_norm,
+    weighted_sum,
+)
+
+shapes = st.tuples(
+    st.integers(1, 3),  # batch
+    st.integers(1, 64),  # T
+    st.integers(1, 64),  # d (rows)
+    st.integers(1, 64),  # p (cols)
+    st.integers(0, 2**31 - 1),  # seed
+)
+
+
+def _oracle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-example gradients by an explicit loop over t, in float64."""
+    out = torch.zeros(a.shape[0], a.shape[2], b.shape[2], dtype=torch.float64)
+    for t in range(a.shape[1]):
+        out += a[:, t, :, None].double() * b[:, t, None, :].double()
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes)
+def test_ghost_and_materialised_norms_match_the_gradient(shape):
+    batch, steps, rows, cols, seed = shape
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(batch, steps, rows, generator=gen)
+    b = torch.randn(batch, steps, cols, generator=gen)
+    want = _oracle(a, b).square().sum(dim=(1, 2))
+    piece = OuterSum(a, b)
+    ghost = _inner_outer(piece, piece).double()  # Σ_{t,s} (a_t·a_s)(b_t·b_s)
+    direct = _materialise(piece).double().square().sum(dim=(1, 2))
+    chosen = sq_norm(piece).double()  # whichever MixOpt picks
+    for got in (ghost, direct, chosen):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shapes, st.integers(1, 64))
+def test_embedding_index_matching_and_cross_terms(shape, steps2):
+    batch, steps, rows, cols, seed = shape
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, rows, (batch, steps), generator=gen)
+    e = torch.randn(batch, steps, cols, generator=gen)
+    onehot = torch.nn.functional.one_hot(ids, rows).float()
+    emb = OuterSum(ids, e, rows=rows)
+    dense_emb = OuterSum(onehot, e)
+    lin = OuterSum(
+        torch.randn(batch, steps2, rows, generator=gen),
+        torch.randn(batch, steps2, cols, generator=gen),
+    )
+    g_emb, g_lin = _oracle(onehot, e), _oracle(lin.a, lin.b)
+    # ‖G_emb‖², ⟨G_emb, G_lin⟩ (the tied-weight cross term), and the same with a Dense side
+    torch.testing.assert_close(
+        sq_norm(emb).double(), g_emb.square().sum(dim=(1, 2)), rtol=1e-4, atol=1e-4
+    )
+    cross = (g_emb * g_lin).sum(dim=(1, 2))
+    for got in (
+        inner(emb, lin),
+        inner(lin, emb),
+        inner(dense_emb, lin),
+        inner(Dense(g_emb.float()), lin),
+        inner(emb, Dense(g_lin.float())),
+    ):
+        torch.testing.assert_close(got.double(), cross, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(_materialise(emb).double(), g_emb, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shapes)
+def test_weighted_sum_is_the_clipped_sum(shape):
+    batch, steps, rows, cols, seed = shape
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(batch, steps, rows, generator=gen)
+    b = torch.randn(batch, steps, cols, generator=gen)
+    ids = torch.randint(0, rows, (batch, steps), generator=gen)
+    w = torch.rand(batch, generator=gen)
+    keep = torch.rand(batch, generator=gen) > 0.3
+    b_bad = b.clone()
+    b_bad[~keep] = float("nan")  # a dropped example's pieces never leak into the sum
+    wk = torch.where(keep, w, 0.0).double()
+    want = torch.einsum("b,brc->rc", wk, _oracle(a, b))
+    got = weighted_sum(OuterSum(a, b_bad), w, keep).double()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    onehot = torch.nn.functional.one_hot(ids, rows).float()
+    want_emb = torch.einsum("b,brc->rc", wk, _oracle(onehot, b))
+    got_emb = weighted_sum(OuterSum(ids, b_bad, rows=rows), w, keep).double()
+    torch.testing.assert_close(got_emb, want_emb, rtol=1e-4, atol=1e-4)
+    dense = torch.where(keep[:, None], torch.randn(batch, cols, generator=gen), float("inf"))
+    torch.testing.assert_close(
+        weighted_sum(Dense(dense), w, keep).double(),
+        torch.einsum("b,bc->c", wk, torch.where(keep[:, None], dense, 0.0).double()),
+    )
+
+
+def test_mixopt_crossover():
+    # ghost while 2T² ≤ d·p: a 256 × 256 layer switches to materialised above T = 181
+    assert ghost_is_cheaper(181, 256, 256)
+    assert not ghost_is_cheaper(182, 256, 256)
+    assert ghost_is_cheaper(1, 1, 2)
