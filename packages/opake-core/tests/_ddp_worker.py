@@ -83,6 +83,7 @@ def train_mlp(
     wrap_ddp: bool = False,
     noise: dict[str, Any] | None = None,
     steps: int = STEPS,
+    optim: str = "sgd",
 ) -> dict[str, Any]:
     """DP-SGD on the tiny MLP with Poisson shards, accumulation and microbatching."""
     from opake.accounting import RDPAccountant
@@ -99,7 +100,7 @@ def train_mlp(
     sampler = PoissonSampler(N, Q, seed=SAMPLER_SEED, rank=rank, world_size=world_size)
     accountant = RDPAccountant()
     opt = _optimizer_cls(world_size)(
-        torch.optim.SGD(module.parameters(), lr=LR),
+        _torch_optimizer(optim, module.parameters()),
         module,
         sampler=sampler,
         accountant=accountant,
@@ -137,6 +138,67 @@ def train_mlp(
         "optimizer": opt,
         "accountant": accountant,
         "sampler": sampler,
+    }
+
+
+def _torch_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=0.05)
+    return torch.optim.SGD(params, lr=LR)
+
+
+def train_fsdp(rank: int, world_size: int, *, optim: str = "sgd") -> dict[str, Any]:
+    """The MLP run of train_mlp with FSDP2-sharded parameters and optimizer state."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from opake.accounting import RDPAccountant
+    from opake.dpsgd.clipping import clipped_grad
+    from opake.dpsgd.distributed import ShardedDPOptimizer, compute_template, gather_full_params
+    from opake.dpsgd.sampling import PoissonSampler
+    from opake.functional import make_functional
+
+    x, y = mlp_data()
+    model = make_mlp(seed=0)  # FSDP2 shards each rank's own copy: initialise identically
+    fmodel, _ = make_functional(compute_template(model))
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sampler = PoissonSampler(N, Q, seed=SAMPLER_SEED, rank=rank, world_size=world_size)
+    opt = ShardedDPOptimizer(
+        _torch_optimizer(optim, model.parameters()),
+        model,
+        sampler=sampler,
+        accountant=RDPAccountant(),
+        delta=1e-5,
+        noise_multiplier=SIGMA,
+        seed=NOISE_SEED,
+    )
+    grad_fn, state = clipped_grad(
+        mlp_loss(fmodel), clipping_norm=CLIP, batch_argnums=(1, 2), microbatch_size=1
+    )
+    reports = []
+    for _, idx in zip(range(STEPS), sampler, strict=False):
+        full = gather_full_params(model)
+        for part in _chunks(idx, 2):
+            rows = torch.tensor(part, dtype=torch.long)
+            grads, state = grad_fn(full, x[rows], y[rows], state=state)
+            opt.accumulate(grads)
+        report = opt.step()
+        reports.append({"physical_batches": report.physical_batches, "epsilon": report.epsilon})
+    local_shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
+    state_shapes = {
+        name: tuple(opt.optimizer.state[p]["exp_avg"].to_local().shape)
+        for name, p in model.named_parameters()
+        if "exp_avg" in opt.optimizer.state.get(p, {})
+    }
+    return {
+        "params": {n: t.clone() for n, t in gather_full_params(model).items()},
+        "local_shapes": local_shapes,
+        "state_shapes": state_shapes,
+        "reports": reports,
     }
 
 
@@ -302,6 +364,7 @@ def scenario_train(rank: int, world_size: int, out: Path) -> None:
         load_checkpoint_distributed,
         save_checkpoint_distributed,
     )
+
     timings: dict[str, float] = {}
 
     def timed(name: str, fn: Callable[[], Any]) -> Any:
@@ -326,6 +389,8 @@ def scenario_train(rank: int, world_size: int, out: Path) -> None:
         )
     )
     results["adaptive"] = timed("adaptive", lambda: train_adaptive(rank, world_size))
+    results["fsdp"] = timed("fsdp", lambda: train_fsdp(rank, world_size))
+    results["fsdp_adam"] = timed("fsdp_adam", lambda: train_fsdp(rank, world_size, optim="adam"))
     results["llama"] = timed("llama", lambda: train_llama(rank, world_size))
     results["errors"] = timed("errors", lambda: misconfigurations(rank, world_size))
 

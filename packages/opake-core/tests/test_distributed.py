@@ -230,6 +230,30 @@ def test_adaptive_clipping_bound_uses_the_count_of_all_ranks(train):
     _close(train[0]["adaptive"]["params"], single["params"], atol=2e-6)
 
 
+def test_fsdp2_sharded_parameters_equal_the_oracle(train, oracle):
+    # FSDP2 (fully_shard) on gloo: parameters and optimizer state sharded at rest, gathered
+    # for the per-example step, sums reduce-scattered, each rank adds its rows of one draw
+    for rank in train:
+        _close(rank["fsdp"]["params"], oracle, atol=2e-6)
+        assert [r["physical_batches"] for r in rank["fsdp"]["reports"]] == [4] * W.STEPS
+    single = W.train_mlp(0, 1)
+    assert [r["epsilon"] for r in train[0]["fsdp"]["reports"]] == pytest.approx(
+        [r["epsilon"] for r in single["reports"]], rel=1e-12
+    )
+    # the 16x8 first-layer weight is split in rows 8 + 8, the 4x16 output layer in 2 + 2
+    assert train[0]["fsdp"]["local_shapes"]["0.weight"] == (8, 8)
+    assert train[1]["fsdp"]["local_shapes"]["2.weight"] == (2, 16)
+
+
+def test_fsdp2_adam_state_is_sharded_and_matches_single_process(train):
+    single = W.train_mlp(0, 1, optim="adam")
+    for rank in train:
+        _close(rank["fsdp_adam"]["params"], single["params"], atol=2e-6)
+    # Adam's moments live on the shards: each rank holds half the rows of every weight
+    assert train[0]["fsdp_adam"]["state_shapes"]["0.weight"] == (8, 8)
+    assert train[1]["fsdp_adam"]["state_shapes"]["2.weight"] == (2, 16)
+
+
 def test_tiny_llama_two_ranks_equal_single_process(train):
     single = W.train_llama(0, 1)
     assert _same(train[0]["llama"]["params"], train[1]["llama"]["params"])

@@ -108,6 +108,7 @@ def save_checkpoint_distributed(
     from opake.dpsgd.checkpoint import save_checkpoint
 
     model = unwrap_ddp(model)
+    _refuse_sharded(model)
     rank, world_size = _world(group)
     extra_out: dict[str, Any] = dict(extra or {})
     if RANK_STATE_KEY in extra_out:
@@ -183,6 +184,18 @@ def save_checkpoint_distributed(
             f"{outcome[0]} (the previous checkpoint, if any, is intact)"
         )
     return written if written is not None else Path(path)
+
+
+def _refuse_sharded(model: Any) -> None:
+    from opake.dpsgd._dist_fsdp import _is_sharded
+
+    tensors = _replica_tensors(model) if model is not None else []
+    if any(_is_sharded(t) for _, t in tensors):
+        raise ConfigurationError(
+            "save_checkpoint_distributed: the model has sharded (FSDP2 DTensor) parameters; "
+            "rank 0 alone cannot write them. Use torch.distributed.checkpoint (DCP) for "
+            "sharded states, or gather_full_params(model) and save the full tensors"
+        )
 
 
 def _src(group: Any) -> int:

@@ -464,15 +464,40 @@ class DistributedDPOptimizer(DPOptimizer):
     def _reduce_pending(self) -> None:
         import torch
 
+        present, sensitivity, physical = self._agree_on_pending(
+            self._physical, self._sensitivity, set(self._sums)
+        )
+        local = []
+        for name in present:
+            value = self._sums.get(name)
+            if value is None:
+                param = self._params[name]
+                value = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+            local.append(value)
+        reduced = all_reduce_tensors(local, group=self._group, device=self._comm)
+        self._sums = dict(zip(present, reduced, strict=True))
+        self._sensitivity = sensitivity
+        self._physical = physical
+
+    def _agree_on_pending(
+        self, physical: int, sensitivity: float | None, names_present: set[str]
+    ) -> tuple[list[str], float, int]:
+        """One all-gather of (batches, sensitivity, structure, presence) from every rank.
+
+        Returns the parameters with a gradient on any rank (optimizer order), the common
+        sensitivity and the total number of physical batches; raises on every rank when a rank
+        accumulated nothing, the sensitivities differ or the parameter structures differ.
+        """
+        import torch
+
         names = list(self.param_names)
         world = self._world_size
-        sensitivity = self._sensitivity
         row = torch.zeros(3 + len(names), dtype=torch.float64)
-        row[0] = float(self._physical)
+        row[0] = float(physical)
         row[1] = float("nan") if sensitivity is None else float(sensitivity)
         row[2] = float(self._structure)
         for k, name in enumerate(names):
-            row[3 + k] = 1.0 if name in self._sums else 0.0
+            row[3 + k] = 1.0 if name in names_present else 0.0
         rows = _gather_rows(row, group=self._group, world_size=world)
         if bool((rows[:, 2] != rows[0, 2]).any()):
             raise ConfigurationError(
@@ -482,7 +507,7 @@ class DistributedDPOptimizer(DPOptimizer):
         idle = [r for r in range(world) if rows[r, 0] == 0]
         if idle:
             raise OperationError(
-                f"DistributedDPOptimizer.step(): rank(s) {idle} accumulated nothing for this "
+                f"{type(self).__name__}.step(): rank(s) {idle} accumulated nothing for this "
                 f"step (this is rank {self._rank}). Every rank must accumulate at least one "
                 "physical batch per logical step — an empty Poisson shard is still passed "
                 "through grad_fn (it returns zeros) and accumulated"
@@ -495,17 +520,7 @@ class DistributedDPOptimizer(DPOptimizer):
                 "clipping, the same state seed and the reduce= hook)"
             )
         present = [name for k, name in enumerate(names) if bool((rows[:, 3 + k] > 0).any())]
-        local = []
-        for name in present:
-            value = self._sums.get(name)
-            if value is None:
-                param = self._params[name]
-                value = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-            local.append(value)
-        reduced = all_reduce_tensors(local, group=self._group, device=self._comm)
-        self._sums = dict(zip(present, reduced, strict=True))
-        self._sensitivity = sens[0]
-        self._physical = int(rows[:, 0].sum())
+        return present, float(sens[0]), int(rows[:, 0].sum())
 
     def logical_step(
         self,

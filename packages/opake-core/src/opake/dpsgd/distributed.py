@@ -14,7 +14,10 @@ One logical step across ``W`` ranks::
 - :func:`save_checkpoint_distributed` / :func:`load_checkpoint_distributed` — rank 0 writes
   atomically after every rank agreed; every rank restores;
 - :func:`gather_metrics` — per-rank figures (e.g. ``opake.profiling.step_perf``) gathered and
-  aggregated; :func:`check_replicas_in_sync` — verify identical parameters.
+  aggregated; :func:`check_replicas_in_sync` — verify identical parameters;
+- :class:`ShardedDPOptimizer` with :func:`compute_template` and :func:`gather_full_params` —
+  FSDP2 (``fully_shard``) parameters and optimizer state sharded at rest, gathered for the
+  per-example step (see ``docs/design/fsdp2.md``).
 
 Sampling: build ``PoissonSampler(N, q, seed=shared, **ctx.sampler_kwargs())`` on every rank;
 each example is included with probability q over the whole dataset and each rank keeps its
@@ -37,6 +40,7 @@ from opake.dpsgd._dist_env import (
     init_distributed,
 )
 from opake.dpsgd._dist_failure import ABORT_EXIT_CODE, FailFast, fail_fast
+from opake.dpsgd._dist_fsdp import ShardedDPOptimizer, compute_template, gather_full_params
 from opake.dpsgd._dist_metrics import RankMetrics, gather_metrics
 from opake.dpsgd._dist_optim import DistributedDPOptimizer, check_replicas_in_sync, unwrap_ddp
 
@@ -47,9 +51,12 @@ __all__ = [
     "DistributedDPOptimizer",
     "FailFast",
     "RankMetrics",
+    "ShardedDPOptimizer",
     "check_replicas_in_sync",
+    "compute_template",
     "current_context",
     "fail_fast",
+    "gather_full_params",
     "gather_metrics",
     "init_distributed",
     "load_checkpoint_distributed",
