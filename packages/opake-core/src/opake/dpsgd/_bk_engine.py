@@ -235,11 +235,12 @@ class BookkeepingChunk:
         import torch
 
         out: dict[str, torch.Tensor] = {}
+        mask = None if bool(keep.all()) else keep  # one host sync; skips the masking copies
         for j, name in enumerate(names):
             shape = like[name].shape
             total = torch.zeros(shape, dtype=torch.float32, device=leaf_factor.device)
             for piece in self.pieces.get(name, ()):
-                total += weighted_sum(piece, leaf_factor[:, j], keep).reshape(shape)
+                total += weighted_sum(piece, leaf_factor[:, j], mask).reshape(shape)
             out[name] = total
         return out
 

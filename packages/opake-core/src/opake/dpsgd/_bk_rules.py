@@ -166,10 +166,11 @@ def sq_norm(piece: Piece) -> torch.Tensor:
     return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
 
 
-def weighted_sum(piece: Piece, weights: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def weighted_sum(piece: Piece, weights: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """``Σ_i w_i G_i`` (fp32, the parameter's shape for an OuterSum, ``shape`` for a Dense).
 
-    Rows with ``keep[i]`` false contribute exactly zero even when their pieces are NaN/Inf.
+    Rows with ``keep[i]`` false contribute exactly zero even when their pieces are NaN/Inf
+    (``keep=None``: every row is finite and kept, which skips the masking copies).
 
     >>> import torch
     >>> piece = OuterSum(torch.ones(2, 1, 2), torch.ones(2, 1, 3))
@@ -179,16 +180,23 @@ def weighted_sum(piece: Piece, weights: torch.Tensor, keep: torch.Tensor) -> tor
     import torch
 
     w = _f32(weights)
+    if keep is not None:
+        w = torch.where(keep, w, 0.0)
     if isinstance(piece, Dense):
         g = _f32(piece.g)
-        g = torch.where(keep.reshape(-1, *([1] * (g.dim() - 1))), g, 0.0)
-        return torch.einsum("b,b...->...", torch.where(keep, w, 0.0), g)
-    b = torch.where(keep[:, None, None], _f32(piece.b), 0.0)
-    b = b * torch.where(keep, w, 0.0)[:, None, None]
+        if keep is not None:
+            g = torch.where(keep.reshape(-1, *([1] * (g.dim() - 1))), g, 0.0)
+        return torch.einsum("b,b...->...", w, g)
+    b = _f32(piece.b)
+    if keep is not None:
+        b = torch.where(keep[:, None, None], b, 0.0)
+    b = b * w[:, None, None]
     cols = b.shape[-1]
     if piece.indexed:
         rows = int(piece.rows or 0)
         out = torch.zeros(rows, cols, dtype=b.dtype, device=b.device)
         return out.index_add_(0, piece.a.reshape(-1), b.reshape(-1, cols))
-    a = torch.where(keep[:, None, None], _f32(piece.a), 0.0)
+    a = _f32(piece.a)
+    if keep is not None:
+        a = torch.where(keep[:, None, None], a, 0.0)
     return a.reshape(-1, a.shape[-1]).T @ b.reshape(-1, cols)
