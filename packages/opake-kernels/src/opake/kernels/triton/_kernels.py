@@ -135,17 +135,15 @@ def lce_fwd_kernel(
     w_ptr,
     b_ptr,
     y_ptr,
-    loss_ptr,
-    lse_ptr,
+    part_ptr,
     N,
     V,
     Hd,
     stride_h,
     stride_w,
-    ignore_index,
+    v_per_split,
     mult,
     softcap,
-    smoothing,
     HAS_BIAS: tl.constexpr,
     HAS_MULT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -156,17 +154,25 @@ def lce_fwd_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    """Grid (token blocks, vocabulary splits). Each program covers ``v_per_split`` vocabulary
+    entries (a multiple of ``BLOCK_V``) of one token block and writes, per token, the partial
+    running max, sum of exponentials, target logit and logit sum to ``part[k, split, token]``
+    (k = 0..3); the host combines the splits (more programs than token blocks alone)."""
     pid = tl.program_id(0)
+    split = tl.program_id(1).to(tl.int64)
+    n_splits = tl.num_programs(1).to(tl.int64)
     offs_t = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     tmask = offs_t < N
-    y = tl.load(y_ptr + offs_t, mask=tmask, other=ignore_index)
+    y = tl.load(y_ptr + offs_t, mask=tmask, other=-1)
     m = tl.full((BLOCK_T,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_T,), tl.float32)
     zy = tl.zeros((BLOCK_T,), tl.float32)
     zs = tl.zeros((BLOCK_T,), tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        offs_v = (v0 + tl.arange(0, BLOCK_V)).to(tl.int64)
-        vmask = offs_v < V
+    v_start = split * v_per_split
+    v_end = tl.minimum(v_start + v_per_split, V)
+    for v0 in range(v_start, v_end, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        vmask = offs_v < v_end
         z = _lce_tile(
             h_ptr, w_ptr, b_ptr, offs_t, tmask, offs_v, vmask, Hd, stride_h, stride_w, mult,
             softcap, HAS_BIAS, HAS_MULT, HAS_SOFTCAP, UPCAST, PREC, BLOCK_T, BLOCK_V, BLOCK_H,
@@ -178,13 +184,12 @@ def lce_fwd_kernel(
         zy += tl.sum(tl.where(offs_v[None, :] == y[:, None], z, 0.0), axis=1)
         if HAS_SMOOTH:
             zs += tl.sum(tl.where(vmask[None, :], z, 0.0), axis=1)
-    lse = m + tl.log(s)
-    loss = lse - (1.0 - smoothing) * zy
-    if HAS_SMOOTH:
-        loss = loss - (smoothing / V) * zs
-    loss = tl.where(y != ignore_index, loss, 0.0)
-    tl.store(loss_ptr + offs_t, loss, mask=tmask)
-    tl.store(lse_ptr + offs_t, lse, mask=tmask)
+    row = split * N + offs_t
+    plane = n_splits * N
+    tl.store(part_ptr + row, m, mask=tmask)
+    tl.store(part_ptr + plane + row, s, mask=tmask)
+    tl.store(part_ptr + 2 * plane + row, zy, mask=tmask)
+    tl.store(part_ptr + 3 * plane + row, zs, mask=tmask)
 
 
 @triton.jit

@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from opake.core.errors import OperationError
 from opake.kernels._args import (
@@ -29,6 +31,7 @@ from opake.kernels._autograd import (
     make_rms_norm_function,
     make_rope_function,
 )
+from opake.kernels._math import token_loss
 from opake.kernels._triton_support import interpreting
 from opake.kernels.triton import _kernels as K
 
@@ -91,6 +94,17 @@ def _precision(dtype: torch.dtype) -> dict[str, object]:
     return {"UPCAST": interp, "PREC": "ieee" if (interp or dtype == _F32) else "tf32"}
 
 
+def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """Launch *kernel*; if its software pipelining does not fit the device's shared memory,
+    relaunch with a single stage (same blocks, same results)."""
+    try:
+        kernel[grid](*args, **kwargs)
+    except OutOfResources:
+        if kwargs.get("num_stages", 1) <= 1:
+            raise
+        kernel[grid](*args, **{**kwargs, "num_stages": 1})
+
+
 def _check_device(*tensors: Tensor | None) -> None:
     for t in tensors:
         if t is None:
@@ -108,6 +122,16 @@ def _check_device(*tensors: Tensor | None) -> None:
             )
 
 
+def _vocab_splits(token_blocks: int, vocab_blocks: int, device: torch.device) -> int:
+    """How many programs share one token block's vocabulary in the forward kernel: enough for
+    about two programs per multiprocessor (2 under the interpreter, to exercise the path)."""
+    if interpreting():
+        target = 2 * token_blocks
+    else:
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(vocab_blocks, triton.cdiv(target, max(1, token_blocks))))
+
+
 def _lce_forward(
     hidden: Tensor,
     weight: Tensor,
@@ -118,20 +142,33 @@ def _lce_forward(
 ) -> tuple[Tensor, Tensor]:
     n, hsize = hidden.shape
     v = weight.shape[0]
-    loss = torch.empty(n, dtype=_F32, device=hidden.device)
-    lse = torch.empty(n, dtype=_F32, device=hidden.device)
     if n == 0:
-        return loss, lse
+        empty = torch.empty(0, dtype=_F32, device=hidden.device)
+        return empty, empty.clone()
     hidden, weight = hidden.contiguous(), weight.contiguous()
     labels = labels.contiguous()
     b = lce_blocks(hidden.dtype, hsize)
-    K.lce_fwd_kernel[(triton.cdiv(n, b.block_t),)](
-        hidden, weight, bias if bias is not None else weight, labels, loss, lse,
-        n, v, hsize, hidden.stride(0), weight.stride(0), spec.ignore_index,
-        HAS_BIAS=bias is not None, **_common(spec), **_precision(hidden.dtype),
+    token_blocks = triton.cdiv(n, b.block_t)
+    vocab_blocks = triton.cdiv(v, b.block_v)
+    splits = _vocab_splits(token_blocks, vocab_blocks, hidden.device)
+    per_split = triton.cdiv(vocab_blocks, splits) * b.block_v
+    splits = triton.cdiv(v, per_split)
+    part = torch.empty(4, splits, n, dtype=_F32, device=hidden.device)
+    c = _common(spec)
+    _launch(
+        K.lce_fwd_kernel, (token_blocks, splits),
+        hidden, weight, bias if bias is not None else weight, labels, part,
+        n, v, hsize, hidden.stride(0), weight.stride(0), per_split, c["mult"], c["softcap"],
+        HAS_BIAS=bias is not None, HAS_MULT=c["HAS_MULT"], HAS_SOFTCAP=c["HAS_SOFTCAP"],
+        HAS_SMOOTH=c["HAS_SMOOTH"], **_precision(hidden.dtype),
         BLOCK_T=b.block_t, BLOCK_V=b.block_v, BLOCK_H=b.block_h,
         num_warps=b.num_warps, num_stages=b.num_stages,
     )  # fmt: skip
+    m, s, zy, zs = part.unbind(0)
+    top = m.amax(0)
+    lse = top + torch.log((s * torch.exp(m - top)).sum(0))
+    loss = token_loss(lse, zy.sum(0), zs.sum(0), v, spec)
+    loss = torch.where(labels != spec.ignore_index, loss, torch.zeros_like(loss))
     return loss, lse
 
 
@@ -170,12 +207,14 @@ def _lce_backward(
         }
         bias_arg = bias if bias is not None else weight
         if gh is not None:
-            K.lce_bwd_h_kernel[(triton.cdiv(n, b.block_t),)](
+            _launch(
+                K.lce_bwd_h_kernel, (triton.cdiv(n, b.block_t),),
                 hidden, weight, bias_arg, labels, lse, tgrad, gh,
                 n, v, hsize, hidden.stride(0), weight.stride(0), **launch,
             )  # fmt: skip
         if gw is not None or gb is not None:
-            K.lce_bwd_w_kernel[(triton.cdiv(v, b.block_v), groups)](
+            _launch(
+                K.lce_bwd_w_kernel, (triton.cdiv(v, b.block_v), groups),
                 hidden, weight, bias_arg, labels, lse, tgrad,
                 gw if gw is not None else lse, gb if gb is not None else lse,
                 n // groups, v, hsize, hidden.stride(0), weight.stride(0),
