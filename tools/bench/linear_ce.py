@@ -15,11 +15,12 @@ models do), ``chunked`` and ``triton`` (``opake.kernels.linear_cross_entropy``),
 ``torch_chunked`` (PyTorch's own ``F.linear_cross_entropy`` chunked path, when this torch has it)
 and ``liger`` (Liger-Kernel's fused linear cross-entropy, when importable; CUDA only).
 
-CPU: every (method, mode) runs in a fresh Python process; memory is the peak resident set size
+CPU: every (method, mode) runs in a fresh Python process (``--rounds`` interleaves several runs of
+every method, so a change in machine load affects them alike); memory is the peak resident set size
 (``ru_maxrss``) minus the resident size just before the first step, i.e. everything the step
 added, including the gradients it returns. CUDA: one process, ``torch.cuda.max_memory_allocated``
 minus the allocation before the first step, times from CUDA events. Times are medians over
-``--repeats`` steps after ``--warmup`` steps.
+``--repeats`` steps (of every round) after ``--warmup`` steps; memory is the largest peak.
 """
 
 from __future__ import annotations
@@ -359,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vmap-tokens", type=int, default=None)
     p.add_argument("--vmap-hidden", type=int, default=None)
     p.add_argument("--vmap-vocab", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per process")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every method, interleaved")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
@@ -393,14 +395,21 @@ def main(argv: list[str] | None = None) -> int:
     methods = args.methods.split(",") if args.methods else list(default_methods)
     results: list[Result] = []
     for mode in args.modes:
-        for method in methods:
-            if cuda:  # one process: CUDA peak memory is reset per method
-                res = _in_process(method, mode, args)
-            else:  # RSS peaks need a fresh process per measurement
-                res = _run_fresh_process(method, mode, args)
-            results.append(res)
-            status = res.error or f"{res.median_s:.3f} s, extra {res.extra_bytes / MIB:.0f} MiB"
-            print(f"[{mode:5s}] {method:14s} {status}", flush=True)
+        merged: dict[str, Result] = {}
+        for rnd in range(args.rounds):  # methods interleaved: drifting load hits all alike
+            for method in methods:
+                if cuda:  # one process: CUDA peak memory is reset per method
+                    res = _in_process(method, mode, args)
+                else:  # RSS peaks need a fresh process per measurement
+                    res = _run_fresh_process(method, mode, args)
+                status = res.error or f"{res.median_s:.3f} s, extra {res.extra_bytes / MIB:.0f} MiB"
+                print(f"[{mode:5s}] round {rnd + 1} {method:14s} {status}", flush=True)
+                if method not in merged or merged[method].error:
+                    merged[method] = res
+                elif res.error is None:  # all steps of all rounds; the largest peak
+                    merged[method].times_s += res.times_s
+                    merged[method].extra_bytes = max(merged[method].extra_bytes, res.extra_bytes)
+        results += [merged[m] for m in methods]
     given = sys.argv[1:] if argv is None else argv
     command = " ".join(["python tools/bench/linear_ce.py", *given])
     text = "\n".join(
