@@ -10,6 +10,9 @@ latter is robust to other processes sharing the machine), and the peak RSS.
 - ``opake``: ``clipped_grad`` (per-example ``vmap`` + clip + fp32 sum) over
   ``make_functional(model, partition_trainable=True)``, then ``DPOptimizer`` (Gaussian noise
   once, divide by the expected batch size, ``optimizer.step()``).
+- ``opake-bk``: the same with the book-keeping engine (``clipped_grad(method="bookkeeping")``
+  over a ``BatchedLoss``: one batched forward/backward, per-example norms from the recorded
+  activations and output gradients, no per-example gradient).
 - ``opacus-hooks`` / ``opacus-ghost``: Opacus ``GradSampleModule`` (per-sample gradient hooks)
   and ghost clipping, if ``import opacus`` works in ``--opacus-python`` (default: this
   interpreter); skipped with a note otherwise.
@@ -18,6 +21,12 @@ latter is robust to other processes sharing the machine), and the peak RSS.
     python tools/bench/dpsgd_step.py --modes lora --methods nonprivate opake
     python tools/bench/dpsgd_step.py --opacus-python /tmp/bench-venv/bin/python
     python tools/bench/dpsgd_step.py --json results.json
+    python tools/bench/dpsgd_step.py --engines            # how to compute per-example grads
+
+``--engines`` times only the per-example gradients of the same model (all parameters, no
+clipping), each way in its own process: ``vmap(grad)``, ``vmap(vjp)`` (what ``clipped_grad``
+uses), a batched forward over parameters expanded to a batch dimension followed by one plain
+``autograd.grad``, and a batch-of-one Python loop; it checks that all four agree.
 
 Results are recorded in docs/benchmarks.md ("DP-SGD step (opake-core)").
 """
@@ -38,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("full", "lora")
-METHODS = ("nonprivate", "opake", "opacus-hooks", "opacus-ghost")
+METHODS = ("nonprivate", "opake", "opake-bk", "opacus-hooks", "opacus-ghost")
+ENGINES = ("vmap-grad", "vmap-vjp", "expand-autograd", "loop")
 CONFIG = {
     "hidden_size": 256,
     "num_hidden_layers": 4,
@@ -125,6 +135,45 @@ def _opake(model: Any, ids: Any, args: argparse.Namespace) -> Callable[[], None]
     return step
 
 
+def _opake_bk(model: Any, ids: Any, args: argparse.Namespace) -> Callable[[], None]:
+    import torch
+
+    from opake.dpsgd.bookkeeping import BatchedLoss, causal_lm_losses
+    from opake.dpsgd.clipping import clipped_grad
+    from opake.dpsgd.optimizer import DPOptimizer
+    from opake.functional import make_functional
+
+    fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
+
+    def losses(trainable, frozen, input_ids, labels):  # a batch: [B, SEQ] -> [B]
+        out = fmodel((trainable, frozen), input_ids=input_ids, use_cache=False)
+        return causal_lm_losses(out.logits, labels)
+
+    grad_fn, clip_state = clipped_grad(
+        BatchedLoss(losses, fmodel),
+        clipping_norm=CLIP,
+        batch_argnums=(2, 3),
+        microbatch_size=args.microbatch_size,
+        method="bookkeeping",
+    )
+    opt = DPOptimizer(
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR),
+        trainable,
+        noise_multiplier=SIGMA,
+        expected_batch_size=float(BATCH),
+        seed=0,
+        unused_params="warn",
+    )
+    state = {"clip": clip_state}
+
+    def step() -> None:
+        grads, state["clip"] = grad_fn(trainable, frozen, ids, ids, state=state["clip"])
+        opt.accumulate(grads)
+        opt.step()
+
+    return step
+
+
 def _opacus(model: Any, ids: Any, args: argparse.Namespace, ghost: bool) -> Callable[[], None]:
     import torch
     from opacus import PrivacyEngine
@@ -149,8 +198,9 @@ def _opacus(model: Any, ids: Any, args: argparse.Namespace, ghost: bool) -> Call
 
         def step() -> None:
             opt.zero_grad(set_to_none=True)
-            logits = model(input_ids=ids, use_cache=False).logits
-            loss = criterion(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+            logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+            shape = logits.shape  # per-sequence privacy unit: Opacus needs [B, T, V]
+            loss = criterion(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1), shape=shape)
             loss.backward()
             opt.step()
 
@@ -173,6 +223,60 @@ def _opacus(model: Any, ids: Any, args: argparse.Namespace, ghost: bool) -> Call
     return step
 
 
+def _engine(model: Any, ids: Any, engine: str) -> tuple[Callable[[], Any], Callable[[], float]]:
+    """Per-example gradients of every parameter, one way; and a fingerprint of the result."""
+    import torch
+    from torch.func import functional_call, grad, vjp, vmap
+
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss(p: Any, x: Any) -> Any:
+        kwargs = {"input_ids": x[None], "labels": x[None], "use_cache": False}
+        return functional_call(model, p, (), kwargs).loss
+
+    def vmap_grad() -> Any:
+        with torch.no_grad():
+            return vmap(grad(loss), in_dims=(None, 0))(params, ids)
+
+    def vmap_vjp() -> Any:
+        def one(p: Any, x: Any) -> Any:
+            value, pullback = vjp(lambda q: loss(q, x), p)
+            return pullback(torch.ones_like(value))[0]
+
+        with torch.no_grad():
+            return vmap(one, in_dims=(None, 0))(params, ids)
+
+    def expand_autograd() -> Any:
+        leaves = {
+            k: v.unsqueeze(0).expand(BATCH, *v.shape).requires_grad_() for k, v in params.items()
+        }
+        with torch.enable_grad():
+            losses = vmap(loss, in_dims=(0, 0))(leaves, ids)
+            grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
+        return dict(zip(leaves, grads, strict=True))
+
+    def loop() -> Any:
+        out: dict[str, list[Any]] = {k: [] for k in params}
+        for i in range(BATCH):
+            leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+            grads = torch.autograd.grad(loss(leaves, ids[i]), list(leaves.values()))
+            for k, g in zip(leaves, grads, strict=True):
+                out[k].append(g)
+        return {k: torch.stack(v) for k, v in out.items()}
+
+    fn = {
+        "vmap-grad": vmap_grad,
+        "vmap-vjp": vmap_vjp,
+        "expand-autograd": expand_autograd,
+        "loop": loop,
+    }[engine]
+
+    def fingerprint() -> float:
+        return float(sum(g.double().square().sum() for g in fn().values()))
+
+    return fn, fingerprint
+
+
 def run_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
     """One configuration, in this process."""
     import warnings
@@ -183,10 +287,16 @@ def run_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     model, ids = _build(mode)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if method == "nonprivate":
+    extra: dict[str, Any] = {}
+    if method in ENGINES:
+        step, fingerprint = _engine(model, ids, method)
+        extra["fingerprint"] = fingerprint()
+    elif method == "nonprivate":
         step = _nonprivate(model, ids, args)
     elif method == "opake":
         step = _opake(model, ids, args)
+    elif method == "opake-bk":
+        step = _opake_bk(model, ids, args)
     else:
         step = _opacus(model, ids, args, ghost=method == "opacus-ghost")
     for _ in range(args.warmup):
@@ -204,8 +314,9 @@ def run_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": statistics.median(wall),
         "cpu_s": statistics.median(cpu),
         "peak_rss_mib": _peak_rss_mib(),
-        "microbatch_size": args.microbatch_size if method == "opake" else None,
+        "microbatch_size": args.microbatch_size if method.startswith("opake") else None,
         "torch": torch.__version__,
+        **extra,
     }
 
 
@@ -215,6 +326,57 @@ def _worker_cmd(python: str, mode: str, method: str, args: argparse.Namespace) -
     if args.microbatch_size:
         cmd += ["--microbatch-size", str(args.microbatch_size)]
     return cmd
+
+
+def _run_worker(python: str, mode: str, method: str, args: argparse.Namespace) -> Any:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        _worker_cmd(python, mode, method, args),
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return f"{mode}/{method}: failed ({tail[:200]})"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps(result), file=sys.stderr)
+    return result
+
+
+def _header(args: argparse.Namespace) -> None:
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}")
+    print(f"python {platform.python_version()}, threads {args.threads}, steps {args.steps}")
+    print()
+
+
+def _engines(args: argparse.Namespace) -> int:
+    results = []
+    for engine in ENGINES:
+        result = _run_worker(sys.executable, "full", engine, args)
+        if isinstance(result, str):
+            print(result, file=sys.stderr)
+            return 1
+        results.append(result)
+    ref = results[-1]  # the loop: plain autograd, one example at a time
+    _header(args)
+    print(f"per-example gradients of all {ref['trainable_params']:,} parameters, batch {BATCH}")
+    print()
+    print(
+        "| engine | wall s | CPU s | ×vmap-vjp (CPU) | peak RSS MiB | Σ‖g_i‖² rel. diff vs loop |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    vjp = next(r for r in results if r["method"] == "vmap-vjp")
+    for r in results:
+        diff = abs(r["fingerprint"] - ref["fingerprint"]) / ref["fingerprint"]
+        print(
+            f"| {r['method']} | {r['wall_s']:.3f} | {r['cpu_s']:.3f} | "
+            f"{r['cpu_s'] / vjp['cpu_s']:.2f} | {r['peak_rss_mib']:.0f} | {diff:.1e} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"engines": results}, indent=2))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatch-size", type=int, default=None)
     parser.add_argument("--opacus-python", default=sys.executable)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--engines", action="store_true", help="compare ways to compute per-example gradients"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "METHOD"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 5:
@@ -241,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(*args.worker, args)))
         return 0
 
+    if args.engines:
+        return _engines(args)
     results, notes = [], []
     for mode in args.modes:
         for method in args.methods:
@@ -252,27 +419,15 @@ def main(argv: list[str] | None = None) -> int:
                 if probe.returncode != 0:
                     notes.append(f"{mode}/{method}: skipped (opacus not importable in {python})")
                     continue
-            env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-            proc = subprocess.run(
-                _worker_cmd(python, mode, method, args),
-                capture_output=True,
-                text=True,
-                env=env,
-                check=False,
-            )
-            if proc.returncode != 0:
-                tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-                notes.append(f"{mode}/{method}: failed ({tail[:200]})")
-                print(notes[-1], file=sys.stderr)
+            result = _run_worker(python, mode, method, args)
+            if isinstance(result, str):
+                notes.append(result)
+                print(result, file=sys.stderr)
                 continue
-            result = json.loads(proc.stdout.strip().splitlines()[-1])
             results.append(result)
-            print(json.dumps(result), file=sys.stderr)
 
     base = {r["mode"]: r for r in results if r["method"] == "nonprivate"}
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}")
-    print(f"python {platform.python_version()}, threads {args.threads}, steps {args.steps}")
-    print()
+    _header(args)
     print(
         "| mode | method | trainable | wall s/step | CPU s/step | ×non-private (wall) |"
         " ×non-private (CPU) | peak RSS MiB |"
