@@ -232,6 +232,7 @@ def apply_runtime_patches(
 
     Example:
         >>> import torch.utils.checkpoint as tuc
+        >>> remove_runtime_patches()  # start from stock torch
         >>> stock = tuc.checkpoint
         >>> state = apply_runtime_patches()
         >>> state.vmap_checkpointing, tuc.checkpoint is stock, tuc.checkpoint.__wrapped__ is stock
