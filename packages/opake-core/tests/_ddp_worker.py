@@ -194,8 +194,14 @@ def train_fsdp(rank: int, world_size: int, *, optim: str = "sgd") -> dict[str, A
         for name, p in model.named_parameters()
         if "exp_avg" in opt.optimizer.state.get(p, {})
     }
+    from opake.dpsgd.distributed import save_checkpoint_distributed
+
+    refused = _error(
+        lambda: save_checkpoint_distributed(Path("unused.pt"), step=STEPS, model=model)
+    )
     return {
         "params": {n: t.clone() for n, t in gather_full_params(model).items()},
+        "checkpoint_refused": refused,
         "local_shapes": local_shapes,
         "state_shapes": state_shapes,
         "reports": reports,

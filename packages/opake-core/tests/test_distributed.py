@@ -243,6 +243,8 @@ def test_fsdp2_sharded_parameters_equal_the_oracle(train, oracle):
     # the 16x8 first-layer weight is split in rows 8 + 8, the 4x16 output layer in 2 + 2
     assert train[0]["fsdp"]["local_shapes"]["0.weight"] == (8, 8)
     assert train[1]["fsdp"]["local_shapes"]["2.weight"] == (2, 16)
+    # a sharded state cannot be written by rank 0 alone: refused before any write
+    assert "sharded (FSDP2 DTensor) parameters" in train[0]["fsdp"]["checkpoint_refused"]
 
 
 def test_fsdp2_adam_state_is_sharded_and_matches_single_process(train):

@@ -310,3 +310,58 @@ def test_gather_metrics_takes_profiling_results():
 def test_gather_metrics_rejects_bad_input(metrics, match):
     with pytest.raises(InputTypeError, match=match):
         D.gather_metrics(metrics)
+
+
+# -- FSDP2 helpers in one process (the sharded step itself runs in test_distributed.py) ---------
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+        self.scale = torch.nn.Linear(3, 3)
+        self.scale.bias.requires_grad_(False)
+        self.register_buffer("offset", torch.arange(3.0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.scale(self.embed(ids)) + self.offset)
+
+
+def test_compute_template_has_no_parameter_data_and_runs_functionally():
+    from opake.functional import make_functional
+
+    model = _Tied()
+    template = D.compute_template(model)
+    assert all(p.device.type == "meta" for p in template.parameters())
+    assert template.head.weight is template.embed.weight  # still tied
+    assert not template.scale.bias.requires_grad
+    assert torch.equal(template.offset, model.offset)  # buffers are real copies
+    assert model.embed.weight.device.type == "cpu"  # the original is untouched
+    fmodel, _ = make_functional(template)
+    ids = torch.tensor([[0, 3, 4]])
+    full = D.gather_full_params(model)
+    torch.testing.assert_close(fmodel(full, ids), model(ids))
+
+
+def test_gather_full_params_of_a_plain_module():
+    model = _Tied()
+    trainable, frozen = D.gather_full_params(model, partition_trainable=True)
+    assert sorted(trainable) == ["embed.weight", "scale.weight"]
+    assert sorted(frozen) == ["scale.bias"]
+    assert not trainable["embed.weight"].requires_grad
+    assert trainable["embed.weight"].data_ptr() == model.embed.weight.data_ptr()
+    with pytest.raises(InputTypeError, match=r"expected an nn\.Module"):
+        D.gather_full_params({"w": torch.zeros(1)})
+
+
+def test_compute_template_and_sharded_optimizer_check_their_input():
+    with pytest.raises(InputTypeError, match="before fully_shard"):
+        D.compute_template({"w": torch.zeros(1)})
+    net = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ConfigurationError, match="was not fully_shard-ed"):
+        D.ShardedDPOptimizer(opt, net, noise_multiplier=1.0, expected_batch_size=4.0, seed=0)
+    with pytest.raises(ConfigurationError, match="not applicable"):
+        D.ShardedDPOptimizer(opt, net, broadcast_parameters=False)
