@@ -59,6 +59,7 @@ class FamilyReport:
         tied: whether the output projection shares its weight with the input embedding
             (its per-example gradient is then the sum of both uses); None without a LM head.
         transform: the logit transform the head applies (None without a LM head).
+        layer: class name of the decoder layers (the gradient-checkpoint boundary).
     """
 
     family: str
@@ -70,6 +71,7 @@ class FamilyReport:
     hf: HFCompat | None = None
     tied: bool | None = None
     transform: LogitTransform | None = None
+    layer: str = ""
     _patcher: Patcher = field(default_factory=Patcher, repr=False)
 
     @property
@@ -231,7 +233,7 @@ def apply_family(spec: FamilySpec, model: Any, options: PatchOptions | None = No
     if isinstance(previous, FamilyReport) and previous.active:
         return previous  # idempotent: the instance is already patched
     check_structure(spec, base)
-    report = FamilyReport(spec.name, base.config.model_type, spec.task)
+    report = FamilyReport(spec.name, base.config.model_type, spec.task, layer=spec.layer)
     patcher = report._patcher
     try:
         head = _head(spec, base, report)

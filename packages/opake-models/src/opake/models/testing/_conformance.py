@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
+from opake.models._apply import unwrap_model
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +49,10 @@ class ConformanceCase:
         rtol: relative tolerance against the oracle (fp32).
         lora_targets: module names PEFT LoRA wraps in the ``lora`` check (default: the
             first two distinct linear layers inside the first decoder layer).
+        layer_class: class name of the decoder layer (the checkpoint boundary) for the
+            ``checkpointing`` check; default: the spec's, for a family built on
+            :class:`~opake.models.FamilySpec`, else transformers' ``_no_split_modules`` when it
+            names exactly one class.
         seed: seed of the test inputs.
 
     Example:
@@ -63,6 +68,7 @@ class ConformanceCase:
     seq: int = 8
     rtol: float = 1e-4
     lora_targets: tuple[str, ...] | None = None
+    layer_class: str | None = None
     seed: int = 0
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -86,8 +92,6 @@ class ConformanceCase:
 
 
 def _task(model: Any) -> str:
-    from opake.models._apply import unwrap_model
-
     base = unwrap_model(model)
     name = type(base).__name__
     if name.endswith("ForSequenceClassification"):
@@ -476,8 +480,6 @@ def check_checkpointing(case: ConformanceCase) -> None:
     (un-checkpointed) loop's."""
     import warnings
 
-    from opake.core.plugins import model_families
-
     _check_factory(case)
     stock, patched = _fresh(case), _fresh(case)
     inputs = _inputs(case, stock)
@@ -485,7 +487,7 @@ def check_checkpointing(case: ConformanceCase) -> None:
         _zero_dropout(model)
         model.train()
     _patch(patched, case)
-    layer = _layer_class(model_families()[patched.config.model_type].name, patched)
+    layer = _layer_class(case, unwrap_model(patched))
     loss_only = _task(patched) == "causal_lm"
     counts, handles = _count_inner_calls(patched, layer)
     _vmapped_grads(patched, inputs, loss_only=loss_only)
@@ -505,17 +507,19 @@ def check_checkpointing(case: ConformanceCase) -> None:
     _clipped_sum_check(case, stock, patched, inputs, what="checkpointed clipped gradient sum")
 
 
-def _layer_class(family_name: str, model: Any) -> str:
-    """The checkpoint-boundary class: from the family's spec, else transformers' own list."""
-    from opake.models._registry import FAMILIES, family_spec
-
-    if family_name in FAMILIES:
-        return family_spec(family_name).layer
-    no_split = getattr(model, "_no_split_modules", None) or []
-    if not no_split:
+def _layer_class(case: ConformanceCase, model: Any) -> str:
+    """The checkpoint-boundary class (see :attr:`ConformanceCase.layer_class`)."""
+    if case.layer_class is not None:
+        return case.layer_class
+    report = vars(model).get("_opake_family_report")
+    layer = getattr(report, "layer", None)
+    if isinstance(layer, str):
+        return layer
+    no_split = sorted(getattr(model, "_no_split_modules", None) or ())
+    if len(no_split) != 1:
         raise ConformanceError(
-            f"cannot tell the decoder-layer class of {type(model).__name__}; transformers "
-            "lists none in _no_split_modules"
+            f"cannot tell the decoder-layer class of {type(model).__name__} (transformers lists "
+            f"{no_split} in _no_split_modules); pass ConformanceCase(layer_class=...)."
         )
     return str(no_split[0])
 
