@@ -360,13 +360,16 @@ def vmap_checkpoint(
         devices, states = get_device_states(*lifted.tensors)
         rng = (torch.get_rng_state(), devices, states)
     region = _Region(lifted=lifted, offload=current_offload(), rng=rng)
+    inputs, lifted.tensors = lifted.tensors, []  # the saved (maybe offloaded) copies only
     try:
-        flat = _checkpoint_function().apply(region, *lifted.tensors)
+        flat = _checkpoint_function().apply(region, *inputs)
     except RuntimeError as err:
         text = str(err)
         if "wrapper == nullptr" in text or ("INTERNAL ASSERT" in text and "functorch" in text):
             raise OperationError(f"{_CLOSURE_HINT} (torch said: {text.splitlines()[0]})") from err
         raise
+    finally:
+        del inputs
     if not isinstance(flat, tuple):
         flat = (flat,)
     return region.unflatten(flat)
