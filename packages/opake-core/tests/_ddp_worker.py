@@ -456,9 +456,15 @@ def scenario_small(rank: int, world_size: int, out: Path) -> None:
 
 
 def scenario_fail(rank: int, world_size: int, out: Path, where: str) -> None:
-    """Rank 1 raises (mid-step, or instead of joining the checkpoint); rank 0 must stop fast."""
+    """One rank raises; the other must stop fast, naming it, and no checkpoint is written.
+
+    ``where="save"``: rank 1 raises instead of joining the step-2 checkpoint (rank 0 is inside
+    ``save_checkpoint_distributed``). ``where="step"``: rank 0 — the rank that hosts the
+    rendezvous store here — raises mid-step while rank 1 is inside ``step()``.
+    """
     from opake.dpsgd.distributed import fail_fast, save_checkpoint_distributed
 
+    failing = 1 if where == "save" else 0
     mlp = light_run(rank, world_size)
     path = out / "ckpt.pt"
     save_checkpoint_distributed(path, step=1, model=mlp["model"], optimizer=mlp["optimizer"])
@@ -466,16 +472,17 @@ def scenario_fail(rank: int, world_size: int, out: Path, where: str) -> None:
     with fail_fast(grace_sec=5.0, poll_sec=0.05):
         opt = mlp["optimizer"]
         if where == "step":
-            if rank == 1:
-                raise ValueError("injected failure on rank 1 at step 2")
-            (out / "entered.rank0").write_text(str(time.time()))
-            opt.zero_grad()
+            if rank == failing:
+                raise ValueError(f"injected failure on rank {failing} at step 2")
+            (out / f"entered.rank{rank}").write_text(str(time.time()))
             train_step_zero(opt, mlp["model"])
         else:
             train_step_zero(opt, mlp["model"])
-            if rank == 1:
-                raise ValueError("injected failure on rank 1 before the checkpoint of step 2")
-            (out / "entered.rank0").write_text(str(time.time()))
+            if rank == failing:
+                raise ValueError(
+                    f"injected failure on rank {failing} before the checkpoint of step 2"
+                )
+            (out / f"entered.rank{rank}").write_text(str(time.time()))
             save_checkpoint_distributed(
                 path, step=2, model=mlp["model"], optimizer=mlp["optimizer"]
             )

@@ -324,16 +324,20 @@ def _no_temp_files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
 
 
-def _assert_fail_fast(out: Path, ranks: list[Rank], finished_at: float, message: str) -> None:
-    assert ranks[1].returncode != 0
-    assert message in ranks[1].stderr
-    assert ranks[0].returncode != 0
-    # rank 0 names the failed rank and its error instead of a bare transport error
-    assert "OperationError: rank 1 (" in ranks[0].stderr, ranks[0].stderr[-3000:]
-    assert message in ranks[0].stderr
-    assert not (out / "finished.rank0").exists()
+def _assert_fail_fast(
+    out: Path, ranks: list[Rank], finished_at: float, failing: int, message: str
+) -> None:
+    other = 1 - failing
+    assert ranks[failing].returncode != 0
+    assert message in ranks[failing].stderr
+    assert ranks[other].returncode != 0
+    # the other rank names the failed rank and its error instead of a bare transport error
+    err = ranks[other].stderr
+    assert f"OperationError: rank {failing} (" in err, err[-3000:]
+    assert message in err
+    assert not (out / f"finished.rank{other}").exists()
     # fast: far below the 60 s collective timeout of the process group
-    entered = float((out / "entered.rank0").read_text())
+    entered = float((out / f"entered.rank{other}").read_text())
     assert finished_at - entered < 30.0
 
 
@@ -345,7 +349,7 @@ def test_failing_rank_stops_the_others_and_leaves_the_checkpoint_intact(tmp_path
     finished = time.time()
     assert (tmp_path / "saved.rank0").exists(), ranks[0].stderr[-3000:]
     _assert_fail_fast(
-        tmp_path, ranks, finished, "ValueError: injected failure on rank 1 before the checkpoint"
+        tmp_path, ranks, finished, 1, "ValueError: injected failure on rank 1 before the checkpoint"
     )
     # rank 0 was inside save_checkpoint_distributed when rank 1 failed: it wrote nothing, the
     # step-1 checkpoint is intact and loads, and no temporary file is left behind
@@ -354,9 +358,10 @@ def test_failing_rank_stops_the_others_and_leaves_the_checkpoint_intact(tmp_path
 
 
 @pytest.mark.slow
-def test_failing_rank_mid_step_stops_the_others(tmp_path):
+def test_failing_rank0_mid_step_stops_the_others(tmp_path):
+    # rank 0 also hosts the rendezvous store here: its failure must still be reported
     ranks = launch("fail_step", tmp_path)
-    _assert_fail_fast(tmp_path, ranks, time.time(), "ValueError: injected failure on rank 1")
+    _assert_fail_fast(tmp_path, ranks, time.time(), 0, "ValueError: injected failure on rank 0")
 
 
 @pytest.mark.slow
