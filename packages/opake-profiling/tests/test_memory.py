@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import os
 import sys
 from pathlib import Path
 
@@ -185,3 +186,29 @@ def test_empty_cache_returns_freed_heap_on_cpu():
     del small
     assert held - before > 64 * MB
     assert trimmed < held - 64 * MB
+
+
+@pytest.mark.skipif(not HAS_PROC or not hasattr(os, "fork"), reason="needs /proc and fork")
+def test_a_forked_child_reads_its_own_figures():
+    parent_status = _memory._read_proc_status()  # opens and keeps the parent's descriptor
+    assert parent_status is not None
+    import psutil
+
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: grow by 256 MiB; its figures must show it, the parent's would not
+        try:  # (no torch here: its thread pools do not survive a fork)
+            os.close(read_fd)
+            hog = b"\x01" * (256 * 1024**2)
+            child = _memory._read_proc_status()["VmRSS"]
+            truth = psutil.Process().memory_info().rss
+            os.write(write_fd, f"{child} {truth} {len(hog)}".encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as fh:
+        child_rss, truth, _ = (int(v) for v in fh.read().split())
+    os.waitpid(pid, 0)
+    parent_rss = _memory._read_proc_status()["VmRSS"]
+    assert abs(truth - parent_rss) > 128 * 1024**2  # a stale (parent's) reading would show
+    assert child_rss == pytest.approx(truth, abs=4 * 1024**2)
