@@ -340,3 +340,15 @@ def test_accumulation_and_optimizer(mlp, mlp_batch):
     assert report.noise_std == pytest.approx(1e-9 * whole.max_norm)
     expected = before - 0.1 * whole["0.weight"] / 10
     torch.testing.assert_close(mlp[0].weight.detach(), expected, atol=1e-6, rtol=0)
+
+
+def test_bf16_compute_fp32_sums(mlp, mlp_batch):
+    loss_fn, params = _mlp_loss(mlp)
+    args = (params, *mlp_batch)
+    options = {"batch_argnums": (1, 2), "compute_dtype": torch.bfloat16}
+    bk_fn, bk, bk_aux, _ = _run(loss_fn, args, 0.5, "bookkeeping", **options)
+    _, vm, _, _ = _run(loss_fn, args, 0.5, "vmap", **options)
+    assert bk_fn.engine == "bookkeeping"
+    assert all(v.dtype == torch.float32 for v in bk.values())
+    assert bk_aux.grad_norms.dtype == torch.float32
+    testing.assert_grads_close(bk, vm, rtol=2e-2)  # bf16 rounding differs batched vs per example
