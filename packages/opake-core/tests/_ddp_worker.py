@@ -147,7 +147,9 @@ def _torch_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR)
 
 
-def train_fsdp(rank: int, world_size: int, *, optim: str = "sgd") -> dict[str, Any]:
+def train_fsdp(
+    rank: int, world_size: int, *, optim: str = "sgd", secure: bool = False, steps: int = STEPS
+) -> dict[str, Any]:
     """The MLP run of train_mlp with FSDP2-sharded parameters and optimizer state."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -174,13 +176,13 @@ def train_fsdp(rank: int, world_size: int, *, optim: str = "sgd") -> dict[str, A
         accountant=RDPAccountant(),
         delta=1e-5,
         noise_multiplier=SIGMA,
-        seed=NOISE_SEED,
+        **({"secure": True} if secure else {"seed": NOISE_SEED}),
     )
     grad_fn, state = clipped_grad(
         mlp_loss(fmodel), clipping_norm=CLIP, batch_argnums=(1, 2), microbatch_size=1
     )
     reports = []
-    for _, idx in zip(range(STEPS), sampler, strict=False):
+    for _, idx in zip(range(steps), sampler, strict=False):
         full = gather_full_params(model)
         for part in _chunks(idx, 2):
             rows = torch.tensor(part, dtype=torch.long)
@@ -202,6 +204,7 @@ def train_fsdp(rank: int, world_size: int, *, optim: str = "sgd") -> dict[str, A
     return {
         "params": {n: t.clone() for n, t in gather_full_params(model).items()},
         "checkpoint_refused": refused,
+        "noise_sync": opt.noise_sync,
         "local_shapes": local_shapes,
         "state_shapes": state_shapes,
         "reports": reports,
@@ -397,6 +400,9 @@ def scenario_train(rank: int, world_size: int, out: Path) -> None:
     results["adaptive"] = timed("adaptive", lambda: train_adaptive(rank, world_size))
     results["fsdp"] = timed("fsdp", lambda: train_fsdp(rank, world_size))
     results["fsdp_adam"] = timed("fsdp_adam", lambda: train_fsdp(rank, world_size, optim="adam"))
+    results["fsdp_secure"] = timed(
+        "fsdp_secure", lambda: train_fsdp(rank, world_size, secure=True, steps=2)
+    )
     results["llama"] = timed("llama", lambda: train_llama(rank, world_size))
     results["errors"] = timed("errors", lambda: misconfigurations(rank, world_size))
 

@@ -256,6 +256,17 @@ def test_fsdp2_adam_state_is_sharded_and_matches_single_process(train):
     assert train[1]["fsdp_adam"]["state_shapes"]["2.weight"] == (2, 16)
 
 
+def test_fsdp2_secure_noise_is_broadcast_from_rank0(train):
+    seeded = oracle_mlp(steps=2)
+    for rank in train:
+        assert rank["fsdp_secure"]["noise_sync"] == "broadcast"
+        params = rank["fsdp_secure"]["params"]
+        assert all(bool(torch.isfinite(p).all()) for p in params.values())
+        assert max(float((params[n] - seeded[n]).abs().max()) for n in seeded) > 1e-3
+    # both ranks gathered the same full parameters: each row got one noise value
+    assert _same(train[0]["fsdp_secure"]["params"], train[1]["fsdp_secure"]["params"])
+
+
 def test_tiny_llama_two_ranks_equal_single_process(train):
     single = W.train_llama(0, 1)
     assert _same(train[0]["llama"]["params"], train[1]["llama"]["params"])

@@ -13,6 +13,8 @@ __all__ = ["all_reduce_tensors", "broadcast_tensors", "fingerprint", "max_all_re
 #: Elements per flat bucket (fp32: 64 MiB). Larger reductions are split so the temporary copy
 #: stays bounded; every rank builds the same buckets from the same shapes.
 BUCKET_NUMEL = 16 * 1024 * 1024
+#: Elements per chunk of :func:`fingerprint` (bounds its float64 temporaries to 32 MiB).
+FINGERPRINT_CHUNK = 4 * 1024 * 1024
 
 
 def _buckets(tensors: Sequence[torch.Tensor], limit: int) -> Iterator[list[int]]:
@@ -116,22 +118,24 @@ def max_all_reduce(
 
 
 def fingerprint(tensors: Sequence[torch.Tensor]) -> tuple[float, float]:
-    """Two float64 numbers that differ when any value differs (sum and weighted sum).
+    """Two float64 numbers that differ when any value differs (sum, weighted sum of squares).
 
-    Identical replicas (same bits) give identical fingerprints; a single changed element
-    changes them except with negligible probability. Non-finite values give NaN/Inf, which
-    never compare equal to a finite fingerprint.
+    Identical replicas (same bits) give identical fingerprints; a changed element changes them
+    except with negligible probability (the weights depend on the tensor and on the position
+    of its 4M-element chunk, so moved values are noticed too). Computed chunk by chunk on each
+    tensor's device, with one host synchronisation per device. Non-finite values give NaN/Inf.
     """
     import torch
 
-    total = 0.0
-    weighted = 0.0
+    parts: dict[torch.device, list[torch.Tensor]] = {}
     for k, tensor in enumerate(tensors):
-        flat = tensor.detach().reshape(-1).to(torch.float64)
-        if not flat.numel():
-            continue
-        total += float(flat.sum())
-        # position-dependent weights, so swapped values are noticed too
-        ramp = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
-        weighted += float((flat * ramp).sum()) * (1.0 + 1e-3 * k)
-    return total, weighted
+        flat = tensor.detach().reshape(-1)
+        for j, chunk in enumerate(flat.split(FINGERPRINT_CHUNK)):
+            wide = chunk.to(torch.float64)
+            weight = 1.0 + 1e-3 * k + 1e-7 * j
+            pair = torch.stack([wide.sum(), (wide * wide).sum() * weight])
+            parts.setdefault(pair.device, []).append(pair)
+    if not parts:
+        return 0.0, 0.0
+    total = torch.stack([torch.stack(p).sum(dim=0).cpu() for p in parts.values()]).sum(dim=0)
+    return float(total[0]), float(total[1])
