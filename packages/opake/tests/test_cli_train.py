@@ -148,6 +148,21 @@ def test_resume_keeps_the_accountant_history(tiny_args, tmp_path):
     assert again["steps"] == 2
 
 
+@pytest.mark.slow
+def test_patches_and_checkpointing_do_not_change_the_result(tiny_args, tmp_path):
+    plain, patched = tmp_path / "plain", tmp_path / "patched"
+    assert main(tiny_args("--steps", "2", "--kernels", "none", out=plain)) == 0
+    argv = tiny_args("--steps", "2", "--kernels", "torch", "--checkpointing", out=patched)
+    assert main(argv) == 0
+    summary = json.loads((patched / "summary.json").read_text())
+    assert summary["model_patches"]["loss_only"] is True
+    assert set(summary["model_patches"]["kernels"].values()) == {"torch"}
+    assert json.loads((plain / "summary.json").read_text())["model_patches"] is None
+    wa, wb = _weights(plain / "model"), _weights(patched / "model")
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=1e-5)
+
+
 def test_lora_trains_only_adapters(tiny_args, tmp_path):
     pytest.importorskip("peft")
     out = tmp_path / "run"

@@ -92,7 +92,7 @@ class TrainSettings:
     weight_decay: float = 0.0
     checkpointing: bool = False
     offload_optimizer: bool = False
-    kernels: str | None = None
+    kernels: str = "auto"
     precision: str = "fp32"
     device: str = "cpu"
     seed: int = 0
@@ -332,7 +332,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--kernels",
         default=d.kernels,
         metavar="BACKEND",
-        help="kernel backend for the model patches (see opake info)",
+        help="model patches and their kernels: auto (default: patch supported model families, "
+        "kernels chosen per op), none (no model patches), or a backend name for every op "
+        "(see opake info)",
     )
     g.add_argument(
         "--precision",

@@ -64,6 +64,7 @@ class RunPlan:
     baseline: float
     max_batch_size: int | None
     device: torch.device
+    patch: bool = False
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -91,16 +92,49 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def _check_kernels(name: str | None, device: torch.device) -> None:
-    if name is None:
-        return
-    from opake.core.plugins import kernel_backends
+def _model_type(spec: str) -> str | None:
+    source, is_dir = resolve_model(spec)
+    if not is_dir:
+        return "llama"
+    try:
+        config = json.loads((Path(source) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigurationError(f"--model {spec}: cannot read config.json ({err})") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return model_type if isinstance(model_type, str) else None
 
+
+def _check_kernels(
+    name: str, device: torch.device, model_type: str | None
+) -> tuple[bool, list[str]]:
+    """Validate ``--kernels`` against the installed backends and model families.
+
+    Returns whether to apply the model patches, and notes for the user.
+    """
+    from opake.core.plugins import kernel_backends, model_families
+
+    if name == "none":
+        return False, []
+    families = model_families()
+    family = families.get(model_type) if model_type else None
+    supported, why = family.supported() if family is not None else (False, "")
+    if name == "auto":
+        if family is None:
+            note = (
+                f"no Opake model family for model_type {model_type!r}: the model runs unpatched "
+                "(no loss-only forward, no kernels)"
+            )
+            return False, [note]
+        if not supported:
+            return False, [
+                f"model family {family.name} is skipped here ({why}): the model runs unpatched"
+            ]
+        return True, []
     backends = kernel_backends()
     if name not in backends:
         raise ConfigurationError(
             f"--kernels {name!r}: unknown kernel backend; installed: "
-            f"{', '.join(sorted(backends)) or '(none)'} (see opake info)"
+            f"{', '.join(sorted(backends)) or '(none)'}, or auto / none (see opake info)"
         )
     backend = backends[name]
     if device.type not in backend.devices:
@@ -112,6 +146,12 @@ def _check_kernels(name: str | None, device: torch.device) -> None:
         raise ConfigurationError(
             f"--kernels {name}: the backend is installed but not available here (see opake info)"
         )
+    if family is None or not supported:
+        raise ConfigurationError(
+            f"--kernels {name}: model_type {model_type!r} has no supported Opake model family "
+            f"({why or 'none registered'}), so no kernels can be patched in; use --kernels none"
+        )
+    return True, []
 
 
 def _encode(tokenizer: Any) -> tuple[Callable[[str], list[int]], int | None, int]:
@@ -153,13 +193,13 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     if out.exists() and not out.is_dir():
         raise ConfigurationError(f"--out {out}: exists and is not a directory")
     device = _device(settings.device)
-    _check_kernels(settings.kernels, device)
+    resolve_model(settings.model)
+    patch, notes = _check_kernels(settings.kernels, device, _model_type(settings.model))
     if settings.precision == "fp16" and device.type == "cpu":
         raise ConfigurationError(
             "--precision fp16 on cpu: fp16 autocast is for accelerators; use --precision bf16 "
             "(or fp32) on the CPU"
         )
-    resolve_model(settings.model)
     if settings.lora_r is not None:
         try:
             import peft  # noqa: F401
@@ -196,7 +236,6 @@ def plan_run(settings: TrainSettings) -> RunPlan:
         steps = max(1, math.ceil(settings.epochs / q))
     else:
         steps = DEFAULT_STEPS
-    notes = []
     delta = settings.delta if settings.delta is not None else 1.0 / n**2
     if delta >= 1.0 / n:
         notes.append(
@@ -257,6 +296,7 @@ def plan_run(settings: TrainSettings) -> RunPlan:
         baseline=baseline,
         max_batch_size=max_batch,
         device=device,
+        patch=patch,
         notes=notes,
     )
 
@@ -275,7 +315,13 @@ def _batches(sampler: Any) -> Iterator[list[int]]:
         yield from sampler
 
 
-def _evaluate(model: Any, val: torch.Tensor, device: torch.device, autocast: Any) -> float:
+def _evaluate(
+    model: Any,
+    val: torch.Tensor,
+    device: torch.device,
+    autocast: Any,
+    forward_kwargs: dict[str, Any],
+) -> float:
     import torch
 
     was_training = model.training
@@ -285,7 +331,7 @@ def _evaluate(model: Any, val: torch.Tensor, device: torch.device, autocast: Any
     with torch.no_grad(), autocast():
         for chunk in val.split(_EVAL_BATCH):
             x = chunk.to(device)
-            out = model(input_ids=x, labels=x, use_cache=False)
+            out = model(input_ids=x, labels=x, **forward_kwargs)
             tokens = x.shape[0] * (x.shape[1] - 1)
             total += float(out.loss) * tokens
             count += tokens
@@ -302,7 +348,7 @@ def _autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
-def _build_model(plan: RunPlan) -> tuple[Any, Any]:
+def _build_model(plan: RunPlan) -> tuple[Any, Any, Any]:
     from transformers.utils import logging as hf_logging
 
     s = plan.settings
@@ -319,13 +365,22 @@ def _build_model(plan: RunPlan) -> tuple[Any, Any]:
             seed=s.seed,
         )
     model = loaded.model.to(plan.device)
+    report = None
+    if plan.patch:
+        from opake.patches import apply_model_patches
+
+        report = apply_model_patches(model, kernels=None if s.kernels == "auto" else s.kernels)
     if s.checkpointing:
         from opake.patches import apply_runtime_patches
 
         apply_runtime_patches()
         base = model.get_base_model() if s.lora_r is not None else model
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return loaded, model
+        kwargs = {"use_reentrant": False}
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return loaded, model, report
 
 
 def _tune_microbatch(
@@ -373,7 +428,10 @@ def run(plan: RunPlan) -> dict[str, Any]:
     started = time.perf_counter()
     plan.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(s.seed)
-    loaded, model = _build_model(plan)
+    loaded, model, patch_report = _build_model(plan)
+    forward_kwargs: dict[str, Any] = {"use_cache": False}
+    if patch_report is not None and "linear_cross_entropy" in patch_report.kernels:
+        forward_kwargs["loss_only"] = True  # the loss without materialising the logits
     fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
     autocast = _autocast_factory(s.precision, plan.device)
 
@@ -381,7 +439,7 @@ def run(plan: RunPlan) -> dict[str, Any]:
         trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], x: torch.Tensor
     ) -> torch.Tensor:
         ids = x.unsqueeze(0)
-        return fmodel((trainable, frozen), input_ids=ids, labels=ids, use_cache=False).loss
+        return fmodel((trainable, frozen), input_ids=ids, labels=ids, **forward_kwargs).loss
 
     per_example = loss_fn
     if s.precision != "fp32":
@@ -455,7 +513,7 @@ def run(plan: RunPlan) -> dict[str, Any]:
         rows = [dict(r) for r in ckpt.extra.get("metrics", [])]
         initial_val = ckpt.extra.get("initial_val_loss")
     else:
-        initial_val = _evaluate(model, plan.val, plan.device, autocast)
+        initial_val = _evaluate(model, plan.val, plan.device, autocast, forward_kwargs)
 
     warmup = s.warmup if s.warmup is not None else max(1, round(0.05 * plan.steps))
     eval_every = s.eval_every or max(1, plan.steps // 10)
@@ -533,7 +591,7 @@ def run(plan: RunPlan) -> dict[str, Any]:
             done = step + 1
             val_loss = None
             if done % eval_every == 0 or done == plan.steps:
-                val_loss = _evaluate(model, plan.val, plan.device, autocast)
+                val_loss = _evaluate(model, plan.val, plan.device, autocast, forward_kwargs)
             result = perf.result
             rows.append(
                 {
@@ -572,7 +630,7 @@ def run(plan: RunPlan) -> dict[str, Any]:
     bar.close()
     save(plan.steps)
     if val_loss is None:
-        val_loss = _evaluate(model, plan.val, plan.device, autocast)
+        val_loss = _evaluate(model, plan.val, plan.device, autocast, forward_kwargs)
     saved = _save_model(plan, loaded, model)
     mem = get_memory_stats(plan.device)
     summary = _summary(
@@ -589,6 +647,7 @@ def run(plan: RunPlan) -> dict[str, Any]:
         wall=time.perf_counter() - started,
         saved=saved,
         accountant=accountant,
+        patch_report=patch_report,
     )
     write_metrics(plan.out / "metrics.csv", rows)
     if s.plots:
@@ -704,6 +763,7 @@ def _summary(
     wall: float,
     saved: dict[str, str],
     accountant: Any,
+    patch_report: Any,
 ) -> dict[str, Any]:
     import torch
 
@@ -751,6 +811,13 @@ def _summary(
         "wall_time_sec": wall,
         "resumed_from_step": resumed_from,
         "device": str(plan.device),
+        "model_patches": None
+        if patch_report is None
+        else {
+            "family": patch_report.family,
+            "kernels": {op: use.backend for op, use in patch_report.kernels.items()},
+            "loss_only": "linear_cross_entropy" in patch_report.kernels,
+        },
         "outputs": saved,
         "notes": plan.notes,
         "versions": {
