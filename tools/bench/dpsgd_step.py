@@ -4,10 +4,12 @@ Every configuration runs in a fresh Python process (its peak RSS is its own): a 
 a config (hidden 256, 4 layers, 4 heads, intermediate 688, vocab 4096, eager attention, no
 download), batch 32 × sequence 64 of random tokens, SGD. Per configuration: ``--warmup`` steps,
 then the median of ``--steps`` (≥ 5) timed steps, as wall time and as process CPU time (the
-latter is robust to other processes sharing the machine), and the peak RSS.
+latter is robust to other processes sharing the machine), and the peak RSS. ``--rounds N``
+repeats all configurations N times, interleaved, and reports medians over the rounds (ratios to
+the non-private step are taken within each round).
 
 - ``nonprivate``: ``model(input_ids, labels).loss.backward()``, ``optimizer.step()``.
-- ``opake``: ``clipped_grad`` (per-example ``vmap`` + clip + fp32 sum) over
+- ``opake``: ``clipped_grad(method="vmap")`` (per-example ``vmap`` + clip + fp32 sum) over
   ``make_functional(model, partition_trainable=True)``, then ``DPOptimizer`` (Gaussian noise
   once, divide by the expected batch size, ``optimizer.step()``).
 - ``opake-bk``: the same with the book-keeping engine (``clipped_grad(method="bookkeeping")``
@@ -116,6 +118,7 @@ def _opake(model: Any, ids: Any, args: argparse.Namespace) -> Callable[[], None]
         clipping_norm=CLIP,
         batch_argnums=(2, 3),
         microbatch_size=args.microbatch_size,
+        method="vmap",
     )
     opt = DPOptimizer(
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR),
@@ -347,36 +350,87 @@ def _run_worker(python: str, mode: str, method: str, args: argparse.Namespace) -
 
 def _header(args: argparse.Namespace) -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}")
-    print(f"python {platform.python_version()}, threads {args.threads}, steps {args.steps}")
+    print(
+        f"python {platform.python_version()}, threads {args.threads}, steps {args.steps}, "
+        f"rounds {args.rounds}"
+    )
     print()
 
 
+def _collect(
+    configs: list[tuple[str, str]], args: argparse.Namespace
+) -> tuple[dict[tuple[str, str], list[dict[str, Any]]], list[str]]:
+    """Run every configuration ``--rounds`` times, interleaved (drifting load hits all alike)."""
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    notes: list[str] = []
+    skipped: set[tuple[str, str]] = set()
+    for _ in range(args.rounds):
+        for mode, method in configs:
+            if (mode, method) in skipped:
+                continue
+            python = args.opacus_python if method.startswith("opacus") else sys.executable
+            if method.startswith("opacus"):
+                probe = subprocess.run(
+                    [python, "-c", "import opacus"], capture_output=True, text=True, check=False
+                )
+                if probe.returncode != 0:
+                    notes.append(f"{mode}/{method}: skipped (opacus not importable in {python})")
+                    skipped.add((mode, method))
+                    continue
+            result = _run_worker(python, mode, method, args)
+            if isinstance(result, str):
+                notes.append(result)
+                print(result, file=sys.stderr)
+                skipped.add((mode, method))
+                continue
+            runs.setdefault((mode, method), []).append(result)
+    return runs, notes
+
+
+def _summary(runs: list[dict[str, Any]], ref: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """Median over rounds; ratios are per round (same load) then the median."""
+    out = dict(runs[0])
+    out["wall_s"] = statistics.median(r["wall_s"] for r in runs)
+    out["cpu_s"] = statistics.median(r["cpu_s"] for r in runs)
+    out["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs)
+    out["rounds"] = len(runs)
+    if ref:
+        pairs = list(zip(runs, ref, strict=False))
+        out["ratio_wall"] = statistics.median(a["wall_s"] / b["wall_s"] for a, b in pairs)
+        out["ratio_cpu"] = statistics.median(a["cpu_s"] / b["cpu_s"] for a, b in pairs)
+    return out
+
+
 def _engines(args: argparse.Namespace) -> int:
-    results = []
-    for engine in ENGINES:
-        result = _run_worker(sys.executable, "full", engine, args)
-        if isinstance(result, str):
-            print(result, file=sys.stderr)
-            return 1
-        results.append(result)
-    ref = results[-1]  # the loop: plain autograd, one example at a time
+    runs, notes = _collect([("full", engine) for engine in ENGINES], args)
+    if notes:
+        print("\n".join(notes), file=sys.stderr)
+        return 1
+    ref = runs[("full", "loop")]  # plain autograd, one example at a time
+    vjp = runs[("full", "vmap-vjp")]
     _header(args)
-    print(f"per-example gradients of all {ref['trainable_params']:,} parameters, batch {BATCH}")
+    print(f"per-example gradients of all {ref[0]['trainable_params']:,} parameters, batch {BATCH}")
     print()
     print(
         "| engine | wall s | CPU s | ×vmap-vjp (CPU) | peak RSS MiB | Σ‖g_i‖² rel. diff vs loop |"
     )
     print("|---|---:|---:|---:|---:|---:|")
-    vjp = next(r for r in results if r["method"] == "vmap-vjp")
-    for r in results:
-        diff = abs(r["fingerprint"] - ref["fingerprint"]) / ref["fingerprint"]
+    summaries = []
+    for engine in ENGINES:
+        r = _summary(runs[("full", engine)], vjp)
+        summaries.append(r)
+        diff = abs(r["fingerprint"] - ref[0]["fingerprint"]) / ref[0]["fingerprint"]
         print(
-            f"| {r['method']} | {r['wall_s']:.3f} | {r['cpu_s']:.3f} | "
-            f"{r['cpu_s'] / vjp['cpu_s']:.2f} | {r['peak_rss_mib']:.0f} | {diff:.1e} |"
+            f"| {engine} | {r['wall_s']:.3f} | {r['cpu_s']:.3f} | {r['ratio_cpu']:.2f} | "
+            f"{r['peak_rss_mib']:.0f} | {diff:.1e} |"
         )
     if args.json:
-        args.json.write_text(json.dumps({"engines": results}, indent=2))
+        args.json.write_text(json.dumps({"engines": summaries, "runs": _plain(runs)}, indent=2))
     return 0
+
+
+def _plain(runs: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, Any]:
+    return {f"{mode}/{method}": value for (mode, method), value in runs.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,6 +447,13 @@ def main(argv: list[str] | None = None) -> int:
         "for a busy core inflate both wall and CPU time)",
     )
     parser.add_argument("--microbatch-size", type=int, default=None)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat every configuration this many times, interleaved; report medians over "
+        "rounds (ratios are taken within a round, under the same load)",
+    )
     parser.add_argument("--opacus-python", default=sys.executable)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
@@ -400,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "METHOD"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.steps < 5:
         parser.error("--steps must be at least 5 (the median of ≥ 5 steps is reported)")
     if args.worker:
@@ -408,25 +471,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.engines:
         return _engines(args)
-    results, notes = [], []
-    for mode in args.modes:
-        for method in args.methods:
-            python = args.opacus_python if method.startswith("opacus") else sys.executable
-            if method.startswith("opacus"):
-                probe = subprocess.run(
-                    [python, "-c", "import opacus"], capture_output=True, text=True, check=False
-                )
-                if probe.returncode != 0:
-                    notes.append(f"{mode}/{method}: skipped (opacus not importable in {python})")
-                    continue
-            result = _run_worker(python, mode, method, args)
-            if isinstance(result, str):
-                notes.append(result)
-                print(result, file=sys.stderr)
-                continue
-            results.append(result)
-
-    base = {r["mode"]: r for r in results if r["method"] == "nonprivate"}
+    configs = [(mode, method) for mode in args.modes for method in args.methods]
+    runs, notes = _collect(configs, args)
+    results = [
+        _summary(runs[config], runs.get((config[0], "nonprivate")))
+        for config in configs
+        if config in runs
+    ]
     _header(args)
     print(
         "| mode | method | trainable | wall s/step | CPU s/step | ×non-private (wall) |"
@@ -434,9 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        ref = base.get(r["mode"])
-        ratio_w = f"{r['wall_s'] / ref['wall_s']:.2f}" if ref else "–"
-        ratio_c = f"{r['cpu_s'] / ref['cpu_s']:.2f}" if ref else "–"
+        ratio_w = f"{r['ratio_wall']:.2f}" if "ratio_wall" in r else "–"
+        ratio_c = f"{r['ratio_cpu']:.2f}" if "ratio_cpu" in r else "–"
         print(
             f"| {r['mode']} | {r['method']} | {r['trainable_params']:,} | {r['wall_s']:.3f} | "
             f"{r['cpu_s']:.3f} | {ratio_w} | {ratio_c} | {r['peak_rss_mib']:.0f} |"
@@ -444,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     for note in notes:
         print(f"\n- {note}")
     if args.json:
-        args.json.write_text(json.dumps({"results": results, "notes": notes}, indent=2))
+        payload = {"results": results, "notes": notes, "runs": _plain(runs)}
+        args.json.write_text(json.dumps(payload, indent=2))
     return 0
 
 
