@@ -367,6 +367,39 @@ def _drop_live(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+GUIDE = Path(__file__).resolve().parents[3] / "docs" / "guide" / "distributed.md"
+
+
+def guide_script() -> str | None:
+    """The training script of docs/guide/distributed.md (None outside the repository)."""
+    import re
+
+    if not GUIDE.is_file():
+        return None
+    found = re.search(r"## A training script\n\n```python\n(.*?)```", GUIDE.read_text(), re.S)
+    return found.group(1) if found else ""
+
+
+def run_guide_script(directory: Path) -> dict[str, Any] | None:
+    """Run the guide's script on this rank, inside ``directory`` (where it checkpoints)."""
+    source = guide_script()
+    if source is None:
+        return None
+    directory.mkdir(exist_ok=True)
+    cwd = os.getcwd()
+    os.chdir(directory)
+    try:
+        namespace: dict[str, Any] = {"__name__": "guide"}
+        exec(compile(source, str(GUIDE), "exec"), namespace)
+    finally:
+        os.chdir(cwd)
+    return {
+        "steps": namespace["report"].step,
+        "params": {n: p.detach().clone() for n, p in namespace["model"].named_parameters()},
+        "checkpoint": (directory / "ckpt.pt").is_file(),
+    }
+
+
 def scenario_train(rank: int, world_size: int, out: Path) -> None:
     from opake.dpsgd.distributed import (
         gather_metrics,
@@ -405,6 +438,7 @@ def scenario_train(rank: int, world_size: int, out: Path) -> None:
     )
     results["llama"] = timed("llama", lambda: train_llama(rank, world_size))
     results["errors"] = timed("errors", lambda: misconfigurations(rank, world_size))
+    results["guide"] = timed("guide", lambda: run_guide_script(out / "guide"))
 
     # checkpoint: rank 0 writes; every rank restores into fresh objects (own RNG state back)
     path = out / "ckpt.pt"

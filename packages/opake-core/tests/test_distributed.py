@@ -299,6 +299,19 @@ def test_misconfiguration_raises_on_every_rank(train, case, kind, words):
     assert train[0]["errors"]["idle_pending_after"] == "0"
 
 
+# -- the guide's script -----------------------------------------------------------------------
+
+
+def test_the_guide_training_script_runs_on_two_ranks(train):
+    if train[0]["guide"] is None:
+        pytest.skip("docs/guide/distributed.md is not in this checkout")
+    assert W.guide_script(), "the guide has no '## A training script' python block"
+    for rank in train:
+        assert rank["guide"]["steps"] == 20
+        assert rank["guide"]["checkpoint"]
+    assert _same(train[0]["guide"]["params"], train[1]["guide"]["params"])
+
+
 # -- checkpoint, metrics -----------------------------------------------------------------------
 
 
