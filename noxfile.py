@@ -18,7 +18,7 @@ TRITON = "triton==3.7.1"
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"]
 # what each distribution needs (by local path), besides itself
 LOCAL_DEPS = {
-    "opake-core": [],
+    "opake-core": ["opake-profiling"],
     "opake-patches": ["opake-core", "opake-kernels"],
     "opake-kernels": ["opake-core"],
     "opake-profiling": ["opake-core"],

@@ -27,4 +27,6 @@ timeout "${PROFILING_S:-200}" python3 tools/gpu/profiling_check.py --budget "${P
 tail -15 "$OUT/profiling.log"
 timeout "${TRAINING_S:-90}" python3 tools/gpu/training_step_check.py --out "$OUT/training.json" > "$OUT/training.log" 2>&1 || rc=1
 tail -8 "$OUT/training.log"
+timeout "${DDP_S:-90}" python3 tools/gpu/ddp_check.py --out "$OUT/ddp.json" > "$OUT/ddp.log" 2>&1 || rc=1
+tail -8 "$OUT/ddp.log"
 exit $rc
