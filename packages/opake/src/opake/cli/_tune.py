@@ -200,7 +200,8 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
             microbatch_size=microbatch,
         )
 
-    vocab = int(model.config.vocab_size)
+    model_config: Any = model.config
+    vocab = int(model_config.vocab_size)
     probe = torch.randint(
         0, vocab, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(0)
     ).to(device)
