@@ -5,7 +5,8 @@ that configuration alone): a 4-layer Llama built from a config (hidden 256, sequ
 batch 4, eager attention, no download), per-example gradients with ``vmap(grad(...))`` under
 ``torch.no_grad()``, HF ``gradient_checkpointing_enable()`` on or off. It reports the peak RSS of
 the process, the RSS before the step (model, inputs, imports) and the step's own increase, and
-checks that both configurations give the same per-example gradients.
+checks that both configurations give the same per-example gradients. The step's increase is
+measured from the kernel's peak-RSS mark (VmHWM), reset just before the step.
 
     python tools/bench/checkpoint_memory.py                  # CPU, default shape
     python tools/bench/checkpoint_memory.py --device cuda    # also the peak CUDA allocation
@@ -43,6 +44,24 @@ def _rss_mib() -> float:
 
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _reset_hwm() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False if not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _hwm_mib() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return _peak_rss_mib()
 
 
 def run_one(args: argparse.Namespace) -> dict[str, object]:
@@ -88,6 +107,7 @@ def run_one(args: argparse.Namespace) -> dict[str, object]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() / 2**20
+    hwm_reset = _reset_hwm()
     base_rss = _rss_mib()
     offload = (
         torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
@@ -107,7 +127,9 @@ def run_one(args: argparse.Namespace) -> dict[str, object]:
         "rss_before_step_mib": round(base_rss, 1),
         "peak_rss_mib": round(_peak_rss_mib(), 1),
     }
-    result["step_rss_increase_mib"] = round(float(result["peak_rss_mib"]) - base_rss, 1)
+    # the step's own peak: VmHWM was reset just before it (falls back to the process peak)
+    step_peak = _hwm_mib() if hwm_reset else float(result["peak_rss_mib"])
+    result["step_rss_increase_mib"] = round(step_peak - base_rss, 1)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
         result["cuda_peak_allocated_mib"] = round(peak, 1)
