@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from opake.core.errors import ConfigurationError
-from opake.models import family_names
+from opake.models import family_names, family_spec
 from opake.models.testing import tiny_model
 from opake.patches import apply_model_patches, model_patch_report
 
@@ -63,3 +63,40 @@ def test_performance_false_keeps_only_compat():
     out = model(input_ids=ids, attention_mask=mask)
     assert out.logits.shape == (1, 4, 128)
     report.remove()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gemma", "cohere"])
+def test_tied_weight_gradient_is_the_sum_of_both_uses(family):
+    """Per example, the gradient of the tied embedding/output weight under the patched
+    loss-only path equals embedding-use + head-use gradients of an untied copy."""
+    from opake.core.testing import per_example_grads_loop
+    from opake.functional import make_functional
+
+    spec = family_spec(family)
+    tied = tiny_model(family)
+    untied = tiny_model(family, tie_word_embeddings=False)
+    untied.load_state_dict(tied.state_dict(), strict=False)
+    embedding = spec.head.embedding + ".weight"
+    head = spec.head.lm_head + ".weight"
+    with torch.no_grad():
+        untied.get_parameter(head).copy_(tied.get_parameter(embedding))
+    apply_model_patches(tied, kernels="chunked")
+    assert vars(tied)["_opake_family_report"].tied is True
+
+    ids = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(3))
+    fmodel, params = make_functional(tied)
+    assert head not in params  # one parameter, listed once
+
+    def loss(p, x):
+        return fmodel(p, input_ids=x[None], labels=x[None], loss_only=True).loss
+
+    with torch.no_grad():
+        grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, ids)
+    ref_fmodel, ref_params = make_functional(untied)
+    expected, _ = per_example_grads_loop(
+        lambda p, x: ref_fmodel(p, input_ids=x[None], labels=x[None]).loss, (ref_params, ids)
+    )
+    for i, ref in enumerate(expected):
+        both = ref[embedding] + ref[head]
+        torch.testing.assert_close(grads[embedding][i], both, rtol=1e-4, atol=1e-6)
+        assert not torch.allclose(grads[embedding][i], ref[embedding], atol=1e-6)

@@ -228,7 +228,7 @@ def apply_family(spec: FamilySpec, model: Any, options: PatchOptions | None = No
             f"apply_family(options=...): expected an opake.patches.PatchOptions, got "
             f"{type(options).__name__}."
         )
-    base = unwrap_model(model)
+    base: Any = unwrap_model(model)
     previous = vars(base).get(_REPORT_ATTR)
     if isinstance(previous, FamilyReport) and previous.active:
         return previous  # idempotent: the instance is already patched

@@ -96,7 +96,8 @@ def _task(model: Any) -> str:
     name = type(base).__name__
     if name.endswith("ForSequenceClassification"):
         return "sequence_classification"
-    if base.get_output_embeddings() is not None:
+    output_embeddings = getattr(base, "get_output_embeddings", None)
+    if callable(output_embeddings) and output_embeddings() is not None:
         return "causal_lm"
     raise ConformanceError(
         f"{name}: the conformance suite knows causal-LM models (with an output embedding) and "
@@ -413,8 +414,12 @@ def _clipped_sum_check(
     from opake.functional import make_functional
 
     task = _task(stock)
-    ref_fmodel, *ref_params = make_functional(stock, partition_trainable=partition_trainable)
-    fmodel, *params = make_functional(patched, partition_trainable=partition_trainable)
+    if partition_trainable:
+        ref_fmodel, *ref_params = make_functional(stock, partition_trainable=True)
+        fmodel, *params = make_functional(patched, partition_trainable=True)
+    else:
+        ref_fmodel, *ref_params = make_functional(stock)
+        fmodel, *params = make_functional(patched)
     ref_loss = _loss_fn(ref_fmodel, task, loss_only=False)
     loss = _loss_fn(fmodel, task, loss_only=task == "causal_lm")
     if partition_trainable:
