@@ -176,10 +176,12 @@ def lce_backward(
     v = weight.shape[0]
     need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
     dev = hidden.device
-    gh = torch.zeros(n, hsize, dtype=_F32, device=dev) if need_h else None
-    gw = torch.zeros(groups, v, hsize, dtype=_F32, device=dev) if need_w else None
-    gb = torch.zeros(groups, v, dtype=_F32, device=dev) if need_b else None
     per = n // groups if groups else 0
+    # every element of gh/gw is overwritten by its first tile (beta=0), so no zero-fill pass
+    alloc = torch.empty if per else torch.zeros
+    gh = alloc(n, hsize, dtype=_F32, device=dev) if need_h else None
+    gw = alloc(groups, v, hsize, dtype=_F32, device=dev) if need_w else None
+    gb = torch.zeros(groups, v, dtype=_F32, device=dev) if need_b else None
     if per == 0:
         return _cast_grads(gh, gw, gb, hidden, weight, bias)
     tt, vt = _tiles(opts, per, v)
@@ -201,16 +203,20 @@ def lce_backward(
                 if not fp32:
                     dc = bufs.view(bufs.raw, *d.shape).copy_(d)  # type: ignore[arg-type]
                 if gh is not None:
-                    if fp32:
-                        gh[t0:t1].addmm_(dc, w)
-                    else:
-                        gh[t0:t1] += torch.mm(dc, w)
+                    _accumulate(gh[t0:t1], dc, w, first=v0 == 0)
                 if gw is not None:
-                    if fp32:
-                        gw[g, v0:v1].addmm_(dc.t(), h)
-                    else:
-                        gw[g, v0:v1] += torch.mm(dc.t(), h)
+                    _accumulate(gw[g, v0:v1], dc.t(), h, first=t0 == g * per)
     return _cast_grads(gh, gw, gb, hidden, weight, bias)
+
+
+def _accumulate(dst: Tensor, a: Tensor, b: Tensor, *, first: bool) -> None:
+    """``dst (fp32) = a @ b`` on the first tile, ``+=`` after; the product in ``a``'s dtype."""
+    if a.dtype == _F32:
+        dst.addmm_(a, b, beta=0.0 if first else 1.0)
+    elif first:
+        dst.copy_(torch.mm(a, b))
+    else:
+        dst += torch.mm(a, b)
 
 
 def _cast_grads(
