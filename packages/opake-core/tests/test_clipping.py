@@ -363,3 +363,59 @@ def test_bad_call_arguments_raise():
     aux_fn, state4 = clipped_grad(_loss, has_aux=True, clipping_norm=1.0)
     with pytest.raises(ConfigurationError, match="pair"):
         aux_fn(w, torch.ones(3, 2), state=state4)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1e9])
+def test_expanded_forward_and_vjp_paths_agree(mlp_problem, monkeypatch, fraction):
+    """Both ways of computing per-example gradients match the loop (the size rule picks one)."""
+    import opake.dpsgd._clip_engine as engine
+
+    loss_fn, params, x, y, clip = mlp_problem
+
+    def scaled_loss(params, scale, x, y):
+        return scale * loss_fn(params, x, y), {"x_sum": x.sum()}
+
+    monkeypatch.setattr(engine, "_EXPAND_FRACTION", fraction)
+    grad_fn, state = clipped_grad(
+        scaled_loss,
+        has_aux=True,
+        clipping_norm=clip,
+        batch_argnums=(2, 3),
+        microbatch_size=4,
+        return_aux=True,
+    )
+    args = (params, torch.tensor(0.5), x, y)
+    assert grad_fn._prefer_expanded(args, differentiable=False) is (fraction > 0)
+    (grads, aux), _ = grad_fn(*args, state=state)
+    assert grad_fn._expand_disabled is None
+    expected = testing.reference_clipped_grad(
+        scaled_loss, args, clipping_norm=clip, batch_argnums=(2, 3), has_aux=True
+    )
+    testing.assert_grads_close(grads, expected)
+    _, ref_losses = testing.per_example_grads_loop(
+        scaled_loss, args, batch_argnums=(2, 3), has_aux=True
+    )
+    torch.testing.assert_close(aux.loss_values, torch.stack(ref_losses))
+    torch.testing.assert_close(aux.loss_aux["x_sum"], x.sum(dim=1))
+    assert not aux.loss_aux["x_sum"].requires_grad
+
+
+def test_expanded_forward_falls_back_to_vjp_for_good(monkeypatch):
+    import opake.dpsgd._clip_engine as engine
+
+    monkeypatch.setattr(engine, "_EXPAND_FRACTION", 1e9)
+    calls = {"batched": 0}
+
+    def picky_loss(params, scale, v):  # refuses batched parameters, like an op without a rule
+        if torch._C._functorch.is_batchedtensor(params["w"]):
+            calls["batched"] += 1
+            raise RuntimeError("no batching rule for a batched weight")
+        return scale * (params["w"] * v).sum()
+
+    grad_fn, state = clipped_grad(picky_loss, clipping_norm=10.0, batch_argnums=2)
+    v = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    grads, _ = grad_fn({"w": torch.zeros(2)}, torch.tensor(2.0), v, state=state)
+    torch.testing.assert_close(grads["w"], torch.tensor([8.0, 12.0]))
+    assert "no batching rule" in grad_fn._expand_disabled
+    grad_fn({"w": torch.zeros(2)}, torch.tensor(2.0), v, state=state)
+    assert calls["batched"] == 1  # not retried

@@ -36,6 +36,10 @@ def _check_against_loop(model, input_ids, *, microbatch_size=None):
         return_aux=True,
     )
     (grads, aux), _ = grad_fn(*args, state=state)
+    # LoRA (few trainable numbers next to a frozen model) takes the expanded-forward path
+    lora = any("lora_" in name for name in trainable)
+    assert grad_fn._prefer_expanded(args, differentiable=False) is lora
+    assert grad_fn._expand_disabled is None
     expected = testing.reference_clipped_sum(per_example, clipping_norm=clip)
     testing.assert_grads_close(grads, expected, rtol=1e-5)
     assert float(aux.clipping_rate) == 0.5

@@ -7,6 +7,15 @@ differentiable graph, and inside an outer differentiating ``torch.func`` transfo
 the graph that transform needs. The two agree to fp32 rounding; on CPU with torch 2.13 their
 speed and peak memory under ``vmap`` were the same within noise (``python
 tools/bench/dpsgd_step.py --engines``; figures in docs/benchmarks.md).
+
+When the differentiated parameters are a small part of the tensors the loss receives (LoRA
+adapters next to a frozen model), the functorch backward's per-operation overhead dominates.
+There the per-example gradients come instead from a ``vmap``-ed *forward* over the
+differentiated parameters expanded to a batch dimension (stride-0 views, no copy) and one
+ordinary ``torch.autograd.grad`` of the summed per-example losses: example ``i``'s loss
+depends only on copy ``i``, so the gradient w.r.t. copy ``i`` is example ``i``'s gradient,
+and the backward runs on plain batched tensors. The choice only changes speed (both paths are
+tested against the per-example loop); the expanded path is dropped for good if it ever fails.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["ClippedGradFn", "clipped_grad"]
 
 _EPS = 1e-6  # added to the norm before dividing (as Opacus does): keeps C/(‖g‖+ε) finite
+# expanded-forward path when differentiated numel ≤ this fraction of the other float arguments
+_EXPAND_FRACTION = 0.1
 _RANDOMNESS = ("error", "different", "same")
 _OPTIONS = (
     "argnums",
@@ -142,6 +153,8 @@ class ClippedGradFn:
         self._kind = kind
         self._check_unused = check_unused
         self._group_cache: dict[tuple[tuple[str, ...], tuple[str, ...]], list[int]] = {}
+        #: why the expanded-forward path is off for good (None: chosen per call by size)
+        self._expand_disabled: str | None = None
 
     def __repr__(self) -> str:
         return (
@@ -246,31 +259,34 @@ class ClippedGradFn:
         return assigned
 
     # ------------------------------------------------------------------ per-example pass
+    def _checked(self, out: Any) -> tuple[torch.Tensor, Any]:
+        """Split ``loss_fn``'s output into ``(loss, aux)`` and check the loss is one scalar."""
+        import torch
+
+        if self.has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise ConfigurationError(
+                    f"loss_fn returned a {type(out).__name__}; with has_aux=True it must "
+                    "return a pair (loss, aux)"
+                )
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
+            raise ConfigurationError(
+                f"loss_fn returned {shape} for one example; expected a scalar loss tensor "
+                "(loss_fn sees a single example without batch dimension; reduce over tokens "
+                "inside it, and return model(...).loss rather than the output object)"
+            )
+        if not loss.is_floating_point():
+            raise ConfigurationError(f"loss_fn returned a {loss.dtype} loss; expected float")
+        return loss, aux
+
     def _per_example_fn(self) -> Callable[..., Any]:
         import torch
 
-        argnums, has_aux, loss_fn = self.argnums, self.has_aux, self.loss_fn
-
-        def check(out: Any) -> tuple[torch.Tensor, Any]:
-            if has_aux:
-                if not (isinstance(out, tuple) and len(out) == 2):
-                    raise ConfigurationError(
-                        f"loss_fn returned a {type(out).__name__}; with has_aux=True it must "
-                        "return a pair (loss, aux)"
-                    )
-                loss, aux = out
-            else:
-                loss, aux = out, None
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
-                raise ConfigurationError(
-                    f"loss_fn returned {shape} for one example; expected a scalar loss tensor "
-                    "(loss_fn sees a single example without batch dimension; reduce over tokens "
-                    "inside it, and return model(...).loss rather than the output object)"
-                )
-            if not loss.is_floating_point():
-                raise ConfigurationError(f"loss_fn returned a {loss.dtype} loss; expected float")
-            return loss, aux
+        argnums, has_aux, loss_fn, check = self.argnums, self.has_aux, self.loss_fn, self._checked
 
         def per_example(*args: Any) -> Any:
             def f(diff: dict[str, torch.Tensor]) -> Any:
@@ -289,6 +305,56 @@ class ClippedGradFn:
             return grads, loss
 
         return per_example
+
+    def _prefer_expanded(self, args: tuple[Any, ...], differentiable: bool) -> bool:
+        """Use the expanded-forward path? Only when the differentiated part is small."""
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        if differentiable or self._expand_disabled is not None:
+            return False
+        diff = sum(v.numel() for v in args[self.argnums].values())
+        other = sum(
+            x.numel()
+            for i, arg in enumerate(args)
+            if i != self.argnums and i not in self.batch_argnums
+            for x in tree_leaves(arg)
+            if isinstance(x, torch.Tensor) and x.is_floating_point()
+        )
+        return diff <= _EXPAND_FRACTION * other
+
+    def _expanded_per_example(self, args: tuple[Any, ...], m: int) -> Any:
+        """Per-example gradients from a vmapped forward over expanded parameters (see above)."""
+        import torch
+        from torch.utils._pytree import tree_map
+
+        leaves = {
+            name: value.detach().unsqueeze(0).expand(m, *value.shape).requires_grad_(True)
+            for name, value in args[self.argnums].items()
+        }
+        call = list(args)
+        call[self.argnums] = leaves
+        in_dims = tuple(
+            0 if i == self.argnums or i in self.batch_argnums else None for i in range(len(args))
+        )
+        loss_fn, check = self.loss_fn, self._checked
+
+        def one(*example: Any) -> Any:
+            loss, aux = check(loss_fn(*example))
+            return (loss, aux) if self.has_aux else loss
+
+        with torch.enable_grad():
+            out = torch.func.vmap(one, in_dims=in_dims, randomness=self.randomness)(*call)
+            loss, aux = out if self.has_aux else (out, None)
+            grads = torch.autograd.grad(loss.sum(), list(leaves.values()), allow_unused=True)
+        per_example = {
+            name: torch.zeros_like(leaf) if grad is None else grad
+            for (name, leaf), grad in zip(leaves.items(), grads, strict=True)
+        }
+        detached = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+        if self.has_aux:
+            return per_example, loss.detach(), detached
+        return per_example, loss.detach()
 
     def _warn_unused(self, args: tuple[Any, ...], diff: dict[str, torch.Tensor]) -> None:
         """Warn (once) about differentiated leaves the loss does not depend on at all."""
@@ -453,6 +519,7 @@ class ClippedGradFn:
             else example_mask.sum()
         )
         in_dims = tuple(0 if i in self.batch_argnums else None for i in range(len(args)))
+        expanded = self._prefer_expanded(args, differentiable)
         vmapped = torch.func.vmap(
             self._per_example_fn(), in_dims=in_dims, randomness=self.randomness
         )
@@ -480,7 +547,15 @@ class ClippedGradFn:
                 if self.has_aux:
                     aux_parts.append(chunk.aux)
             else:
-                out = vmapped(*chunk_args)
+                out = None
+                if expanded:
+                    try:
+                        out = self._expanded_per_example(chunk_args, m)
+                    except (RuntimeError, NotImplementedError) as err:  # e.g. no batching rule
+                        self._expand_disabled = f"{type(err).__name__}: {err}"
+                        expanded = False
+                if out is None:
+                    out = vmapped(*chunk_args)
                 grads, loss = out[0], out[1]
                 if self.has_aux:
                     aux_parts.append(out[2])
