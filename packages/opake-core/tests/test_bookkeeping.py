@@ -352,3 +352,23 @@ def test_bf16_compute_fp32_sums(mlp, mlp_batch):
     assert all(v.dtype == torch.float32 for v in bk.values())
     assert bk_aux.grad_norms.dtype == torch.float32
     testing.assert_grads_close(bk, vm, rtol=2e-2)  # bf16 rounding differs batched vs per example
+
+
+class DoubledLinear(torch.nn.Linear):
+    """An nn.Linear subclass whose forward computes something else: the linear rule is wrong."""
+
+    def forward(self, x):
+        return 2.0 * super().forward(x) + 0.1 * x[..., :1]
+
+
+def test_subclass_overriding_forward_gets_the_per_layer_rule(mlp_batch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(DoubledLinear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    loss_fn, params = _mlp_loss(model)
+    plan = bookkeeping_plan(model, params)
+    assert [layer.rule for layer in plan.layers] == ["per_layer", "linear"]
+    args = (params, *mlp_batch)
+    _, bk, _, _ = _run(loss_fn, args, 0.5, "bookkeeping", batch_argnums=(1, 2))
+    one = loss_fn.per_example(batch_argnums=(1, 2), has_aux=False)
+    expected = testing.reference_clipped_grad(one, args, clipping_norm=0.5, batch_argnums=(1, 2))
+    testing.assert_grads_close(bk, expected, rtol=1e-5)

@@ -93,23 +93,47 @@ def _is_conv1d(module: torch.nn.Module) -> bool:
     )
 
 
+def _plain(module: torch.nn.Module, base: type) -> bool:
+    """``module`` is a ``base`` that runs ``base.forward`` (a subclass overriding ``forward``,
+    e.g. a scaled embedding, computes something else: its closed-form rule would be wrong)."""
+    return isinstance(module, base) and type(module).forward is base.forward  # type: ignore[attr-defined]
+
+
+def _embed_scale(module: torch.nn.Module) -> torch.Tensor | float | None:
+    """The factor of a Hugging Face ``*ScaledWordEmbedding`` (``embedding(ids) * embed_scale``)."""
+    import torch
+
+    if not (
+        isinstance(module, torch.nn.Embedding)
+        and type(module).__name__.endswith("ScaledWordEmbedding")
+        and type(module).__module__.startswith("transformers")
+    ):
+        return None
+    scale = getattr(module, "embed_scale", None)
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        return scale
+    return scale if isinstance(scale, float) else None
+
+
 def _rule_for(module: torch.nn.Module, attrs: set[str]) -> tuple[str | None, str]:
     import torch
 
-    if isinstance(module, torch.nn.Linear) and attrs <= {"weight", "bias"}:
+    if _plain(module, torch.nn.Linear) and attrs <= {"weight", "bias"}:
         return "linear", ""
     if _is_conv1d(module) and attrs <= {"weight", "bias"}:
         return "conv1d", ""
-    if isinstance(module, torch.nn.Embedding) and attrs == {"weight"}:
+    embedding = _plain(module, torch.nn.Embedding) or _embed_scale(module) is not None
+    if embedding and attrs == {"weight"}:
+        assert isinstance(module, torch.nn.Embedding)
         if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
             return None, (
                 "an nn.Embedding with max_norm, scale_grad_by_freq or sparse=True has no "
                 "book-keeping rule"
             )
         return "embedding", ""
-    if isinstance(module, torch.nn.LayerNorm) and attrs <= {"weight", "bias"}:
+    if _plain(module, torch.nn.LayerNorm) and attrs <= {"weight", "bias"}:
         return "layer_norm", ""
-    if isinstance(module, torch.nn.RMSNorm) and attrs <= {"weight"}:
+    if _plain(module, torch.nn.RMSNorm) and attrs <= {"weight"}:
         return "rms_norm", ""
     nested = [n for n, m in module.named_modules() if n and any(True for _ in m.parameters(False))]
     if nested:
@@ -363,6 +387,7 @@ class BookkeepingRunner:
 
     # ------------------------------------------------------------------ pieces
     def _pieces(self, use: _Use, batch: int) -> list[tuple[str, Piece]]:
+        import torch
         import torch.nn.functional as F
 
         layer, grad = use.layer, use.grad
@@ -382,6 +407,11 @@ class BookkeepingRunner:
             pad = getattr(module, "padding_idx", None)
             if pad is not None:
                 e = e * (ids != pad)[..., None].to(e.dtype)
+            scale = _embed_scale(module)
+            if scale is not None:  # output = embedding(ids) * scale (in the weight's dtype)
+                weight = use.params["weight"]
+                factor = torch.as_tensor(scale, device=e.device).to(weight.dtype)
+                e = e.float() * factor.float()
             rows = int(getattr(module, "num_embeddings", 0))
             return [(names["weight"], OuterSum(ids, e, rows=rows))]
         g = _flat(grad, batch, layer.module)

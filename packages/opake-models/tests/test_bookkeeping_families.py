@@ -1,0 +1,142 @@
+"""Book-keeping clipping on every first-party family: equal to the vmap engine and to a
+per-example loop of plain autograd, full fine-tuning and LoRA, tied and untied heads, with
+left- and right-padded examples.
+
+Each case builds the tiny model of the family, a batch of 3 (one unpadded, one right-padded,
+one left-padded) with a 4-D float additive mask (the mask form both engines accept) and
+``-100`` labels on pads, and runs ``clipped_grad(BatchedLoss(...), method="bookkeeping")``
+against ``method="vmap"`` and against the oracle: Hugging Face's own ``.loss`` (or, for
+sequence classification, ``cross_entropy``) on one example at a time, clipped and summed in
+float64 at the median per-example norm (so some examples are clipped, some not).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from opake.core import testing
+from opake.dpsgd.bookkeeping import BatchedLoss, bookkeeping_plan, causal_lm_losses
+from opake.dpsgd.clipping import clipped_grad
+from opake.functional import make_functional
+from opake.models import family_names, family_spec
+from opake.models.testing import tiny_model
+
+F = torch.nn.functional
+BATCH, SEQ = 3, 8
+LORA_TARGETS = {
+    "gpt2": ("c_attn",),
+    "phi3": ("qkv_proj",),
+    "bert": ("query", "value"),
+}
+TIED = {name for name in family_names() if family_spec(name).task == "causal_lm"}
+
+
+def _inputs(model):
+    config = model.config
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, int(config.vocab_size), (BATCH, SEQ), generator=gen)
+    keep = torch.ones(BATCH, SEQ, dtype=torch.bool)
+    keep[1, SEQ - 3 :] = False  # right padding
+    keep[2, :2] = False  # left padding
+    ids = ids.masked_fill(~keep, int(config.pad_token_id or 0))
+    neg = torch.finfo(torch.float32).min
+    causal = family_spec(config.model_type).task == "causal_lm"
+    allowed = keep[:, None, None, :].expand(BATCH, 1, SEQ, SEQ)
+    if causal:
+        allowed = allowed & torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    # set, not add: a fully masked row (a left pad) stays finite (uniform attention, no NaN)
+    mask = torch.zeros(BATCH, 1, SEQ, SEQ).masked_fill(~allowed, neg)
+    if causal:
+        labels = ids.masked_fill(~keep, -100)
+    else:
+        labels = torch.randint(0, int(config.num_labels), (BATCH,), generator=gen)
+    return ids, labels, mask, causal
+
+
+def _case(model):
+    """(BatchedLoss, the one-example oracle loss, args)."""
+    fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
+    ids, labels, mask, causal = _inputs(model)
+    extra = {"use_cache": False} if causal else {}
+
+    def losses(t, f, ids, labels, mask):
+        logits = fmodel((t, f), input_ids=ids, attention_mask=mask, **extra).logits
+        if causal:
+            return causal_lm_losses(logits, labels)
+        return F.cross_entropy(logits.float(), labels, reduction="none")
+
+    def oracle(t, f, ids, labels, mask):  # the model's own loss on one example
+        out = fmodel(
+            (t, f), input_ids=ids[None], attention_mask=mask[None], labels=labels[None], **extra
+        )
+        return out.loss
+
+    return BatchedLoss(losses, fmodel), oracle, (trainable, frozen, ids, labels, mask)
+
+
+def _check(model):
+    loss_fn, oracle, args = _case(model)
+    per_example, _ = testing.per_example_grads_loop(oracle, args, batch_argnums=(2, 3, 4))
+    norms = sorted(
+        math.sqrt(sum(float(g.double().square().sum()) for g in d.values())) for d in per_example
+    )
+    clip = norms[1]  # the median: one example clipped, one at the boundary, one not
+    expected = testing.reference_clipped_sum(per_example, clipping_norm=clip)
+    results = {}
+    for method in ("bookkeeping", "vmap"):
+        grad_fn, state = clipped_grad(
+            loss_fn, clipping_norm=clip, batch_argnums=(2, 3, 4), return_aux=True, method=method
+        )
+        (grads, aux), _ = grad_fn(*args, state=state)
+        assert grad_fn.engine == method
+        results[method] = grads, aux
+    (bk, bk_aux), (vm, vm_aux) = results["bookkeeping"], results["vmap"]
+    testing.assert_grads_close(bk, expected, rtol=1e-5, atol=1e-7)
+    testing.assert_grads_close(bk, vm, rtol=1e-5, atol=1e-7)
+    want = torch.tensor(
+        [math.sqrt(sum(float(g.double().square().sum()) for g in d.values())) for d in per_example],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(bk_aux.grad_norms.double(), want, rtol=1e-5, atol=0)
+    torch.testing.assert_close(bk_aux.grad_norms, vm_aux.grad_norms, rtol=1e-5, atol=0)
+    return args[0]
+
+
+@pytest.mark.parametrize("family", family_names())
+def test_full_finetuning(family):
+    model = tiny_model(family)
+    trainable = _check(model)
+    assert len(trainable) == len(list(model.parameters()))
+    plan = bookkeeping_plan(model, trainable)
+    assert plan.supported, plan.explain()
+    embedding = model.get_input_embeddings().weight
+    (name,) = [n for n, p in model.named_parameters() if p is embedding]
+    users = [layer.module for layer in plan.layers if any(n == name for _, n in layer.params)]
+    tied = model.get_output_embeddings() is not None and (
+        model.get_output_embeddings().weight is embedding
+    )
+    assert tied == (family in {"gemma", "gemma2", "gpt2", "cohere"})
+    assert len(users) == (2 if tied else 1), plan.explain()  # a tied head is a second use
+
+
+@pytest.mark.parametrize("family", sorted(TIED))
+def test_full_finetuning_other_tying(family):
+    """The head tying the family does *not* use by default (untied Gemma, tied Llama …)."""
+    default = bool(tiny_model(family).config.tie_word_embeddings)
+    model = tiny_model(family, tie_word_embeddings=not default)
+    embedding = model.get_input_embeddings().weight
+    assert (model.get_output_embeddings().weight is embedding) == (not default)
+    _check(model)
+
+
+@pytest.mark.parametrize("family", family_names())
+def test_lora(family):
+    pytest.importorskip("peft")
+    targets = LORA_TARGETS.get(family, ("q_proj", "v_proj"))
+    model = testing.with_lora(tiny_model(family), r=2, target_modules=targets)
+    trainable = _check(model)
+    assert trainable
+    assert all("lora_" in name for name in trainable)
