@@ -99,3 +99,32 @@ def test_input_require_grads_hook_still_works_outside_transforms(patched, tiny_l
     model.enable_input_require_grads()
     emb = model.get_input_embeddings()(torch.tensor([[1, 2]]))
     assert emb.requires_grad  # the hook ran: stock behaviour outside transforms
+
+
+@pytest.mark.slow
+def test_lora_with_gradient_checkpointing_under_clipped_grad(patched, tiny_llama, hf_checkpointing):
+    """LoRA adapters (clipped_grad may take its vmap-forward + plain-autograd path here)."""
+    peft = pytest.importorskip("peft")
+    ids = torch.randint(0, 64, (3, 8), generator=torch.Generator().manual_seed(1))
+    results = []
+    for checkpointing in (False, True):
+        model = peft.get_peft_model(
+            tiny_llama(),
+            peft.LoraConfig(
+                r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False
+            ),
+        )
+        if checkpointing:
+            hf_checkpointing(model)
+        fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
+
+        def loss_fn(p, f, x, fm=fmodel):
+            return fm((p, f), x[None], labels=x[None]).loss
+
+        grad_fn, state = clipped_grad(
+            loss_fn, clipping_norm=0.01, batch_argnums=2, check_unused=False
+        )
+        results.append(grad_fn(trainable, frozen, ids, state=state)[0])
+    assert results[0].keys() == results[1].keys()
+    for k in results[0]:
+        torch.testing.assert_close(results[1][k], results[0][k], rtol=1e-4, atol=1e-7, msg=k)
