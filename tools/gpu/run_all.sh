@@ -6,27 +6,31 @@
 #
 # The machine has its own torch/triton/transformers; Opake's pure-Python wheels are installed
 # into a private --target folder (no dependencies, no index) so the plugin entry points exist.
+# Everything printed goes to $OUT/run.log; each check also writes its own report under $OUT.
 set -u
 OUT=${OUT:-./gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OUT
+exec > >(tee "$OUT/run.log") 2>&1
 if ls .whl/opake*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/opake-site .whl/opake*.whl \
     && export PYTHONPATH=/tmp/opake-site
 fi
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  python3 -c "from opake.core import plugins; print(sorted(plugins.kernel_backends()), sorted(plugins.model_families()))"
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+python3 -c "from opake.core import plugins; print(sorted(plugins.kernel_backends()), sorted(plugins.model_families()))"
 rc=0
-timeout "${KERNELS_S:-270}" python3 tools/gpu/kernels_check.py --budget "${KERNELS_BUDGET:-210}" > "$OUT/kernels.log" 2>&1 || rc=1
-tail -25 "$OUT/kernels.log"
-timeout "${PROFILING_S:-200}" python3 tools/gpu/profiling_check.py --budget "${PROFILING_BUDGET:-150}" > "$OUT/profiling.log" 2>&1 || rc=1
-tail -15 "$OUT/profiling.log"
-timeout "${TRAINING_S:-90}" python3 tools/gpu/training_step_check.py --out "$OUT/training.json" > "$OUT/training.log" 2>&1 || rc=1
-tail -8 "$OUT/training.log"
-timeout "${DDP_S:-90}" python3 tools/gpu/ddp_check.py --out "$OUT/ddp.json" > "$OUT/ddp.log" 2>&1 || rc=1
-tail -8 "$OUT/ddp.log"
+step() {  # step NAME SECONDS command...
+  local name=$1 secs=$2; shift 2
+  echo; echo "=== $name (limit ${secs}s)"; local t0=$SECONDS
+  timeout "$secs" "$@" || { echo "=== $name: FAILED (exit $?)"; rc=1; }
+  echo "=== $name: $((SECONDS - t0)) s"
+}
+step kernels "${KERNELS_S:-250}" python3 tools/gpu/kernels_check.py --budget "${KERNELS_BUDGET:-200}"
+step profiling "${PROFILING_S:-170}" python3 tools/gpu/profiling_check.py --budget "${PROFILING_BUDGET:-130}"
+step training 90 python3 tools/gpu/training_step_check.py --out "$OUT/training.json"
+step ddp 90 python3 tools/gpu/ddp_check.py --out "$OUT/ddp.json"
+step checkpoint-memory 120 python3 tools/bench/checkpoint_memory.py --device cuda --offload --json "$OUT/ckpt_cuda.json"
+step gpu-tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="--import-mode=importlib" \
+  packages/opake-core/tests packages/opake-patches/tests packages/opake-kernels/tests packages/opake-profiling/tests
 exit $rc
