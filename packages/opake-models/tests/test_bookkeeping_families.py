@@ -140,3 +140,49 @@ def test_lora(family):
     trainable = _check(model)
     assert trainable
     assert all("lora_" in name for name in trainable)
+
+
+def _zero_dropout(model):
+    for name in dir(model.config):
+        if "dropout" in name or name.endswith("_pdrop"):
+            value = getattr(model.config, name, None)
+            if isinstance(value, float):
+                setattr(model.config, name, 0.0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+def test_patched_model_with_activation_checkpointing(family):
+    """``apply_model_patches`` + ``gradient_checkpointing_enable()``: book-keeping's one
+    backward recomputes every decoder layer once (hooks record only the first forward), and
+    the clipped sum still equals the loop on the unpatched, un-checkpointed model."""
+    import warnings
+
+    from opake.patches import apply_model_patches
+
+    model = tiny_model(family)
+    _zero_dropout(model)
+    apply_model_patches(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' renaming notice
+        model.gradient_checkpointing_enable()
+    model.train()
+    layers = model.transformer.h if family == "gpt2" else model.model.layers
+    calls = []
+    layers[0].register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    loss_fn, _, args = _case(model)
+    grad_fn, state = clipped_grad(
+        loss_fn, clipping_norm=1.0, batch_argnums=(2, 3, 4), method="bookkeeping"
+    )
+    grad_fn(*args, state=state)  # the first call also runs the one-example check
+    calls.clear()
+    grads, _ = grad_fn(*args, state=state)
+    assert len(calls) == 2, calls  # the recorded forward, then the recomputation in backward
+    reference = tiny_model(family)  # unpatched, no checkpointing, eval mode
+    _, oracle, ref_args = _case(reference)
+    expected = testing.reference_clipped_grad(
+        oracle, ref_args, clipping_norm=1.0, batch_argnums=(2, 3, 4)
+    )
+    testing.assert_grads_close(grads, expected, rtol=1e-5, atol=1e-7)

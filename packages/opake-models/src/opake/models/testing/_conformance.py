@@ -70,7 +70,7 @@ class ConformanceCase:
     lora_targets: tuple[str, ...] | None = None
     layer_class: str | None = None
     seed: int = 0
-    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    _cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not callable(self.make_model):
