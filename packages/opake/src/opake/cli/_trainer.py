@@ -474,16 +474,6 @@ def run(plan: RunPlan) -> dict[str, Any]:
         inner = torch.optim.Adam(params, lr=s.lr, weight_decay=s.weight_decay)
     else:
         inner = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
-    expected_batch = plan.sample_rate * plan.dataset_size
-    dp_opt = DPOptimizer(
-        inner,
-        model,
-        noise_multiplier=plan.noise_multiplier,
-        expected_batch_size=expected_batch,
-        seed=None if s.secure_noise else s.seed,
-        secure=s.secure_noise,
-        offload_state=s.offload_optimizer,
-    )
     accountant = accounting.make_accountant(s.accountant, **plan.accountant_options)
     if plan.max_batch_size is not None:
         sampler: Any = FixedShapePoissonSampler(
@@ -491,6 +481,19 @@ def run(plan: RunPlan) -> dict[str, Any]:
         )
     else:
         sampler = PoissonSampler(plan.dataset_size, plan.sample_rate, seed=s.seed)
+    # the sampler gives the divisor (expected batch q·N) and what the accountant records per
+    # step (with the truncation of fixed-shape sampling); every report carries ε(δ) so far
+    dp_opt = DPOptimizer(
+        inner,
+        model,
+        noise_multiplier=plan.noise_multiplier,
+        sampler=sampler,
+        accountant=accountant,
+        delta=plan.delta,
+        seed=None if s.secure_noise else s.seed,
+        secure=s.secure_noise,
+        offload_state=s.offload_optimizer,
+    )
 
     checkpoint_path = plan.out / CHECKPOINT_FILE
     if not s.resume:
@@ -577,12 +580,8 @@ def run(plan: RunPlan) -> dict[str, Any]:
                     report = dp_opt.step()
                 _reemit(caught, expected_zero, trainable)
                 perf.mark("noise_and_update")
-            accountant.step(
-                noise_multiplier=report.noise_multiplier,
-                num_steps=1,
-                **sampler.accounting_kwargs,
-            )
-            eps = float(accountant.get_epsilon(plan.delta))
+            assert report.epsilon is not None
+            eps = float(report.epsilon)
             perf_state = perf_state.add(perf.result)
             losses = aux.loss_values
             if plan.max_batch_size is not None:
