@@ -30,6 +30,8 @@ def _env() -> dict[str, str]:
     env.setdefault("MPLBACKEND", "Agg")
     env.setdefault("PYTHONHASHSEED", "0")
     env.setdefault("NO_MKDOCS_2_WARNING", "1")
+    # tiny-model tests run several times faster on one intra-op thread on small machines
+    env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
