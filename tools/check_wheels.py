@@ -34,6 +34,7 @@ def distributions() -> dict[str, Path]:
 
 def build(out: Path) -> None:
     """Build a wheel and an sdist of every distribution into *out* (no build isolation)."""
+    out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     for name, folder in distributions().items():
         print(f"building {name}", flush=True)
