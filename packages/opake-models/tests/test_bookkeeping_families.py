@@ -7,7 +7,9 @@ one left-padded) with a 4-D float additive mask (the mask form both engines acce
 ``-100`` labels on pads, and runs ``clipped_grad(BatchedLoss(...), method="bookkeeping")``
 against ``method="vmap"`` and against the oracle: Hugging Face's own ``.loss`` (or, for
 sequence classification, ``cross_entropy``) on one example at a time, clipped and summed in
-float64 at the median per-example norm (so some examples are clipped, some not).
+float64 at the median per-example norm (so some examples are clipped, some not). (An
+unpatched model uses a 4-D mask as given in every layer, sliding-window layers included: the
+engines and the oracle all see that same function.)
 """
 
 from __future__ import annotations
@@ -140,3 +142,53 @@ def test_lora(family):
     trainable = _check(model)
     assert trainable
     assert all("lora_" in name for name in trainable)
+
+
+def _zero_dropout(model):
+    for name in dir(model.config):
+        if "dropout" in name or name.endswith("_pdrop"):
+            value = getattr(model.config, name, None)
+            if isinstance(value, float):
+                setattr(model.config, name, 0.0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+def test_patched_model_with_activation_checkpointing(family):
+    """``apply_model_patches`` + ``gradient_checkpointing_enable()``: book-keeping's one
+    backward recomputes every decoder layer once (hooks record only the first forward), and
+    the clipped sum still equals the per-example loop on a patched, un-checkpointed copy."""
+    import warnings
+
+    from opake.patches import apply_model_patches
+
+    model = tiny_model(family)
+    _zero_dropout(model)
+    apply_model_patches(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' renaming notice
+        model.gradient_checkpointing_enable()
+    model.train()
+    # a module *inside* a layer: transformers checkpoints the layer's forward, not its hooks
+    inner = model.transformer.h[0].attn if family == "gpt2" else model.model.layers[0].self_attn
+    calls = []
+    inner.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    loss_fn, _, args = _case(model)
+    grad_fn, state = clipped_grad(
+        loss_fn, clipping_norm=1.0, batch_argnums=(2, 3, 4), method="bookkeeping"
+    )
+    grad_fn(*args, state=state)  # the first call also runs the one-example check
+    calls.clear()
+    grads, _ = grad_fn(*args, state=state)
+    assert len(calls) == 2, calls  # the recorded forward, then the recomputation in backward
+    # the loop on a patched copy without checkpointing (a patched sliding-window family restricts
+    # a 4-D mask to the window, which the unpatched model does not)
+    reference = tiny_model(family)
+    apply_model_patches(reference)
+    _, oracle, ref_args = _case(reference)
+    expected = testing.reference_clipped_grad(
+        oracle, ref_args, clipping_norm=1.0, batch_argnums=(2, 3, 4)
+    )
+    testing.assert_grads_close(grads, expected, rtol=1e-5, atol=1e-7)

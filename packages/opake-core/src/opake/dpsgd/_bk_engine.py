@@ -10,8 +10,9 @@ activation gradients and no weight gradient at all) then leaves, per layer use, 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -180,6 +181,38 @@ def bookkeeping_plan(model: Any, names: Iterable[str]) -> BookkeepingPlan:
         else:
             layers.append(LayerRule(mod_name, rule, params))
     return BookkeepingPlan(tuple(layers), tuple(unsupported))
+
+
+@contextlib.contextmanager
+def _holding(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Let ``module`` hold ``tensors`` (by parameter name, every tied alias too) during a backward.
+
+    ``fmodel(params, ...)`` swaps the differentiated tensors in only for the forward call, but
+    stock non-reentrant activation checkpointing recomputes a region in the *backward*, reading
+    the module's own parameters: other tensors (``requires_grad`` differs, so it saves other
+    tensors and fails; or other values, silently). Holding the differentiated tensors through
+    the backward makes the recomputation see exactly what the forward saw. (Only the backward:
+    a loss that runs the module's own weights in the forward must still fail loudly.)
+    """
+    where: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for _, mod in module.named_modules(remove_duplicate=False):
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                where.setdefault(id(p), []).append((mod, attr))
+    own = dict(module.named_parameters())
+    saved: list[tuple[torch.nn.Module, str, Any]] = []
+    try:
+        for name, tensor in tensors.items():
+            param = own.get(name)
+            if param is None or param is tensor:
+                continue
+            for mod, attr in where.get(id(param), ()):
+                saved.append((mod, attr, mod._parameters[attr]))
+                mod._parameters[attr] = tensor  # type: ignore[assignment]
+        yield
+    finally:
+        for mod, attr, old in reversed(saved):
+            mod._parameters[attr] = old
 
 
 class _Tap:
@@ -375,7 +408,8 @@ class BookkeepingRunner:
                     )
                 self._recording = False
                 if losses.requires_grad:
-                    torch.autograd.backward(losses.sum(), inputs=[self._sink])
+                    with _holding(module, self._diff):
+                        torch.autograd.backward(losses.sum(), inputs=[self._sink])
         finally:
             self._recording = False
             self._sink = None
@@ -575,7 +609,8 @@ class BookkeepingRunner:
         with torch.enable_grad():
             out = per_example(*call)
             loss = out[0] if self.has_aux else out
-            got = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+            with _holding(self.loss.module, leaves):
+                got = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
         want = sum(float(g.double().square().sum()) for g in got if g is not None)
         have = float(leaf_sq[0].detach().sum())
         if not (math.isfinite(want) and math.isfinite(have)):
