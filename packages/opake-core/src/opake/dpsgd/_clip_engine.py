@@ -36,6 +36,7 @@ from opake.dpsgd._bk_engine import BookkeepingMismatchError, BookkeepingRunner
 from opake.dpsgd._bk_engine import choose as choose_engine
 from opake.dpsgd._bk_engine import prepare as prepare_engine
 from opake.dpsgd._clip_grads import ClipAux, ClippedGrads
+from opake.dpsgd._clip_kernel import clip_accumulate, kernel_runs_on
 from opake.dpsgd._clip_state import (
     AdaptiveClipping,
     AutoSClipping,
@@ -622,6 +623,12 @@ class ClippedGradFn:
                 names_vmap: tuple[str, ...] = ()
             else:
                 names_vmap = names
+            if names_vmap and not differentiable and kernel_runs_on(device):
+                # fused multi-tensor scale-and-sum (Triton): one launch for every leaf
+                clip_accumulate(
+                    [grads[n] for n in names_vmap], leaf_factor, [sums[n] for n in names_vmap]
+                )
+                names_vmap = ()
             for j, name in enumerate(names_vmap):
                 g = grads[name].reshape(m, -1).to(f32)
                 # a non-finite example has factor 0, but 0·NaN = NaN: zero its entries first
