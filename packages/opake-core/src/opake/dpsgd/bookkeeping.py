@@ -25,8 +25,9 @@ rule of every layer.
 The loss must return per-example losses for a batch (:class:`BatchedLoss`): reduce over each
 example's tokens (:func:`causal_lm_losses`), never over the batch. The model must keep the
 batch on dimension 0 of every hooked layer's input (an input of batch 1 broadcast over the
-batch, like position ids, is handled). Activation checkpointing is untested with this engine
-(a reentrant one, which runs layers under ``no_grad``, raises).
+batch, like position ids, is handled). Non-reentrant activation checkpointing (Hugging Face's
+``gradient_checkpointing_enable()``) works and is tested; a reentrant one, which runs layers
+under ``no_grad``, raises.
 
 >>> import torch
 >>> from opake.dpsgd.clipping import clipped_grad
