@@ -82,6 +82,10 @@ def _kernel() -> Any:
     if _KERNEL is None:
         from opake.dpsgd._clip_kernel_triton import scale_sum
 
+        if scale_sum is None:
+            raise ConfigurationError(
+                "the fused clip kernel needs Triton (pip install triton), or OPAKE_CLIP_KERNEL=off"
+            )
         _KERNEL = scale_sum
     return _KERNEL
 

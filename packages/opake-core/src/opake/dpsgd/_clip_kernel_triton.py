@@ -5,14 +5,20 @@ non-finite entries of ``g`` read as 0, accumulated in fp32. ``grad_ptrs`` / ``su
 int64 tables of the leaves' data pointers (a multi-tensor launch); ``sizes`` their numel.
 """
 
-import triton
-import triton.language as tl
+from typing import Any
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # opake-core does not depend on Triton; clip_accumulate then uses torch
+    triton = None
 
 __all__ = ["scale_sum"]
 
+scale_sum: Any = None
 
-@triton.jit
-def scale_sum(  # noqa: PLR0917 - a kernel signature
+
+def _scale_sum(  # type: ignore[no-untyped-def]  # noqa: PLR0917 - a kernel signature
     grad_ptrs,
     sum_ptrs,
     sizes,
@@ -41,3 +47,7 @@ def scale_sum(  # noqa: PLR0917 - a kernel signature
         acc += f * x
     old = tl.load(s + offs, mask=mask)
     tl.store(s + offs, old + acc, mask=mask)
+
+
+if triton is not None:
+    scale_sum = triton.jit(_scale_sum)
