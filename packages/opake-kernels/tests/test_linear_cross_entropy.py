@@ -55,14 +55,18 @@ def test_all_ignored_example_has_zero_loss_and_zero_gradient(backend, gen, devic
     assert h.grad.abs().max().item() == 0.0
 
 
-@pytest.mark.parametrize("backend", FUSED)
-def test_per_example_weight_gradient_is_per_example_not_summed(backend, gen, devices):
+@pytest.mark.parametrize(
+    ("backend", "chunk"), [("chunked", True), ("chunked", 32), ("triton", True)]
+)
+def test_per_example_weight_gradient_is_per_example_not_summed(backend, chunk, gen, devices):
+    # chunked: True = one tile spans the vocabulary (gradients computed in the forward pass),
+    # 32 = 2-D tiles (the backward recomputes them)
     dev = devices[backend]
     hidden, weight, labels = _inputs(gen, device=dev)
     labels[0, :2] = -100
 
     def loss(h, w, y):
-        return linear_cross_entropy(h, w, y, backend=backend)
+        return linear_cross_entropy(h, w, y, backend=backend, chunk_size=chunk)
 
     with torch.no_grad():
         got = vmap(grad(loss, argnums=1), in_dims=(0, None, 0))(hidden, weight, labels)
@@ -292,5 +296,52 @@ def test_grad_transform_without_vmap(backend, gen, devices):
     want = torch.func.grad(lambda h, w: _ref(h, w, labels[0], logit_scale=0.5), argnums=(0, 1))(
         hidden[0], weight
     )
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("chunk", [True, 32])
+def test_grad_of_a_vmapped_sum_adds_the_examples(chunk, gen):
+    hidden, weight, labels = _inputs(gen)
+    labels[2] = -100
+
+    def total(w):
+        per = vmap(lambda h, y: linear_cross_entropy(h, w, y, backend="chunked", chunk_size=chunk))(
+            hidden, labels
+        )
+        return (per * torch.tensor([1.0, -2.0, 3.0])).sum()
+
+    got = torch.func.grad(total)(weight)
+    w = weight.clone().requires_grad_(True)
+    want_loss = sum(c * _ref(hidden[b], w, labels[b]) for b, c in enumerate((1.0, -2.0, 3.0)))
+    (want,) = torch.autograd.grad(want_loss, w)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("chunk", [True, 32])
+def test_backward_twice_through_a_retained_graph(chunk, gen):
+    hidden, weight, labels = _inputs(gen)
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    loss = linear_cross_entropy(h, w, labels, backend="chunked", chunk_size=chunk) * 3.0
+    loss.backward(retain_graph=True)
+    loss.backward()
+    h2 = hidden.clone().requires_grad_(True)
+    w2 = weight.clone().requires_grad_(True)
+    (_ref(h2, w2, labels) * 6.0).backward()
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("reduction", ["per_example", "sum", "none"])
+def test_weight_gradient_of_every_reduction(reduction, gen):
+    hidden, weight, labels = _inputs(gen)
+    labels[1, 3:] = -100
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    out = linear_cross_entropy(h, w, labels, backend="chunked", reduction=reduction)
+    r = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad((out * r).sum(), (h, w))
+    want = torch.autograd.grad((_ref(h, w, labels, reduction=reduction) * r).sum(), (h, w))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)

@@ -19,7 +19,9 @@ MIB = 1 << 20
 
 
 def _bytes(tt, vt, hidden, itemsize):
-    return tt * vt * (16 + itemsize) + (tt + vt) * 4 * hidden
+    if itemsize >= 4:
+        return tt * vt * 8
+    return tt * vt * (8 + itemsize) + (tt + vt) * itemsize * hidden
 
 
 @pytest.mark.parametrize("value", [False, 0])
@@ -27,14 +29,23 @@ def test_disabled(value):
     assert resolve_chunking(value, "cpu", 512, 32000, torch.float32) is None
 
 
-@pytest.mark.parametrize("budget", [4 * MIB, 16 * MIB, 256 * MIB])
-def test_automatic_tiles_fit_the_workspace(budget):
+@pytest.mark.parametrize("budget", [2 * MIB, 4 * MIB])
+def test_small_workspace_gives_square_tiles(budget):
     tt, vt = resolve_chunking(True, "cpu", 512, 32000, torch.float32, workspace_bytes=budget)
-    assert 1 <= vt <= 32000
-    assert tt >= 1
+    assert 1 <= vt < 32000
+    assert tt >= 16
     assert _bytes(tt, vt, 512, 4) <= budget
-    # as square as the bound allows
-    assert max(tt, vt) / min(tt, vt) < 4
+    assert max(tt, vt) / min(tt, vt) < 4  # as square as the bound allows
+
+
+@pytest.mark.parametrize(
+    ("budget", "dtype"), [(16 * MIB, torch.float32), (256 * MIB, torch.bfloat16)]
+)
+def test_roomy_workspace_spans_the_vocabulary(budget, dtype):
+    tt, vt = resolve_chunking(True, "cpu", 512, 32000, dtype, workspace_bytes=budget)
+    assert vt == 32000
+    assert tt >= 64
+    assert _bytes(tt, vt, 512, dtype.itemsize) <= budget
 
 
 def test_int_caps_the_vocabulary_tile():
@@ -46,10 +57,13 @@ def test_int_caps_the_vocabulary_tile():
 def test_few_tokens_widen_the_vocabulary_tile():
     tt, vt = resolve_chunking(True, "cpu", 64, 32000, torch.float32, tokens=8, workspace_bytes=MIB)
     assert tt == 8
-    wide = vt
     _tt, vt_many = resolve_chunking(True, "cpu", 64, 32000, torch.float32, workspace_bytes=MIB)
-    assert wide > vt_many
+    assert vt > vt_many
     assert _bytes(tt, vt, 64, 4) <= MIB
+    # when the whole vocabulary fits for every token, one tile spans it
+    assert resolve_chunking(
+        True, "cpu", 64, 32000, torch.float32, tokens=8, workspace_bytes=4 * MIB
+    ) == (8, 32000)
 
 
 def test_small_vocabulary_is_one_tile():

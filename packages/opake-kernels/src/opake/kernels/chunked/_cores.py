@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from opake.kernels._args import LossSpec
-from opake.kernels._math import token_loss, transform_logits_
+from opake.kernels._math import token_grad, token_loss, transform_logits_
 
 __all__ = [
     "act_and_grad",
@@ -91,12 +91,22 @@ def _subtract_target(d: Tensor, y: Tensor, v0: int, amount: Tensor) -> None:
 
 
 def lce_forward(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, spec: LossSpec, opts: Any
-) -> tuple[Tensor, Tensor]:
-    """Per-token losses (masked) and log-sum-exps, both fp32 ``(N,)``.
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    spec: LossSpec,
+    opts: Any,
+    pre: tuple[bool, bool, bool] = (False, False, False),
+) -> tuple[Tensor, Tensor, tuple[Tensor | None, Tensor | None, Tensor | None] | None]:
+    """Per-token losses (masked), log-sum-exps (fp32 ``(N,)``) and, maybe, the gradients.
 
     Online log-sum-exp across vocabulary tiles: a running max ``m`` and sum ``s`` per token,
-    rescaled when a tile raises the max.
+    rescaled when a tile raises the max. When one tile spans the whole vocabulary and *pre*
+    asks for gradients (of hidden, weight, bias) of a ``sum``/``mean`` loss, the probabilities
+    are at hand right after the log-sum-exp, so the gradients for a unit upstream gradient per
+    segment are computed in the same pass (weight/bias ones per segment) and returned: the
+    backward then only scales them, and no tile is computed twice.
     """
     n = hidden.shape[0]
     v = weight.shape[0]
@@ -104,30 +114,82 @@ def lce_forward(
     dev = hidden.device
     lse = torch.empty(n, dtype=_F32, device=dev)
     tok = torch.empty(n, dtype=_F32, device=dev)
+    fused = any(pre) and spec.reduction != "none" and vt >= v and n > 0
     if n == 0:
-        return tok, lse
-    bufs = _TileBuffers(tt, vt, hidden.dtype, dev, extra=False)
-    for t0 in range(0, n, tt):
-        t1 = min(n, t0 + tt)
-        h, y = hidden[t0:t1], labels[t0:t1]
-        m = torch.full((t1 - t0,), -math.inf, dtype=_F32, device=dev)
-        s = torch.zeros_like(m)
-        zy = torch.zeros_like(m)
-        zs = torch.zeros_like(m) if spec.smoothing else None
-        for v0 in range(0, v, vt):
-            v1 = min(v, v0 + vt)
-            z = bufs.logits(h, weight[v0:v1], None if bias is None else bias[v0:v1], spec)
-            zy += _target_logit(z, y, v0)
-            if zs is not None:
-                zs += z.sum(1)
-            m_new = torch.maximum(m, z.amax(1))
-            s.mul_(torch.exp(m - m_new)).add_(z.sub_(m_new.unsqueeze(1)).exp_().sum(1))
-            m = m_new
-        run = m + torch.log(s)
-        lse[t0:t1] = run
-        loss = token_loss(run, zy, zs, v, spec)
-        tok[t0:t1] = torch.where(y != spec.ignore_index, loss, torch.zeros_like(loss))
-    return tok, lse
+        return tok, lse, None
+    gh = gw = gb = None
+    groups = spec.n_seg if fused else 1
+    per = n // groups
+    tt = min(tt, per)
+    if fused:
+        tgrad = token_grad(torch.ones(groups, dtype=_F32, device=dev), labels, spec)
+        gh = torch.empty(n, hidden.shape[1], dtype=_F32, device=dev) if pre[0] else None
+        gw = torch.empty(groups, v, hidden.shape[1], dtype=_F32, device=dev) if pre[1] else None
+        if pre[2] and bias is not None:
+            gb = torch.zeros(groups, v, dtype=_F32, device=dev)
+    bufs = _TileBuffers(tt, vt, hidden.dtype, dev, extra=fused and spec.softcap is not None)
+    fp32 = hidden.dtype == _F32
+    for g in range(groups):
+        for t0 in range(g * per, (g + 1) * per if fused else n, tt):
+            t1 = min((g + 1) * per if fused else n, t0 + tt)
+            h, y = hidden[t0:t1], labels[t0:t1]
+            m = torch.full((t1 - t0,), -math.inf, dtype=_F32, device=dev)
+            s = torch.zeros_like(m)
+            zy = torch.zeros_like(m)
+            zs = torch.zeros_like(m) if spec.smoothing else None
+            for v0 in range(0, v, vt):
+                v1 = min(v, v0 + vt)
+                w = weight[v0:v1]
+                z = bufs.logits(h, w, None if bias is None else bias[v0:v1], spec)
+                zy += _target_logit(z, y, v0)
+                if zs is not None:
+                    zs += z.sum(1)
+                t = None
+                if fused and spec.softcap is not None:
+                    t = torch.div(z, spec.softcap, out=bufs.view(bufs.t, *z.shape))  # type: ignore[arg-type]
+                m_new = torch.maximum(m, z.amax(1))
+                s.mul_(torch.exp(m - m_new)).add_(z.sub_(m_new.unsqueeze(1)).exp_().sum(1))
+                m = m_new
+                if fused:  # one tile holds the whole vocabulary: z is now exp(z - m)
+                    d = _dprobs_(z.div_(s.unsqueeze(1)), y, tgrad[t0:t1], v0, v, spec, t)
+                    if gb is not None:
+                        gb[g] += d.sum(0)
+                    dc = d if fp32 else bufs.view(bufs.raw, *d.shape).copy_(d)  # type: ignore[arg-type]
+                    if gh is not None:
+                        _accumulate(gh[t0:t1], dc, w, first=True)
+                    if gw is not None:
+                        _accumulate(gw[g, v0:v1], dc.t(), h, first=t0 == g * per)
+            run = m + torch.log(s)
+            lse[t0:t1] = run
+            loss = token_loss(run, zy, zs, v, spec)
+            tok[t0:t1] = torch.where(y != spec.ignore_index, loss, torch.zeros_like(loss))
+        if not fused:
+            break
+    return tok, lse, (gh, gw, gb) if fused else None
+
+
+def _dprobs_(
+    p: Tensor,
+    y: Tensor,
+    tgrad: Tensor,
+    v0: int,
+    vocab: int,
+    spec: LossSpec,
+    t: Tensor | None,
+) -> Tensor:
+    """Turn a tile of probabilities *p* (fp32) into the gradient w.r.t. the raw logits, in
+    place: ``tgrad·(p - ε/V - (1-ε)·onehot)``, chained through the softcap (``t`` holds
+    ``tanh`` of the tile) and the scale."""
+    d = p.mul_(tgrad.unsqueeze(1))
+    eps = spec.smoothing
+    if eps:
+        d.sub_((eps / vocab) * tgrad.unsqueeze(1))
+    _subtract_target(d, y, v0, (1.0 - eps) * tgrad)
+    if t is not None:
+        d.mul_(t.mul_(t).neg_().add_(1.0))
+    if spec.mult is not None:
+        d.mul_(spec.mult)
+    return d
 
 
 def _dlogits_(
@@ -147,16 +209,7 @@ def _dlogits_(
     t = None
     if spec.softcap is not None:
         t = torch.div(z, spec.softcap, out=scratch) if scratch is not None else z / spec.softcap
-    d = z.sub_(lse.unsqueeze(1)).exp_().mul_(tgrad.unsqueeze(1))
-    eps = spec.smoothing
-    if eps:
-        d.sub_((eps / vocab) * tgrad.unsqueeze(1))
-    _subtract_target(d, y, v0, (1.0 - eps) * tgrad)
-    if t is not None:
-        d.mul_(t.mul_(t).neg_().add_(1.0))
-    if spec.mult is not None:
-        d.mul_(spec.mult)
-    return d
+    return _dprobs_(z.sub_(lse.unsqueeze(1)).exp_(), y, tgrad, v0, vocab, spec, t)
 
 
 def lce_backward(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from opake.kernels._args import (
+    LossSpec,
     check_approximate,
     check_ce_tensors,
     check_lce_tensors,
@@ -66,6 +67,25 @@ def _rope_bwd(g: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return _cores.rope_backward(g, cos, sin, rows_per_chunk(g.device, g.shape[-1] * _TEMPS))
 
 
+def _precompute(
+    spec: LossSpec, hidden: Tensor, weight: Tensor, bias: Tensor | None
+) -> tuple[bool, bool, bool]:
+    """Which gradients the forward pass may compute right away (one-vocabulary-tile case).
+
+    Those of inputs that require grad, for a ``sum``/``mean`` loss; weight and bias only for a
+    single segment (a per-example loss outside ``vmap`` would need one weight-sized gradient per
+    example). Under ``vmap`` each example is one segment and gets its own.
+    """
+    if spec.reduction == "none" or not torch.is_grad_enabled():
+        return (False, False, False)
+    single = spec.n_seg == 1
+    return (
+        bool(hidden.requires_grad),
+        bool(weight.requires_grad) and single,
+        bias is not None and bool(bias.requires_grad) and single,
+    )
+
+
 _LCE = make_lce_function("Chunked", _cores.lce_forward, _cores.lce_backward)
 _CE = make_ce_function("Chunked", _cores.ce_forward, _cores.ce_backward)
 _RMS = make_rms_norm_function("Chunked", _rms_fwd, _rms_bwd)
@@ -113,7 +133,15 @@ def linear_cross_entropy(
     tiles = resolve_chunking(
         chunk_size, hidden.device, h, weight.shape[0], hidden.dtype, tokens=labels.numel()
     )
-    loss, _lse = _LCE.apply(hidden.reshape(-1, h), weight, bias, labels.reshape(-1), spec, tiles)
+    loss = _LCE.apply(
+        hidden.reshape(-1, h),
+        weight,
+        bias,
+        labels.reshape(-1),
+        spec,
+        tiles,
+        _precompute(spec, hidden, weight, bias),
+    )[0]
     return finish_loss(loss, reduction, tuple(labels.shape))
 
 

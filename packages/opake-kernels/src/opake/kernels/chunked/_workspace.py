@@ -34,11 +34,15 @@ WORKSPACE_CAP: dict[str, int] = {
 _FLOOR = 1 * _MIB
 _FRACTION = 8  # never take more than 1/8 of the memory currently available
 _ASSUMED = 1024 * _MIB  # when a device cannot report its free memory
-# fp32 temporaries alive per logits-tile element in the chunked cross-entropy: the logits,
-# probabilities/gradient, and two transient results of reductions
-_FP32_TEMPS = 4
+# fp32 scratch per logits-tile element in the chunked cross-entropy: the tile itself (logits,
+# then probabilities, then gradient, in place) and the softcap's tanh; half-precision inputs add
+# their own matmul output
+_FP32_TEMPS = 2
 _MIN_VOCAB_TILE = 128
 _MIN_TOKEN_TILE = 16
+# a tile spanning the whole vocabulary is preferred once this many token rows fit: the forward
+# then computes the gradients in the same pass (no tile is computed twice)
+_MIN_FULL_VOCAB_ROWS = 64
 
 
 def _meminfo_available() -> int | None:
@@ -130,9 +134,12 @@ def resolve_chunking(
         tokens: number of tokens, when known (tiles never exceed it).
         workspace_bytes: explicit workspace bound, overriding the device's.
 
-    The tiles are as square as the bound allows (one ``token_tile x vocab_tile`` logits tile and
-    its fp32 temporaries, plus fp32 ``(token_tile + vocab_tile) x H`` gradient scratch, fit in
-    the workspace); tokens left over when ``tokens`` is small widen the vocabulary tile.
+    One ``token_tile x vocab_tile`` logits tile with its fp32 scratch (plus, for
+    half-precision inputs, ``(token_tile + vocab_tile) x H`` gradient products) fits in the
+    workspace. A tile spanning the whole vocabulary is chosen when at least 64 token rows (or
+    all *tokens*) fit: the forward pass then also computes the gradients, so nothing is
+    computed twice. Otherwise the tiles are as square as the bound allows (the backward
+    recomputes them); tokens left over when ``tokens`` is small widen the vocabulary tile.
 
     >>> import torch
     >>> resolve_chunking(False, "cpu", 512, 32000, torch.float32) is None
@@ -149,8 +156,11 @@ def resolve_chunking(
     budget = workspace_budget(device) if workspace_bytes is None else int(workspace_bytes)
     if budget <= 0:
         raise ConfigurationError(f"workspace_bytes={workspace_bytes!r}: expected a positive int.")
-    per_elem = 4 * _FP32_TEMPS + _itemsize(dtype)
-    row = 4 * hidden  # fp32 gradient scratch per token row and per vocabulary row
+    size = _itemsize(dtype)
+    per_elem = 4 * _FP32_TEMPS + (size if size < 4 else 0)
+    # half precision: the gradient products come out in the input dtype before being added to
+    # the fp32 accumulators (one row per token and per vocabulary entry of the tile)
+    row = 0 if size >= 4 else size * hidden
     vocab_cap = vocab if value is True else min(vocab, int(value))
     token_cap = tokens if tokens is not None and tokens > 0 else None
 
@@ -158,6 +168,11 @@ def resolve_chunking(
         tt = max(_MIN_TOKEN_TILE, (budget - vt * row) // (vt * per_elem + row))
         return tt if token_cap is None else min(tt, token_cap)
 
+    if vocab_cap == vocab:
+        full_rows = (budget - vocab * row) // (vocab * per_elem + row)
+        wanted = _MIN_FULL_VOCAB_ROWS if token_cap is None else min(token_cap, _MIN_FULL_VOCAB_ROWS)
+        if full_rows >= wanted:
+            return max(1, token_tile(vocab)), vocab
     side = math.isqrt(max(1, budget // per_elem))
     vt = min(vocab_cap, max(_MIN_VOCAB_TILE, side))
     if vt < vocab_cap and vt > 64:

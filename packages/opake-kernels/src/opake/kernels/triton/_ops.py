@@ -139,12 +139,13 @@ def _lce_forward(
     labels: Tensor,
     spec: LossSpec,
     opts: object,
-) -> tuple[Tensor, Tensor]:
+    pre: tuple[bool, bool, bool],
+) -> tuple[Tensor, Tensor, None]:
     n, hsize = hidden.shape
     v = weight.shape[0]
     if n == 0:
         empty = torch.empty(0, dtype=_F32, device=hidden.device)
-        return empty, empty.clone()
+        return empty, empty.clone(), None
     hidden, weight = hidden.contiguous(), weight.contiguous()
     labels = labels.contiguous()
     b = lce_blocks(hidden.dtype, hsize)
@@ -169,7 +170,7 @@ def _lce_forward(
     lse = top + torch.log((s * torch.exp(m - top)).sum(0))
     loss = token_loss(lse, zy.sum(0), zs.sum(0), v, spec)
     loss = torch.where(labels != spec.ignore_index, loss, torch.zeros_like(loss))
-    return loss, lse
+    return loss, lse, None  # the backward kernels recompute the tiles
 
 
 def _lce_backward(
@@ -422,7 +423,8 @@ def linear_cross_entropy(
         label_smoothing=label_smoothing,
     )
     h = hidden.shape[-1]
-    loss, _lse = _LCE.apply(hidden.reshape(-1, h), weight, bias, labels.reshape(-1), spec, None)
+    flat_h, flat_y = hidden.reshape(-1, h), labels.reshape(-1)
+    loss = _LCE.apply(flat_h, weight, bias, flat_y, spec, None, (False, False, False))[0]
     return finish_loss(loss, reduction, tuple(labels.shape))
 
 
