@@ -25,10 +25,11 @@ the non-private step are taken within each round).
     python tools/bench/dpsgd_step.py --json results.json
     python tools/bench/dpsgd_step.py --engines            # how to compute per-example grads
 
-``--engines`` times only the per-example gradients of the same model (all parameters, no
-clipping), each way in its own process: ``vmap(grad)``, ``vmap(vjp)`` (what ``clipped_grad``
-uses), a batched forward over parameters expanded to a batch dimension followed by one plain
-``autograd.grad``, and a batch-of-one Python loop; it checks that all four agree.
+``--engines`` times only the per-example gradients of the trainable parameters (no clipping),
+for each of ``--modes``, each way in its own process: ``vmap(grad)``; ``vmap(vjp)`` (what
+``clipped_grad`` uses for full models); a vmapped forward over parameters expanded to a batch
+dimension, then one plain ``autograd.grad`` (what it uses when the trainable part is small,
+e.g. LoRA); and a batch-of-one Python loop. It checks that all four agree.
 
 Results are recorded in docs/benchmarks.md ("DP-SGD step (opake-core)").
 """
@@ -227,15 +228,17 @@ def _opacus(model: Any, ids: Any, args: argparse.Namespace, ghost: bool) -> Call
 
 
 def _engine(model: Any, ids: Any, engine: str) -> tuple[Callable[[], Any], Callable[[], float]]:
-    """Per-example gradients of every parameter, one way; and a fingerprint of the result."""
+    """Per-example gradients of the trainable parameters, one way; and a result fingerprint."""
     import torch
     from torch.func import functional_call, grad, vjp, vmap
 
-    params = {name: p.detach() for name, p in model.named_parameters()}
+    named = list(model.named_parameters())
+    params = {name: p.detach() for name, p in named if p.requires_grad}
+    frozen = {name: p.detach() for name, p in named if not p.requires_grad}
 
     def loss(p: Any, x: Any) -> Any:
         kwargs = {"input_ids": x[None], "labels": x[None], "use_cache": False}
-        return functional_call(model, p, (), kwargs).loss
+        return functional_call(model, (p, frozen), (), kwargs).loss
 
     def vmap_grad() -> Any:
         with torch.no_grad():
@@ -402,28 +405,30 @@ def _summary(runs: list[dict[str, Any]], ref: list[dict[str, Any]] | None) -> di
 
 
 def _engines(args: argparse.Namespace) -> int:
-    runs, notes = _collect([("full", engine) for engine in ENGINES], args)
+    runs, notes = _collect([(mode, engine) for mode in args.modes for engine in ENGINES], args)
     if notes:
         print("\n".join(notes), file=sys.stderr)
         return 1
-    ref = runs[("full", "loop")]  # plain autograd, one example at a time
-    vjp = runs[("full", "vmap-vjp")]
     _header(args)
-    print(f"per-example gradients of all {ref[0]['trainable_params']:,} parameters, batch {BATCH}")
+    print(f"per-example gradients of the trainable parameters, batch {BATCH}")
     print()
     print(
-        "| engine | wall s | CPU s | ×vmap-vjp (CPU) | peak RSS MiB | Σ‖g_i‖² rel. diff vs loop |"
+        "| mode | engine | wall s | CPU s | ×vmap-vjp (CPU) | peak RSS MiB |"
+        " Σ‖g_i‖² rel. diff vs loop |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|")
     summaries = []
-    for engine in ENGINES:
-        r = _summary(runs[("full", engine)], vjp)
-        summaries.append(r)
-        diff = abs(r["fingerprint"] - ref[0]["fingerprint"]) / ref[0]["fingerprint"]
-        print(
-            f"| {engine} | {r['wall_s']:.3f} | {r['cpu_s']:.3f} | {r['ratio_cpu']:.2f} | "
-            f"{r['peak_rss_mib']:.0f} | {diff:.1e} |"
-        )
+    for mode in args.modes:
+        ref = runs[(mode, "loop")]  # plain autograd, one example at a time
+        vjp = runs[(mode, "vmap-vjp")]
+        for engine in ENGINES:
+            r = _summary(runs[(mode, engine)], vjp)
+            summaries.append(r)
+            diff = abs(r["fingerprint"] - ref[0]["fingerprint"]) / ref[0]["fingerprint"]
+            print(
+                f"| {mode} | {engine} | {r['wall_s']:.3f} | {r['cpu_s']:.3f} | "
+                f"{r['ratio_cpu']:.2f} | {r['peak_rss_mib']:.0f} | {diff:.1e} |"
+            )
     if args.json:
         args.json.write_text(json.dumps({"engines": summaries, "runs": _plain(runs)}, indent=2))
     return 0
