@@ -122,10 +122,16 @@ def _scale_stash(
         n, h = gh_s.shape
         gh = gh_s.view(k, n // k, h).mul_(g.view(k, 1, 1)).view(n, h)
     if needs[1] and gw_s is not None:
-        gw = gw_s.mul_(g.view(k, 1, 1)).view(batch, n_seg, *gw_s.shape[1:]).sum(1)
+        gw = _sum_segments(gw_s.mul_(g.view(k, 1, 1)), batch, n_seg)
     if needs[2] and gb_s is not None:
-        gb = gb_s.mul_(g.view(k, 1)).view(batch, n_seg, gb_s.shape[-1]).sum(1)
+        gb = _sum_segments(gb_s.mul_(g.view(k, 1)), batch, n_seg)
     return gh, gw, gb
+
+
+def _sum_segments(t: Tensor, batch: int, n_seg: int) -> Tensor:
+    """``(batch * n_seg, ...)`` -> ``(batch, ...)``; a view (no copy) for one segment each."""
+    t = t.view(batch, n_seg, *t.shape[1:])
+    return t[:, 0] if n_seg == 1 else t.sum(1)
 
 
 class _ScaleStash(torch.autograd.Function):
@@ -275,6 +281,8 @@ def make_lce_function(
             hidden, weight, bias, labels, spec, opts, _pre = inputs
             _loss, lse, gh, gw, gb = output
             ctx.mark_non_differentiable(*[t for t in (lse, gh, gw, gb) if t is not None])
+            # no zero gradients for the auxiliary outputs (one would be weight-sized)
+            ctx.set_materialize_grads(False)
             ctx.save_for_backward(hidden, weight, bias, labels, lse)
             ctx.spec = spec
             ctx.opts = opts
@@ -290,7 +298,7 @@ def make_lce_function(
                 bool(ctx.needs_input_grad[2]),
             )
             none4 = (None, None, None, None)
-            if not any(needs):
+            if grad_out is None or not any(needs):
                 return None, None, None, *none4
             stash = ctx.stash
             if stash is not None and _covers(stash, needs):
