@@ -29,6 +29,7 @@ step() {  # step NAME SECONDS command...
 step kernels "${KERNELS_S:-250}" python3 tools/gpu/kernels_check.py --budget "${KERNELS_BUDGET:-200}"
 step profiling "${PROFILING_S:-170}" python3 tools/gpu/profiling_check.py --budget "${PROFILING_BUDGET:-130}"
 step training 90 python3 tools/gpu/training_step_check.py --out "$OUT/training.json"
+step clip-kernel 60 python3 tools/gpu/clip_kernel_check.py
 step ddp 90 python3 tools/gpu/ddp_check.py --out "$OUT/ddp.json"
 step checkpoint-memory 120 python3 tools/bench/checkpoint_memory.py --device cuda --offload --json "$OUT/ckpt_cuda.json"
 step gpu-tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="--import-mode=importlib" \
