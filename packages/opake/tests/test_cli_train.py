@@ -152,15 +152,79 @@ def test_resume_keeps_the_accountant_history(tiny_args, tmp_path):
 def test_patches_and_checkpointing_do_not_change_the_result(tiny_args, tmp_path):
     plain, patched = tmp_path / "plain", tmp_path / "patched"
     assert main(tiny_args("--steps", "2", "--kernels", "none", out=plain)) == 0
-    argv = tiny_args("--steps", "2", "--kernels", "torch", "--checkpointing", out=patched)
+    argv = tiny_args(
+        "--steps", "2", "--kernels", "torch", "--checkpointing", "--engine", "vmap", out=patched
+    )
     assert main(argv) == 0
     summary = json.loads((patched / "summary.json").read_text())
     assert summary["model_patches"]["loss_only"] is True
     assert set(summary["model_patches"]["kernels"].values()) == {"torch"}
-    assert json.loads((plain / "summary.json").read_text())["model_patches"] is None
+    assert summary["clipping_engine"] == "vmap"
+    unpatched = json.loads((plain / "summary.json").read_text())
+    assert unpatched["model_patches"] is None
+    assert unpatched["clipping_engine"] == "bookkeeping"  # the default where it is exact
     wa, wb = _weights(plain / "model"), _weights(patched / "model")
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=1e-5)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_match_one_process(tiny_args, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(tiny_args("--steps", "3", out=one)) == 0
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPAKE_")}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    opake = Path(sys.executable).with_name("opake")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            "--nproc-per-node=2",
+            "--master-addr=127.0.0.1",
+            f"--master-port={_free_port()}",
+            "--no-python",
+            str(opake),
+            *tiny_args("--steps", "3", out=two)[0:],
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("done: 3 steps") == 1  # rank 0 reports for both
+    a = json.loads((one / "summary.json").read_text())
+    b = json.loads((two / "summary.json").read_text())
+    assert b["world_size"] == 2
+    assert a["world_size"] == 1
+    # the same global Poisson batches, the same noise, one noisy sum: the same training
+    assert [r["batch_size"] for r in _rows(one)] == [r["batch_size"] for r in _rows(two)]
+    assert b["epsilon"] == a["epsilon"]
+    wa, wb = _weights(one / "model"), _weights(two / "model")
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=1e-5)
+
+
+def _rows(directory):
+    with (directory / "metrics.csv").open() as handle:
+        return [{k: float(v) if v else None for k, v in r.items()} for r in csv.DictReader(handle)]
 
 
 def test_lora_trains_only_adapters(tiny_args, tmp_path):

@@ -125,6 +125,7 @@ def load_model(
 
     source, is_dir = resolve_model(spec)
     vocab = _vocab_size(tokenizer)
+    model: Any
     if is_dir:
         model = AutoModelForCausalLM.from_pretrained(
             source, local_files_only=True, attn_implementation="eager", dtype=torch.float32
@@ -150,16 +151,16 @@ def load_model(
     if lora_r is not None:
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(
+        lora = LoraConfig(
             r=lora_r,
-            lora_alpha=lora_alpha if lora_alpha is not None else 2 * lora_r,
+            lora_alpha=lora_alpha if lora_alpha is not None else 2 * lora_r,  # type: ignore[arg-type]
             lora_dropout=0.0,
             target_modules="all-linear",
             task_type="CAUSAL_LM",
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + 1)
-            model = get_peft_model(model, config)
+            model = get_peft_model(model, lora)
     model.train()
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -38,6 +38,7 @@ DEFAULT_STEPS = 60
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SAMPLERS = ("poisson", "fixed")
+ENGINES = ("auto", "vmap", "bookkeeping")
 #: settings a resumed run must share with the saved one (data, model, privacy, schedule)
 RESUME_LOCKED = (
     "model",
@@ -90,6 +91,7 @@ class TrainSettings:
     warmup: int | None = None
     optimizer: str = "adamw"
     weight_decay: float = 0.0
+    engine: str = "auto"
     checkpointing: bool = False
     offload_optimizer: bool = False
     kernels: str = "auto"
@@ -183,6 +185,7 @@ class TrainSettings:
             ("optimizer", OPTIMIZERS),
             ("sampler", SAMPLERS),
             ("accountant", ("pld", "rdp")),
+            ("engine", ENGINES),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigurationError(
@@ -318,6 +321,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=d.weight_decay)
 
     g = p.add_argument_group("memory and speed")
+    g.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=d.engine,
+        help="per-example clipping engine: auto (default: book-keeping where exact, else vmap), "
+        "vmap, bookkeeping; the same clipped sum either way",
+    )
     g.add_argument(
         "--checkpointing",
         action="store_true",

@@ -9,6 +9,7 @@ and a checkpoint into ``opake-run/``. See ``docs/guide/train.md``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -42,11 +43,14 @@ def _run(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     plan = plan_run(settings)
-    _print_plan(plan)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for all
+        _print_plan(plan)
     try:
         summary = run(plan)
     except KeyboardInterrupt:
         return 130
+    if summary is None:  # another rank than 0: rank 0 reports
+        return 0
     verdict = "below" if summary["val_loss"] < summary["unigram_baseline"] else "NOT below"
     print(
         f"done: {summary['steps']} steps, ε = {summary['epsilon']:.3f} at δ = "

@@ -65,6 +65,7 @@ class RunPlan:
     max_batch_size: int | None
     device: torch.device
     patch: bool = False
+    engine: str = "auto"
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -280,6 +281,14 @@ def plan_run(settings: TrainSettings) -> RunPlan:
         **accounting_extra,
     )
     baseline = unigram_entropy(val[:, 1:], vocab)
+    engine = settings.engine
+    if settings.precision != "fp32":
+        if engine == "bookkeeping":
+            raise ConfigurationError(
+                f"--engine bookkeeping with --precision {settings.precision}: mixed precision "
+                "runs on the vmap engine; use --engine vmap or auto"
+            )
+        engine = "vmap"
     return RunPlan(
         settings=settings,
         out=out,
@@ -297,6 +306,7 @@ def plan_run(settings: TrainSettings) -> RunPlan:
         max_batch_size=max_batch,
         device=device,
         patch=patch,
+        engine=engine,
         notes=notes,
     )
 
@@ -348,7 +358,7 @@ def _autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 
-def _build_model(plan: RunPlan) -> tuple[Any, Any, Any]:
+def _build_model(plan: RunPlan, device: torch.device) -> tuple[Any, Any, Any]:
     from transformers.utils import logging as hf_logging
 
     s = plan.settings
@@ -364,7 +374,7 @@ def _build_model(plan: RunPlan) -> tuple[Any, Any, Any]:
             lora_alpha=s.lora_alpha,
             seed=s.seed,
         )
-    model = loaded.model.to(plan.device)
+    model = loaded.model.to(device)
     report = None
     if plan.patch:
         from opake.patches import apply_model_patches
@@ -374,7 +384,7 @@ def _build_model(plan: RunPlan) -> tuple[Any, Any, Any]:
         from opake.patches import apply_runtime_patches
 
         apply_runtime_patches()
-        base = model.get_base_model() if s.lora_r is not None else model
+        base: Any = model.get_base_model() if s.lora_r is not None else model  # type: ignore[operator]
         kwargs = {"use_reentrant": False}
         if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x
             base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -384,13 +394,18 @@ def _build_model(plan: RunPlan) -> tuple[Any, Any, Any]:
 
 
 def _tune_microbatch(
-    make: Callable[[int], Any], args: tuple[Any, ...], plan: RunPlan
+    make: Callable[[int], Any],
+    args: tuple[Any, ...],
+    plan: RunPlan,
+    device: torch.device,
+    world_size: int,
 ) -> tuple[int, str]:
     import torch
 
     from opake.profiling import tune_microbatch
 
-    batch = max(1, round(plan.sample_rate * plan.dataset_size))
+    # this rank's expected share of the global Poisson batch
+    batch = max(1, math.ceil(plan.sample_rate * plan.dataset_size / world_size))
     # random tokens of the real shape: memory and time do not depend on the values, and the
     # tuner never touches the private data
     probe = torch.randint(
@@ -398,53 +413,89 @@ def _tune_microbatch(
         int(plan.train.max()) + 1,
         (batch, plan.settings.block_size),
         generator=torch.Generator().manual_seed(0),
-    ).to(plan.device)
+    ).to(device)
     result = tune_microbatch(
         make,
         (*args, probe),
         batch_size=batch,
-        device=plan.device,
+        device=device,
         steps=1,
         warmup_steps=1,
         compare_smaller=0,
     )
     assert result.microbatch_size is not None
-    return result.microbatch_size, result.table() if hasattr(result, "table") else ""
+    return result.microbatch_size, result.table()
 
 
-def run(plan: RunPlan) -> dict[str, Any]:
-    """Train as planned; write the outputs into ``plan.out`` and return the summary."""
+def run(plan: RunPlan) -> dict[str, Any] | None:
+    """Train as planned; write the outputs into ``plan.out`` and return the summary.
+
+    Under ``torchrun`` every rank trains its share of each global Poisson batch (clipped sums
+    all-reduced before the noise, noise once, identical updates); rank 0 evaluates and writes
+    the outputs and returns the summary, the other ranks return ``None``.
+    """
+    from opake.dpsgd.distributed import fail_fast, init_distributed
+
+    # CPU runs use gloo; with a CUDA --device the launcher's LOCAL_RANK picks each rank's GPU
+    with init_distributed(device="cpu" if plan.device.type == "cpu" else None) as ctx, fail_fast():
+        return _train(plan, ctx)
+
+
+def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
     import torch
 
     from opake import accounting
-    from opake.dpsgd.checkpoint import load_checkpoint, save_checkpoint
+    from opake.dpsgd.bookkeeping import BatchedLoss, causal_lm_losses
     from opake.dpsgd.clipping import clipped_grad
-    from opake.dpsgd.optimizer import DPOptimizer, autocast_loss
+    from opake.dpsgd.distributed import (
+        DistributedDPOptimizer,
+        gather_metrics,
+        load_checkpoint_distributed,
+        save_checkpoint_distributed,
+    )
+    from opake.dpsgd.optimizer import autocast_loss
     from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler, padding_mask
     from opake.functional import make_functional
-    from opake.profiling import PerfState, get_memory_stats, reset_peak_memory, step_perf
+    from opake.profiling import get_memory_stats, reset_peak_memory, step_perf
 
     s = plan.settings
+    main = ctx.is_main
+    device = ctx.device if ctx.is_distributed else plan.device
     started = time.perf_counter()
-    plan.out.mkdir(parents=True, exist_ok=True)
+    if main:
+        plan.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(s.seed)
-    loaded, model, patch_report = _build_model(plan)
+    loaded, model, patch_report = _build_model(plan, device)
     forward_kwargs: dict[str, Any] = {"use_cache": False}
     if patch_report is not None and "linear_cross_entropy" in patch_report.kernels:
         forward_kwargs["loss_only"] = True  # the loss without materialising the logits
     fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
-    autocast = _autocast_factory(s.precision, plan.device)
+    autocast = _autocast_factory(s.precision, device)
 
     def loss_fn(
         trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], x: torch.Tensor
     ) -> torch.Tensor:
+        """The loss of ONE example (a block of token ids, no batch dimension)."""
         ids = x.unsqueeze(0)
         return fmodel((trainable, frozen), input_ids=ids, labels=ids, **forward_kwargs).loss
 
-    per_example = loss_fn
-    if s.precision != "fp32":
-        dtype = torch.bfloat16 if s.precision == "bf16" else torch.float16
-        per_example = autocast_loss(loss_fn, dtype, argnums=0)
+    def batch_losses(
+        trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        """Per-example losses ``[B]`` of a batch, each over its own tokens only."""
+        out = fmodel((trainable, frozen), input_ids=x, use_cache=False)
+        return causal_lm_losses(out.logits, x)
+
+    per_example: Any
+    if plan.engine == "vmap":
+        per_example = loss_fn
+        if s.precision != "fp32":
+            dtype = torch.bfloat16 if s.precision == "bf16" else torch.float16
+            per_example = autocast_loss(loss_fn, dtype, argnums=0)
+    else:
+        # one batched forward and backward per microbatch (book-keeping) where it is exact;
+        # "auto" falls back to per-example vmap otherwise — the same clipped sum either way
+        per_example = BatchedLoss(batch_losses, fmodel)
 
     def make_grad_fn(microbatch: int | None) -> Any:
         return clipped_grad(
@@ -454,12 +505,15 @@ def run(plan: RunPlan) -> dict[str, Any]:
             batch_argnums=2,
             microbatch_size=microbatch,
             return_aux=True,
+            method=plan.engine,
         )
 
     tune_report = ""
     microbatch: int | None
     if s.microbatch == "auto":
-        microbatch, tune_report = _tune_microbatch(make_grad_fn, (trainable, frozen), plan)
+        microbatch, tune_report = _tune_microbatch(
+            make_grad_fn, (trainable, frozen), plan, device, ctx.world_size
+        )
     else:
         microbatch = s.microbatch if isinstance(s.microbatch, int) else None
     grad_fn, clip_state = make_grad_fn(microbatch)
@@ -475,15 +529,18 @@ def run(plan: RunPlan) -> dict[str, Any]:
     else:
         inner = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
     accountant = accounting.make_accountant(s.accountant, **plan.accountant_options)
+    shard = ctx.sampler_kwargs()  # every rank draws the global batch and keeps its share
     if plan.max_batch_size is not None:
         sampler: Any = FixedShapePoissonSampler(
-            plan.dataset_size, plan.sample_rate, plan.max_batch_size, seed=s.seed
+            plan.dataset_size, plan.sample_rate, plan.max_batch_size, seed=s.seed, **shard
         )
     else:
-        sampler = PoissonSampler(plan.dataset_size, plan.sample_rate, seed=s.seed)
-    # the sampler gives the divisor (expected batch q·N) and what the accountant records per
-    # step (with the truncation of fixed-shape sampling); every report carries ε(δ) so far
-    dp_opt = DPOptimizer(
+        sampler = PoissonSampler(plan.dataset_size, plan.sample_rate, seed=s.seed, **shard)
+    # the sampler gives the divisor (expected global batch q·N) and what the accountant records
+    # per step (with the truncation of fixed-shape sampling); every report carries ε(δ) so far.
+    # In one process this is exactly DPOptimizer; under torchrun it all-reduces the clipped
+    # sums of every rank before adding the noise once.
+    dp_opt = DistributedDPOptimizer(
         inner,
         model,
         noise_multiplier=plan.noise_multiplier,
@@ -496,13 +553,13 @@ def run(plan: RunPlan) -> dict[str, Any]:
     )
 
     checkpoint_path = plan.out / CHECKPOINT_FILE
-    if not s.resume:
+    if main and not s.resume:
         write_json(plan.out / SETTINGS_FILE, s.to_dict())
     rows: list[dict[str, Any]] = []
     start_step = 0
     initial_val: float | None = None
     if s.resume:
-        ckpt = load_checkpoint(
+        ckpt = load_checkpoint_distributed(
             checkpoint_path,
             model=trainable,
             optimizer=dp_opt,
@@ -515,13 +572,12 @@ def run(plan: RunPlan) -> dict[str, Any]:
         start_step = ckpt.step
         rows = [dict(r) for r in ckpt.extra.get("metrics", [])]
         initial_val = ckpt.extra.get("initial_val_loss")
-    else:
-        initial_val = _evaluate(model, plan.val, plan.device, autocast, forward_kwargs)
+    elif main:
+        initial_val = _evaluate(model, plan.val, device, autocast, forward_kwargs)
 
     warmup = s.warmup if s.warmup is not None else max(1, round(0.05 * plan.steps))
     eval_every = s.eval_every or max(1, plan.steps // 10)
-    perf_state = PerfState(device=str(plan.device))
-    reset_peak_memory(plan.device)
+    reset_peak_memory(device)
     batches = _batches(sampler)
     from tqdm.auto import tqdm
 
@@ -531,12 +587,12 @@ def run(plan: RunPlan) -> dict[str, Any]:
         desc="opake train",
         unit="step",
         file=sys.stderr,
-        disable=not s.progress,
+        disable=not (s.progress and main),
         dynamic_ncols=True,
     )
 
     def save(step: int) -> None:
-        save_checkpoint(
+        save_checkpoint_distributed(
             checkpoint_path,
             step=step,
             model=trainable,
@@ -544,15 +600,11 @@ def run(plan: RunPlan) -> dict[str, Any]:
             accountant=accountant,
             sampler=sampler,
             clip_state=clip_state,
-            extra={
-                "settings": s.to_dict(),
-                "metrics": rows,
-                "initial_val_loss": initial_val,
-            },
+            extra={"settings": s.to_dict(), "metrics": rows, "initial_val_loss": initial_val},
         )
 
-    step = start_step
     val_loss: float | None = None
+    peak_seen: float | None = None
     try:
         for step in range(start_step, plan.steps):
             lr = _lr_at(step, steps=plan.steps, peak=s.lr, warmup=warmup)
@@ -562,14 +614,14 @@ def run(plan: RunPlan) -> dict[str, Any]:
             if plan.max_batch_size is not None:
                 mask = padding_mask(indices)
                 safe = torch.as_tensor(indices, dtype=torch.long).clamp_min(0)
-                x = plan.train[safe].to(plan.device)
-                call_kwargs: dict[str, Any] = {"example_mask": mask.to(plan.device)}
+                x = plan.train[safe].to(device)
+                call_kwargs: dict[str, Any] = {"example_mask": mask.to(device)}
                 real = int(mask.sum())
             else:
-                x = plan.train[torch.as_tensor(indices, dtype=torch.long)].to(plan.device)
+                x = plan.train[torch.as_tensor(indices, dtype=torch.long)].to(device)
                 call_kwargs = {}
                 real = len(indices)
-            with step_perf(plan.device, batch_size=real) as perf:
+            with step_perf(device, batch_size=real) as perf:
                 (grads, aux), clip_state = grad_fn(
                     trainable, frozen, x, state=clip_state, **call_kwargs
                 )
@@ -582,43 +634,57 @@ def run(plan: RunPlan) -> dict[str, Any]:
                 perf.mark("noise_and_update")
             assert report.epsilon is not None
             eps = float(report.epsilon)
-            perf_state = perf_state.add(perf.result)
             losses = aux.loss_values
             if plan.max_batch_size is not None:
                 losses = losses[mask.to(losses.device)]
-            train_loss = float(losses.mean()) if losses.numel() else float("nan")
+            result = perf.result
+            # diagnostics (not private) of this rank, summed over ranks under torchrun
+            figures = {
+                "loss_sum": float(losses.sum()),
+                "count": float(real),
+                "clipped": float(aux.clipping_rate) * real,
+                "step_time_sec": result.step_time_sec,
+                "memory_peak_gb": result.memory_peak_gb or 0.0,
+            }
+            if ctx.is_distributed:
+                agg = gather_metrics(figures).aggregate()
+                figures = {k: agg[k]["max" if k in _MAX_FIGURES else "sum"] for k in figures}
+            count = figures["count"]
+            train_loss = figures["loss_sum"] / count if count else float("nan")
             done = step + 1
             val_loss = None
-            if done % eval_every == 0 or done == plan.steps:
-                val_loss = _evaluate(model, plan.val, plan.device, autocast, forward_kwargs)
-            result = perf.result
+            if main and (done % eval_every == 0 or done == plan.steps):
+                val_loss = _evaluate(model, plan.val, device, autocast, forward_kwargs)
+            step_time = figures["step_time_sec"]
+            peak = result.memory_peak_gb and figures["memory_peak_gb"]
+            peak_seen = _max_none([peak_seen, peak])
             rows.append(
                 {
                     "step": done,
                     "train_loss": train_loss,
                     "val_loss": val_loss,
                     "epsilon": eps,
-                    "batch_size": real,
-                    "clipping_rate": float(aux.clipping_rate),
-                    "step_time_sec": result.step_time_sec,
-                    "samples_per_second": result.samples_per_second,
-                    "peak_memory_gb": result.memory_peak_gb,
+                    "batch_size": int(count),
+                    "clipping_rate": figures["clipped"] / count if count else 0.0,
+                    "step_time_sec": step_time,
+                    "samples_per_second": count / step_time if step_time > 0 else None,
+                    "peak_memory_gb": peak,
                     "lr": lr,
                 }
             )
             bar.set_postfix_str(
-                f"loss {train_loss:.3f}  ε {eps:.2f}  {result.samples_per_second:.0f} samples/s  "
-                f"peak {_fmt_gb(perf_state.max_memory_peak_gb)}",
+                f"loss {train_loss:.3f}  ε {eps:.2f}  "
+                f"{count / step_time if step_time > 0 else 0.0:.0f} samples/s  "
+                f"peak {_fmt_gb(peak_seen)}",
                 refresh=False,
             )
             bar.update(1)
             if done % s.checkpoint_every == 0 and done < plan.steps:
                 save(done)
-        step = plan.steps
     except KeyboardInterrupt:
         bar.close()
-        completed = len(rows) and int(rows[-1]["step"])
-        if completed > start_step:
+        completed = int(rows[-1]["step"]) if rows else start_step
+        if completed > start_step and not ctx.is_distributed:
             save(completed)
         print(
             f"opake train: interrupted after step {completed}; continue with the same command "
@@ -628,16 +694,17 @@ def run(plan: RunPlan) -> dict[str, Any]:
         raise
     bar.close()
     save(plan.steps)
+    if not main:
+        return None
     if val_loss is None:
-        val_loss = _evaluate(model, plan.val, plan.device, autocast, forward_kwargs)
+        val_loss = _evaluate(model, plan.val, device, autocast, forward_kwargs)
     saved = _save_model(plan, loaded, model)
-    mem = get_memory_stats(plan.device)
+    mem = get_memory_stats(device)
     summary = _summary(
         plan,
         rows=rows,
         val_loss=val_loss,
         initial_val=initial_val,
-        perf_state=perf_state,
         peak_gb=_max_none(r["peak_memory_gb"] for r in rows),
         memory_process_level=mem.process_level,
         loaded=loaded,
@@ -647,6 +714,9 @@ def run(plan: RunPlan) -> dict[str, Any]:
         saved=saved,
         accountant=accountant,
         patch_report=patch_report,
+        world_size=ctx.world_size,
+        device=device,
+        engine=(getattr(grad_fn, "engine", None), getattr(grad_fn, "engine_reason", None)),
     )
     write_metrics(plan.out / "metrics.csv", rows)
     if s.plots:
@@ -655,6 +725,10 @@ def run(plan: RunPlan) -> dict[str, Any]:
     if tune_report:
         (plan.out / "microbatch_tuning.txt").write_text(tune_report + "\n", encoding="utf-8")
     return summary
+
+
+#: per-step figures whose cross-rank aggregate is the maximum (the others are summed)
+_MAX_FIGURES = frozenset({"step_time_sec", "memory_peak_gb"})
 
 
 def _zero_partner_lora_a(trainable: dict[str, torch.Tensor]) -> frozenset[str]:
@@ -753,7 +827,6 @@ def _summary(
     rows: list[dict[str, Any]],
     val_loss: float,
     initial_val: float | None,
-    perf_state: Any,
     peak_gb: float | None,
     memory_process_level: bool,
     loaded: Any,
@@ -763,6 +836,9 @@ def _summary(
     saved: dict[str, str],
     accountant: Any,
     patch_report: Any,
+    world_size: int,
+    device: torch.device,
+    engine: tuple[str | None, str | None],
 ) -> dict[str, Any]:
     import torch
 
@@ -809,13 +885,17 @@ def _summary(
         "train_time_sec": total_time,
         "wall_time_sec": wall,
         "resumed_from_step": resumed_from,
-        "device": str(plan.device),
+        "device": str(device),
+        "world_size": world_size,
+        "clipping_engine": engine[0],
+        "clipping_engine_reason": engine[1],
         "model_patches": None
         if patch_report is None
         else {
             "family": patch_report.family,
             "kernels": {op: use.backend for op, use in patch_report.kernels.items()},
-            "loss_only": "linear_cross_entropy" in patch_report.kernels,
+            # the logits-free loss path serves the vmap engine (book-keeping needs the logits)
+            "loss_only": "linear_cross_entropy" in patch_report.kernels and engine[0] == "vmap",
         },
         "outputs": saved,
         "notes": plan.notes,
