@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from opake.core import testing
@@ -50,6 +50,8 @@ def _norm64(grads):
 
 @settings(max_examples=60, deadline=None)
 @given(rows=_matrix(ANY_FLOAT), clip=CLIP, auto=st.booleans())
+@example(rows=[[3e38]], clip=0.0625, auto=False)  # subnormal fp32 factor (found by hypothesis)
+@example(rows=[[1e-45, -3e38, 2.0]], clip=1e-6, auto=True)
 def test_no_clipped_example_exceeds_the_bound(rows, clip, auto):
     v = torch.tensor(rows, dtype=torch.float32)
     method = AutoSClipping(clip, 0.01) if auto else clip

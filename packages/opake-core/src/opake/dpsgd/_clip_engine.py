@@ -83,6 +83,20 @@ def _outer_transform_differentiates() -> bool:
     return any(interp.key() in keys for interp in retrieve_all_functorch_interpreters())
 
 
+def _fp32_toward_zero(factor: torch.Tensor) -> torch.Tensor:
+    """Cast fp64 clipping factors to fp32, rounding toward zero (never enlarging a gradient).
+
+    Round-to-nearest could raise a factor by half an ulp — for a subnormal factor (a gradient
+    norm ~1e38 clipped to C ~0.1) that is several parts per million, enough to break
+    ``‖clipped‖ ≤ C``. Rounding down keeps ``‖g‖ · factor₃₂ ≤ ‖g‖ · factor ≤ C``.
+    """
+    import torch
+
+    rounded = factor.to(torch.float32)
+    too_big = rounded.double() > factor
+    return torch.where(too_big, torch.nextafter(rounded, torch.zeros_like(rounded)), rounded)
+
+
 def _as_state(clipping_norm: object) -> ClipState:
     if isinstance(clipping_norm, FixedClipping | GroupClipping | AutoSClipping | AdaptiveClipping):
         return clipping_norm
@@ -296,13 +310,11 @@ class ClippedGradFn:
                 loss, aux = check(loss_fn(*call))
                 return (loss, aux) if has_aux else loss
 
-            if has_aux:
-                loss, vjp_fn, aux = torch.func.vjp(f, args[argnums], has_aux=True)
-            else:
-                loss, vjp_fn = torch.func.vjp(f, args[argnums])
+            out: Any = torch.func.vjp(f, args[argnums], has_aux=has_aux)
+            loss, vjp_fn = out[0], out[1]
             (grads,) = vjp_fn(torch.ones_like(loss))
             if has_aux:
-                return grads, loss, aux
+                return grads, loss, out[2]
             return grads, loss
 
         return per_example
@@ -599,7 +611,7 @@ class ClippedGradFn:
                 factor = torch.where(contributes[:, None], factor, 0.0)
                 after = (per_group * factor).square().sum(dim=1).sqrt()
                 shrunk = (factor < 1.0).any(dim=1)
-                leaf_factor = factor[:, index].to(f32)  # [m, leaves]
+                leaf_factor = _fp32_toward_zero(factor)[:, index]  # [m, leaves]
                 group_norms.append(per_group.to(f32))
             else:
                 if isinstance(state, AutoSClipping):
@@ -609,7 +621,7 @@ class ClippedGradFn:
                 factor = torch.where(contributes, factor, 0.0)
                 after = total * factor
                 shrunk = factor < 1.0
-                leaf_factor = factor.to(f32)[:, None].expand(m, len(names))
+                leaf_factor = _fp32_toward_zero(factor)[:, None].expand(m, len(names))
                 if isinstance(state, AdaptiveClipping):
                     below = (total <= state.clipping_norm) & finite
                     weight = torch.where(is_real, below.double() - 0.5, 0.0)
@@ -722,7 +734,8 @@ def clipped_grad(
         return_aux: return ``((grads, aux), new_state)`` with a :class:`ClipAux`
             (per-example losses and norms — not private).
         compute_dtype: run the per-example forward/backward in this dtype (every
-            floating-point tensor argument is cast); norms, clipping and sums stay fp32.
+            floating-point tensor argument is cast; one already in this dtype is not copied,
+            so keep a large frozen model in it); norms, clipping and sums stay fp32.
         clipping_groups: for group clipping, parameter name → group: a mapping or a callable;
             by default a group name is a dotted prefix of the parameter names it covers
             (longest match wins, ``""`` matches everything).
@@ -770,6 +783,7 @@ def clipped_grad(
             f"clipped_grad(loss_fn={loss_fn!r}): expected a callable computing one example's loss"
         )
     argnums = _check_index("argnums", argnums)
+    batch: tuple[int, ...]
     if isinstance(batch_argnums, int):
         batch = (_check_index("batch_argnums", batch_argnums),)
     elif isinstance(batch_argnums, tuple) and batch_argnums:

@@ -47,18 +47,18 @@ def tiny_llama(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        intermediate_size=intermediate_size,
-        vocab_size=vocab_size,
-        max_position_embeddings=256,
-        attn_implementation=attn_implementation,
+    options: dict[str, Any] = {
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "intermediate_size": intermediate_size,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 256,
+        "attn_implementation": attn_implementation,
         **config,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    }
+    return LlamaForCausalLM(LlamaConfig(**options)).eval()
 
 
 def tiny_gpt2(
@@ -77,19 +77,19 @@ def tiny_gpt2(
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    cfg = GPT2Config(
-        n_embd=n_embd,
-        n_layer=n_layer,
-        n_head=n_head,
-        vocab_size=vocab_size,
-        n_positions=n_positions,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        attn_implementation=attn_implementation,
+    options: dict[str, Any] = {
+        "n_embd": n_embd,
+        "n_layer": n_layer,
+        "n_head": n_head,
+        "vocab_size": vocab_size,
+        "n_positions": n_positions,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "attn_implementation": attn_implementation,
         **config,
-    )
-    return GPT2LMHeadModel(cfg).eval()
+    }
+    return GPT2LMHeadModel(GPT2Config(**options)).eval()
 
 
 def with_lora(

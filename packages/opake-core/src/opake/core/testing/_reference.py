@@ -96,11 +96,12 @@ def reference_clipped_sum(
     """
     import torch
 
-    kind = getattr(clipping_norm, "kind", None)
+    spec: Any = clipping_norm
+    kind = getattr(spec, "kind", None)
     if kind == "group":
-        clipping_norm = dict(clipping_norm.clipping_norms)
+        clipping_norm = dict(spec.clipping_norms)
     elif kind in {"fixed", "adaptive"}:
-        clipping_norm = clipping_norm.clipping_norm
+        clipping_norm = spec.clipping_norm
     if not per_example:
         raise ConfigurationError("reference_clipped_sum: no examples; nothing to compare with")
     total = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in per_example[0].items()}
@@ -112,7 +113,7 @@ def reference_clipped_sum(
             continue
         norm = math.sqrt(sum(float((v * v).sum()) for v in g64.values()))
         if kind == "auto_s":
-            scale = clipping_norm.clipping_norm / (norm + clipping_norm.stability)
+            scale = spec.clipping_norm / (norm + spec.stability)
             factor = dict.fromkeys(g64, scale)
         elif isinstance(clipping_norm, Mapping):
             if groups is None:
