@@ -59,15 +59,15 @@ def test_cpu_stats_are_process_level_and_flagged():
 
 
 @pytest.mark.skipif(not HAS_PROC, reason="needs /proc (Linux)")
-def test_cpu_peak_resets_and_tracks_an_allocation():
+def test_cpu_peak_resets_and_tracks_an_allocation(fresh_block):
     reset_peak_memory("cpu")
     before = get_memory_stats("cpu")
     assert before.peak_exact
     assert "VmHWM since last reset" in before.source
     assert before.peak_gb == pytest.approx(before.allocated_gb, abs=4 * MB)
-    big = torch.ones(64 * 1024**2 // 4)  # 64 MiB, touched
+    big = fresh_block(64)  # 64 MiB of fresh pages, touched
     during = get_memory_stats("cpu")
-    del big
+    big.free()
     after = get_memory_stats("cpu")
     assert during.allocated_gb - before.allocated_gb == pytest.approx(64 * MB, abs=8 * MB)
     assert after.peak_gb - before.peak_gb == pytest.approx(64 * MB, abs=8 * MB)
@@ -180,6 +180,10 @@ def test_empty_cache_returns_freed_heap_on_cpu():
     # tensors come from the malloc heap instead of mappings of their own
     bump = torch.ones(1024**2 // 4)
     del bump
+    # Start from a trimmed heap: free chunks that earlier tests left resident would otherwise
+    # serve the tensors below without the RSS growing at all. After the trim their pages are
+    # fresh again, so the tensors touch new pages wherever on the heap they land.
+    empty_cache("cpu")
     before = get_memory_stats("cpu").allocated_gb
     # many small tensors live on the malloc heap, not in their own mappings
     small = [torch.ones(64 * 1024) for _ in range(256)]  # 256 x 256 KiB = 64 MiB

@@ -21,8 +21,9 @@ from opake.profiling import (
 )
 
 MB = 1024**2 / 1024**3
-# Tensors of 40 MiB and more: glibc always maps them on their own (mmap threshold <= 32 MiB),
-# so the resident set grows and shrinks with them exactly.
+# The memory tests allocate `fresh_block`s (conftest.py): mappings of their own, so the resident
+# set grows and shrinks with them exactly. (A large torch tensor is not enough: glibc serves it
+# from a free heap chunk, often still resident, whenever one is large enough.)
 needs_proc = pytest.mark.skipif(
     not Path("/proc/self/status").exists(), reason="exact CPU peaks need /proc (Linux)"
 )
@@ -58,18 +59,16 @@ def test_marks_are_ordered_and_timed():
 
 
 @needs_proc
-def test_step_and_mark_peaks_are_scoped():
-    big = torch.ones(96 * 1024**2 // 4)  # 96 MiB alive before the step: not the step's peak
-    del big
+def test_step_and_mark_peaks_are_scoped(fresh_block):
+    fresh_block(96).free()  # 96 MiB alive before the step: not the step's peak
     empty_cache("cpu")
     base = get_memory_stats("cpu").allocated_gb
     with step_perf("cpu") as perf:
-        small = torch.ones(40 * 1024**2 // 4)
+        small = fresh_block(40)
         perf.mark("small")
-        large = torch.ones(80 * 1024**2 // 4)
-        del large
+        fresh_block(80).free()
         perf.mark("large")
-        del small
+        small.free()
         perf.mark("idle")
     r = perf.result
     small_m, large_m, idle_m = r.marks
@@ -80,9 +79,9 @@ def test_step_and_mark_peaks_are_scoped():
     assert idle_m.memory_peak_gb - base == pytest.approx(40 * MB, abs=6 * MB)
     assert r.memory_peak_gb == pytest.approx(large_m.memory_peak_gb, abs=1 * MB)
     assert small_m.memory_allocated_gb - base == pytest.approx(40 * MB, abs=6 * MB)
-    # at exit `small` is freed; glibc may keep its pages on the heap (RSS is process-level), so
-    # only "not more than while it was alive" holds in general
-    assert r.memory_allocated_gb <= small_m.memory_allocated_gb + 1 * MB
+    # at exit `small` is unmapped: the resident set is back at the base
+    assert r.memory_allocated_gb <= small_m.memory_allocated_gb - 34 * MB
+    assert r.memory_allocated_gb - base == pytest.approx(0, abs=6 * MB)
     assert r.memory_reserved_gb == pytest.approx(r.memory_allocated_gb, abs=1 * MB)
     d = r.to_dict(prefix="step/")
     assert d["step/marks/large_peak_gb"] == large_m.memory_peak_gb
@@ -91,16 +90,14 @@ def test_step_and_mark_peaks_are_scoped():
 
 
 @needs_proc
-def test_nested_windows_and_user_resets_keep_the_outer_peak():
+def test_nested_windows_and_user_resets_keep_the_outer_peak(fresh_block):
     empty_cache("cpu")
     base = get_memory_stats("cpu").allocated_gb
     with step_perf("cpu") as outer:
-        big = torch.ones(64 * 1024**2 // 4)
-        del big
+        fresh_block(64).free()
         reset_peak_memory("cpu")  # a user reset inside the step
         with step_perf("cpu") as inner:
-            mid = torch.ones(40 * 1024**2 // 4)
-            del mid
+            fresh_block(40).free()
         outer.mark("after-inner")
     assert inner.result.memory_peak_gb - base == pytest.approx(40 * MB, abs=6 * MB)
     assert outer.result.memory_peak_gb - base == pytest.approx(64 * MB, abs=8 * MB)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
+import json
+import subprocess
+import sys
 import weakref
 from pathlib import Path
 
 import pytest
 import torch
-from torch.func import grad, vmap
 
 from opake.profiling import (
     ConfigurationError,
@@ -16,6 +20,7 @@ from opake.profiling import (
     NoMicrobatchFitsError,
     OperationError,
     TuneResult,
+    _memory,
     _tuner,
     default_candidates,
     empty_cache,
@@ -28,12 +33,20 @@ needs_proc = pytest.mark.skipif(
     not Path("/proc/self/status").exists(), reason="exact CPU peaks need /proc (Linux)"
 )
 
-# A model whose per-example gradients take 8 MiB each: memory grows with the microbatch. (Large
-# enough that the sizes compared below differ by far more than process-level RSS noise.)
-IN, OUT = 2048, 1024
+# The budget test runs in a fresh interpreter. Process-level peaks depend on the malloc heap the
+# process has: after a thousand tests in one pytest process, glibc often serves these 64-128 MiB
+# gradient tensors from free heap chunks (it checks its bins before it maps a chunk of its own),
+# and freed heap chunks stay resident, so a candidate's peak then follows where the heap places
+# its tensors rather than its microbatch size. A fresh process maps them on their own.
+BUDGET_SCRIPT = r"""
+import json, torch
+from torch.func import grad, vmap
+from opake.profiling import tune_microbatch
+
+IN, OUT = 2048, 1024  # per-example gradients of 8 MiB each: memory grows with the microbatch
 
 
-def _per_example_step(microbatch_size: int):
+def per_example_step(microbatch_size):
     def loss(w, x):
         return torch.tanh(x @ w).sum()
 
@@ -52,61 +65,138 @@ def _per_example_step(microbatch_size: int):
     return step
 
 
-@pytest.fixture(scope="module")
-def linear_batch():
-    gen = torch.Generator().manual_seed(0)
-    return torch.randn(IN, OUT, generator=gen) * 0.01, torch.randn(16, IN, generator=gen)
+def as_dict(r):
+    fields = ("microbatch_size", "status", "fits", "steps", "step_time_sec",
+              "samples_per_second", "memory_peak_gb", "detail")
+    return {
+        "microbatch_size": r.microbatch_size,
+        "memory_budget_gb": r.memory_budget_gb,
+        "memory_process_level": r.memory_process_level,
+        "memory_peak_exact": r.memory_peak_exact,
+        "candidates": [{f: getattr(c, f) for f in fields} for c in r.candidates],
+        "table": r.table(),
+    }
+
+
+gen = torch.Generator().manual_seed(0)
+w, x = torch.randn(IN, OUT, generator=gen) * 0.01, torch.randn(16, IN, generator=gen)
+# Calibrate: with an ample budget every size fits; the peaks grow with the microbatch.
+sweep = tune_microbatch(per_example_step, (w, x), batch_size=16, device="cpu",
+                        memory_budget_gb=1000.0, steps=1, compare_smaller=2)
+peaks = {c.microbatch_size: c.memory_peak_gb for c in sweep.candidates}
+# A budget between the peaks of 8 and 16 must choose 8.
+budget = (peaks[8] + peaks[16]) / 2
+result = tune_microbatch(per_example_step, (w, x), batch_size=16, device="cpu",
+                         memory_budget_gb=budget, steps=2, compare_smaller=1)
+print(json.dumps({"sweep": as_dict(sweep), "budget": budget, "result": as_dict(result)}))
+"""
 
 
 @needs_proc
 @pytest.mark.slow
-def test_budget_picks_the_largest_size_that_fits(linear_batch):
-    w, x = linear_batch
-    # Calibrate: with an ample budget every size fits; the peaks grow with the microbatch.
-    sweep = tune_microbatch(
-        _per_example_step,
-        (w, x),
-        batch_size=16,
-        device="cpu",
-        memory_budget_gb=1000.0,
-        steps=1,
-        compare_smaller=2,
+def test_budget_picks_the_largest_size_that_fits():
+    out = subprocess.run(
+        [sys.executable, "-c", BUDGET_SCRIPT],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
     )
-    assert [c.microbatch_size for c in sweep.candidates] == [16, 8, 4]
-    assert all(c.fits for c in sweep.candidates)
-    assert sweep.microbatch_size == 16
-    peaks = {c.microbatch_size: c.memory_peak_gb for c in sweep.candidates}
+    report = json.loads(out.stdout)
+    sweep, budget, result = report["sweep"], report["budget"], report["result"]
+    assert [c["microbatch_size"] for c in sweep["candidates"]] == [16, 8, 4]
+    assert all(c["fits"] for c in sweep["candidates"])
+    assert sweep["microbatch_size"] == 16
+    peaks = {c["microbatch_size"]: c["memory_peak_gb"] for c in sweep["candidates"]}
     # the gradient term: 8 more examples x 8 MiB, for the per-example grads and their clipped copy
     assert peaks[16] - peaks[8] >= 2 * 8 * 8 * MB * 0.9
-    # A budget between the peaks of 8 and 16 must choose 8. (Chunks of 64 MiB and more: glibc
-    # maps them on their own, so the process RSS follows them closely; smaller chunks can reuse
-    # heap pages and make process-level peaks noisier, up to tens of MiB.)
-    budget = (peaks[8] + peaks[16]) / 2
-    result = tune_microbatch(
-        _per_example_step,
-        (w, x),
-        batch_size=16,
-        device="cpu",
-        memory_budget_gb=budget,
-        steps=2,
-        compare_smaller=1,
-    )
-    assert result.microbatch_size == 8, f"{sweep.table()}\n{result.table()}"
-    statuses = [(c.microbatch_size, c.status) for c in result.candidates]
+    assert budget == pytest.approx((peaks[8] + peaks[16]) / 2)
+    assert result["microbatch_size"] == 8, f"{sweep['table']}\n{result['table']}"
+    candidates = {c["microbatch_size"]: c for c in result["candidates"]}
+    statuses = [(c["microbatch_size"], c["status"]) for c in result["candidates"]]
     assert statuses == [(16, "over budget"), (8, "fits"), (4, "fits")]
-    over = result.candidate(16)
-    assert over.steps == 1  # stopped after the warm-up step that went over
-    assert over.step_time_sec is None
-    assert "> " in over.detail
-    chosen = result.candidate(8)
-    assert chosen.memory_peak_gb <= budget
-    assert chosen.memory_peak_gb == pytest.approx(peaks[8], abs=16 * MB)
-    assert chosen.steps == 3  # one warm-up + two smoke steps
-    assert chosen.step_time_sec > 0
-    assert chosen.samples_per_second == pytest.approx(16 / chosen.step_time_sec)
-    assert result.memory_budget_gb == budget
-    assert result.memory_process_level
-    assert result.memory_peak_exact
+    over = candidates[16]
+    assert over["steps"] == 1  # stopped after the warm-up step that went over
+    assert over["step_time_sec"] is None
+    assert "> " in over["detail"]
+    chosen = candidates[8]
+    assert chosen["memory_peak_gb"] <= budget
+    assert chosen["memory_peak_gb"] == pytest.approx(peaks[8], abs=16 * MB)
+    assert chosen["steps"] == 3  # one warm-up + two smoke steps
+    assert chosen["step_time_sec"] > 0
+    assert chosen["samples_per_second"] == pytest.approx(16 / chosen["step_time_sec"])
+    assert result["memory_budget_gb"] == budget
+    assert result["memory_process_level"]
+    assert result["memory_peak_exact"]
+
+
+def _heap_range() -> tuple[int, int] | None:
+    """Address range of the main malloc heap (``[heap]`` in ``/proc/self/maps``)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith("[heap]"):
+            start, end = line.split()[0].split("-")
+            return int(start, 16), int(end, 16)
+    return None
+
+
+@needs_proc
+@pytest.mark.skipif(_memory._malloc_trim() is None, reason="needs glibc malloc (malloc_trim)")
+def test_cpu_steps_do_not_count_what_earlier_steps_left_on_the_heap(monkeypatch):
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    # Make the heap hold a large free region, as a long session leaves it: glibc raises its mmap
+    # threshold to the size of a freed mapped chunk, so 8 MiB blocks then come from the heap; the
+    # last block stays allocated, so the region below it stays on the heap once freed.
+    libc.free(libc.malloc(16 * 1024**2))
+    blocks = [libc.malloc(8 * 1024**2) for _ in range(16)]
+    pin = blocks.pop()
+    for block in blocks:
+        libc.free(block)
+    try:
+        probe = torch.empty(96 * 1024**2 // 4)
+        heap = _heap_range()
+        if heap is None or not heap[0] <= probe.data_ptr() < heap[1]:
+            pytest.skip("this malloc maps a 96 MiB tensor on its own even with room on the heap")
+        del probe
+
+        def make(m):
+            calls = {"n": 0}
+
+            def step(x):  # 96 MiB in the first step, 32 MiB after: freed to the heap each time
+                calls["n"] += 1
+                t = torch.ones((96 if calls["n"] == 1 else 32) * 1024**2 // 4)
+                return x.sum() + t[0]
+
+            return step
+
+        contexts = []
+        real_step_perf = _tuner.step_perf
+
+        def recording_step_perf(*args, **kwargs):
+            contexts.append(real_step_perf(*args, **kwargs))
+            return contexts[-1]
+
+        monkeypatch.setattr(_tuner, "step_perf", recording_step_perf)
+        tune_microbatch(
+            make,
+            (torch.ones(2),),
+            batch_size=2,
+            device="cpu",
+            candidates=[2],
+            memory_budget_gb=1000.0,
+            steps=2,
+        )
+        monkeypatch.undo()
+        peaks = [c.result.memory_peak_gb for c in contexts]
+        assert len(peaks) == 3  # one warm-up + two smoke steps
+        # The first step's 96 MiB went back to the heap, resident until trimmed; the later steps'
+        # peaks are their own 32 MiB, not the first step's leftovers.
+        assert peaks[1] == pytest.approx(peaks[0] - 64 * MB, abs=8 * MB)
+        assert peaks[2] == pytest.approx(peaks[1], abs=4 * MB)
+    finally:
+        libc.free(pin)
 
 
 def _hog_factory(limit: int, hog_mib: int, alive: list, fail_at_step: int = 1):

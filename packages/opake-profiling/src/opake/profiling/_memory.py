@@ -347,7 +347,9 @@ class _Accelerator(_Backend):
 
 
 # CPU peak mode: "lifetime" (no reset yet: the kernel's VmHWM / getrusage is exact), "proc" (reset
-# through /proc/self/clear_refs worked: VmHWM is exact), "sampled" (reset not permitted).
+# through /proc/self/clear_refs worked: VmHWM is exact), "sampled" (reset not permitted). (On Linux,
+# getrusage's ru_maxrss, the fallback without /proc, also counts the image before the last exec:
+# a subprocess's starts at its parent's peak.)
 _CPU_PEAK_MODE = {"mode": "lifetime"}
 
 
@@ -722,9 +724,11 @@ def print_memory(device: Any, label: str = "", *, file: IO[str] | None = None) -
 def reset_peak_memory(device: Any) -> None:
     """Start a new peak window on ``device``: ``peak_gb`` then counts from now.
 
-    On CPU (Linux) this writes ``5`` to ``/proc/self/clear_refs``, which also resets what
-    ``resource.getrusage`` reports as ``ru_maxrss`` for this process. An open ``step_perf``
-    block keeps the peak it saw before the reset.
+    On CPU (Linux) this writes ``5`` to ``/proc/self/clear_refs``, which resets the kernel's
+    peak RSS of this process image (``VmHWM`` in ``/proc/self/status``). It does not reset
+    ``resource.getrusage``'s ``ru_maxrss``: that is the maximum over every memory image the
+    process had, so a process started by fork + exec (``subprocess``) keeps its parent's peak
+    there. An open ``step_perf`` block keeps the peak it saw before the reset.
 
     Example:
         >>> from opake.profiling import get_memory_stats, reset_peak_memory

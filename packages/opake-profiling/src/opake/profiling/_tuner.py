@@ -329,6 +329,9 @@ def tune_microbatch(
     reference the failed step held, collects garbage and empties the device cache before the next
     candidate. The first size that fits is chosen; ``compare_smaller`` smaller sizes are then
     measured too, for the table and plot (memory and throughput against microbatch size).
+    Where the peak is process-level (CPU), the heap is trimmed (glibc ``malloc_trim``) before
+    every step, so memory that an earlier step or candidate freed, but the allocator kept
+    resident, does not count toward the step's peak.
 
     ``make_grad_fn(m)`` returns either a callable, run as ``fn(*args, **kwargs)``, or a
     ``(grad_fn, state)`` pair — what ``opake.dpsgd.clipping.clipped_grad(...)`` returns — run as
@@ -494,9 +497,15 @@ def _measure(
     done = 0
     status, detail = FITS, ""
     runner: _Runner | None = None
+    backend = _backend(dev)
     try:
         runner = _Runner(make_grad_fn(m), args, kwargs)
         for i in range(warmup_steps + steps):
+            if backend.process_level:
+                # Process-level peaks (CPU RSS) count freed memory the allocator kept resident:
+                # without a trim, what earlier steps freed into the heap inflates this step's
+                # peak (by how much depends on where the heap places the step's tensors).
+                backend.empty_cache()
             with step_perf(dev, batch_size=batch_size) as perf:
                 runner.step()
             r = perf.result
