@@ -37,8 +37,11 @@ def status(key):
                 return int(line.split()[1]) / 1024
 
 x = torch.randn(8, 48, 1024)
+# Reset the peak (VmHWM) to the current RSS: measure this step only. (Not getrusage's ru_maxrss:
+# a process started by fork + exec keeps its parent's peak there, so under pytest both runs read
+# the pytest process's peak, ~1.1 GiB, whatever the step did.)
 with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # reset the peak (VmHWM) to the current RSS: measure this step only
+    f.write("5")
 before = status("VmRSS")
 with torch.no_grad():
     g = vmap(grad(loss), in_dims=(None, 0))(ws, x)
