@@ -13,6 +13,7 @@ continues exactly where the run stopped, with no privacy spending forgotten.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import platform
@@ -200,6 +201,10 @@ def plan_run(settings: TrainSettings) -> RunPlan:
         raise ConfigurationError(
             "--precision fp16 on cpu: fp16 autocast is for accelerators; use --precision bf16 "
             "(or fp32) on the CPU"
+        )
+    if settings.plots and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigurationError(
+            "the loss and ε plots need matplotlib: pip install 'opake[plot]', or pass --no-plots"
         )
     if settings.lora_r is not None:
         try:
