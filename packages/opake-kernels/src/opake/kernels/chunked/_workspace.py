@@ -26,7 +26,7 @@ _MIB = 1 << 20
 #: stop paying off (CPU caches; GPU kernels already saturate the device), while memory keeps
 #: growing.
 WORKSPACE_CAP: dict[str, int] = {
-    "cpu": 12 * _MIB,
+    "cpu": 6 * _MIB,
     "mps": 256 * _MIB,
     "cuda": 1024 * _MIB,
     "xpu": 1024 * _MIB,
