@@ -88,6 +88,33 @@ def test_tiny_run_writes_every_output(tiny_args, tmp_path, capsys):
     assert (out / trainer.CHECKPOINT_FILE).is_file()
 
 
+def test_a_saved_model_directory_continues_training(tiny_args, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(tiny_args("--steps", "2", out=first)) == 0
+    argv = tiny_args("--steps", "1", out=second)
+    argv[argv.index("llama-tiny")] = str(first / "model")  # a local HF directory + its tokenizer
+    assert main(argv) == 0
+    before = json.loads((first / "summary.json").read_text())
+    after = json.loads((second / "summary.json").read_text())
+    assert after["model_source"] == str(first / "model")
+    # same data, seed and split: the loaded weights score what the first run ended with
+    assert after["initial_val_loss"] == pytest.approx(before["val_loss"], rel=1e-5)
+
+
+def test_jsonl_data(tiny_args, tmp_path, small_corpus):
+    jsonl = tmp_path / "docs.jsonl"
+    paragraphs = [p for p in small_corpus.read_text().split("\n\n") if p.strip()]
+    jsonl.write_text("\n".join(json.dumps({"body": p}) for p in paragraphs), encoding="utf-8")
+    out = tmp_path / "run"
+    argv = tiny_args("--steps", "1", "--data", str(jsonl), "--text-field", "body", out=out)
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["corpus"] == str(jsonl)
+    # one end-of-document token per record; 10 % of the blocks are held out
+    blocks = sum(len(p.encode()) + 1 for p in paragraphs) // 16
+    assert summary["dataset_size"] == blocks - blocks // 10
+
+
 def test_training_lowers_the_loss_below_initial(tiny_args, tmp_path):
     out = tmp_path / "run"
     args = tiny_args("--noise-multiplier", "0.5", "--steps", "12", "--lr", "0.02", out=out)
