@@ -12,6 +12,7 @@ import math
 import numbers
 import secrets
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -89,7 +90,7 @@ def _step_rng(seed: int, stream: int, step: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(stream, step)))
 
 
-class _BaseSampler:
+class _BaseSampler(ABC):
     """Position bookkeeping, epochs and state shared by the samplers."""
 
     _kind: str
@@ -143,11 +144,13 @@ class _BaseSampler:
             self._position += 1
             yield batch
 
+    @abstractmethod
     def _batch(self, step: int) -> list[int]:
-        raise NotImplementedError
+        """The indices of batch *step* (a pure function of the seed and the step)."""
 
+    @abstractmethod
     def _config(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The constructor settings, for ``state_dict`` validation."""
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state: the shared seed, the position and the configuration."""
