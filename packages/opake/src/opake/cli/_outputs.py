@@ -89,7 +89,11 @@ def write_json(path: Path, data: Mapping[str, Any]) -> Path:
 
 
 def plot_metrics(
-    out: Path, rows: Sequence[Mapping[str, Any]], *, baseline: float | None = None
+    out: Path,
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    baseline: float | None = None,
+    delta: float | None = None,
 ) -> list[Path]:
     """Save ``loss.png`` (train and validation loss, and the unigram *baseline*) and
     ``epsilon.png`` (ε spent) against the step; returns the files written.
@@ -135,7 +139,7 @@ def plot_metrics(
     xs, ys = series("epsilon")
     ax.plot(xs, ys, "-", color="tab:red")
     ax.set_xlabel("step")
-    ax.set_ylabel("ε spent")
+    ax.set_ylabel("ε spent" + (f" at δ = {delta:.2g}" if delta is not None else ""))
     ax.set_title("opake train: privacy spent")
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -6,7 +6,7 @@ settings).
 
 >>> s = TrainSettings()
 >>> s.model, s.batch_size, s.target_epsilon, s.clip
-('llama-small', 256, 8.0, 1.0)
+('llama-small', 128, 8.0, 1.0)
 >>> TrainSettings(steps=10, epochs=1.0).check()
 Traceback (most recent call last):
 ...
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 #: steps of a run when neither --steps nor --epochs is given
-DEFAULT_STEPS = 60
+DEFAULT_STEPS = 240
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SAMPLERS = ("poisson", "fixed")
@@ -82,12 +82,12 @@ class TrainSettings:
     delta: float | None = None
     accountant: str = "pld"
     clip: float = 1.0
-    batch_size: int = 256
+    batch_size: int = 128
     microbatch: int | str | None = None
     sampler: str = "poisson"
     steps: int | None = None
     epochs: float | None = None
-    lr: float = 1e-2
+    lr: float = 2e-2
     warmup: int | None = None
     optimizer: str = "adamw"
     weight_decay: float = 0.0

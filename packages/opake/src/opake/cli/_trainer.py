@@ -725,7 +725,8 @@ def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
     )
     write_metrics(plan.out / "metrics.csv", rows)
     if s.plots:
-        summary["plots"] = [p.name for p in plot_metrics(plan.out, rows, baseline=plan.baseline)]
+        plots = plot_metrics(plan.out, rows, baseline=plan.baseline, delta=plan.delta)
+        summary["plots"] = [p.name for p in plots]
     write_json(plan.out / "summary.json", summary)
     if tune_report:
         (plan.out / "microbatch_tuning.txt").write_text(tune_report + "\n", encoding="utf-8")
