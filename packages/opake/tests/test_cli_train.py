@@ -254,6 +254,29 @@ def _rows(directory):
         return [{k: float(v) if v else None for k, v in r.items()} for r in csv.DictReader(handle)]
 
 
+def test_microbatch_auto_bf16_and_epochs(tiny_args, tmp_path):
+    out = tmp_path / "run"
+    argv = tiny_args("--microbatch", "auto", "--precision", "bf16", out=out)
+    argv[argv.index("--steps") : argv.index("--steps") + 2] = ["--epochs", "0.05"]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    n = summary["dataset_size"]
+    assert summary["steps"] == math.ceil(0.05 * n / 8)  # steps = epochs / q
+    assert 1 <= summary["microbatch_size"] <= 8
+    assert "microbatch" in (out / "microbatch_tuning.txt").read_text().lower()
+    assert summary["clipping_engine"] == "vmap"  # mixed precision runs on the vmap engine
+    assert math.isfinite(summary["val_loss"])
+
+
+def test_optimizer_offload_is_neutral(tiny_args, tmp_path):
+    plain, offload = tmp_path / "plain", tmp_path / "offload"
+    assert main(tiny_args("--steps", "2", out=plain)) == 0
+    assert main(tiny_args("--steps", "2", "--offload-optimizer", out=offload)) == 0
+    wa, wb = _weights(plain / "model"), _weights(offload / "model")
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6)
+
+
 def test_lora_trains_only_adapters(tiny_args, tmp_path):
     pytest.importorskip("peft")
     out = tmp_path / "run"
