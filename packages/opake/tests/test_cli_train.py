@@ -284,6 +284,7 @@ def test_lora_trains_only_adapters(tiny_args, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert 0 < summary["trainable_parameters"] < summary["parameters"] / 2
     assert (out / "model" / "adapter_config.json").is_file()
+    assert any("LoRA A matrices" in note for note in summary["notes"])
     assert (out / "base_model" / "config.json").is_file()
 
 

@@ -524,6 +524,12 @@ def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
     grad_fn, clip_state = make_grad_fn(microbatch)
 
     expected_zero = _zero_partner_lora_a(trainable)
+    if expected_zero:
+        plan.notes.append(
+            f"{len(expected_zero)} LoRA A matrices get no gradient on the first step (their B "
+            "partners start at zero), so that step moves them by noise alone; this is expected "
+            "and costs no privacy"
+        )
     params = [p for p in model.parameters() if p.requires_grad]
     if s.optimizer == "sgd":
         inner: torch.optim.Optimizer = torch.optim.SGD(
