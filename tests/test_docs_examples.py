@@ -251,3 +251,17 @@ def test_page_examples_run(path, tmp_path):
         f"{[b.line for b in blocks]}; mark a block that cannot run with "
         f"'<!-- docs-test: skip (reason) -->'):\n{proc.stderr[-4000:]}"
     )
+
+
+def test_documented_epsilon_tables_are_what_the_command_prints(capsys):
+    """Each ```bash opake epsilon ...``` example in the CLI guide is followed by its output."""
+    import shlex
+
+    from opake.cli import main
+
+    text = (DOCS / "guide" / "cli.md").read_text(encoding="utf-8")
+    pairs = re.findall(r"```bash\n(opake epsilon [^\n]+)\n```\s*```text\n(.*?)```", text, re.S)
+    assert len(pairs) >= 2
+    for command, shown in pairs:
+        assert main(shlex.split(command)[1:]) == 0
+        assert capsys.readouterr().out.strip() == shown.strip(), command
