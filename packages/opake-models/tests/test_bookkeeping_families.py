@@ -58,13 +58,26 @@ def _inputs(model):
     return ids, labels, mask, causal
 
 
-def _case(model):
-    """(BatchedLoss, the one-example oracle loss, args)."""
+def _case(model, *, loss_only=False):
+    """(BatchedLoss, the one-example oracle loss, args); ``loss_only``: the patched model's
+    logits-free forward returning per-example losses."""
     fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
     ids, labels, mask, causal = _inputs(model)
     extra = {"use_cache": False} if causal else {}
 
     def losses(t, f, ids, labels, mask):
+        if loss_only:
+            out = fmodel(
+                (t, f),
+                input_ids=ids,
+                attention_mask=mask,
+                labels=labels,
+                loss_only=True,
+                per_example_loss=True,
+                **extra,
+            )
+            assert out.logits is None
+            return out.loss
         logits = fmodel((t, f), input_ids=ids, attention_mask=mask, **extra).logits
         if causal:
             return causal_lm_losses(logits, labels)
@@ -79,8 +92,8 @@ def _case(model):
     return BatchedLoss(losses, fmodel), oracle, (trainable, frozen, ids, labels, mask)
 
 
-def _check(model):
-    loss_fn, oracle, args = _case(model)
+def _check(model, *, loss_only=False):
+    loss_fn, oracle, args = _case(model, loss_only=loss_only)
     per_example, _ = testing.per_example_grads_loop(oracle, args, batch_argnums=(2, 3, 4))
     norms = sorted(
         math.sqrt(sum(float(g.double().square().sum()) for g in d.values())) for d in per_example
@@ -192,3 +205,44 @@ def test_patched_model_with_activation_checkpointing(family):
         oracle, ref_args, clipping_norm=1.0, batch_argnums=(2, 3, 4)
     )
     testing.assert_grads_close(grads, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("family", "other_tying", "kernels"),
+    [(name, False, "auto") for name in sorted(TIED)]
+    + [("llama", True, "auto"), ("gpt2", False, "torch")],
+)
+def test_loss_only_head(family, other_tying, kernels, monkeypatch):
+    """``apply_model_patches`` + ``loss_only=True``: no logits anywhere, ``lm_head`` is never
+    called, and its per-example gradients (tied to the embedding or not; Gemma 2's softcap,
+    Cohere's scale, Granite's divisor) come from the chunked kernel's example-grads op, tile by
+    tile (a vocabulary tile of 16; with the ``torch`` reference loss, chunked's op still): the
+    clipped sum still equals the per-example loop on the model's own loss and the vmap engine
+    on the same loss-only forward."""
+    from opake.kernels.chunked import LinearCEExampleGrads
+    from opake.patches import apply_model_patches
+
+    kwargs = {}
+    if other_tying:
+        kwargs["tie_word_embeddings"] = not bool(tiny_model(family).config.tie_word_embeddings)
+    model = tiny_model(family, **kwargs)
+    if kernels == "torch":  # the reference loss; its backend has no example-grads op: chunked's
+        report = apply_model_patches(model, kernels="torch")
+    else:
+        report = apply_model_patches(model, chunked_linear_cross_entropy=16)
+    assert "loss_only" in " ".join(report.applied), report
+    head_calls = []
+    model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))
+    norms_calls = []
+    original = LinearCEExampleGrads.sq_norms
+
+    def spy(self):
+        norms_calls.append(self.route)
+        return original(self)
+
+    monkeypatch.setattr(LinearCEExampleGrads, "sq_norms", spy)
+    _check(model, loss_only=True)
+    assert norms_calls, "the loss-only head was not book-kept through the example-grads op"
+    # the oracle (the model's own loss, one example at a time) calls lm_head; the batched
+    # book-keeping and vmap forwards never do
+    assert len(head_calls) == BATCH, head_calls

@@ -345,6 +345,27 @@ def test_loss_only_matches_the_logits_path(toy_plugins, tiny_llama):
     torch.testing.assert_close(as_tuple[0], ref_batch)
 
 
+def test_per_example_loss_returns_each_example_loss(toy_plugins, tiny_llama):
+    model = tiny_llama()
+    plain = tiny_llama()
+    ids = _ids(3, 7)
+    labels = ids.clone()
+    labels[1, :4] = -100
+    labels[2] = -100  # no target token: loss 0, as causal_lm_losses gives
+    want = [plain(ids[i : i + 1], labels=labels[i : i + 1]).loss for i in range(2)]
+    apply_model_patches(model)
+    out = model(ids, labels=labels, loss_only=True, per_example_loss=True)
+    assert out.logits is None
+    assert out.loss.shape == (3,)
+    torch.testing.assert_close(out.loss[:2], torch.stack(want))
+    assert out.loss[2].item() == 0.0
+    one = model(ids[:1], labels=labels[:1], loss_only=True, per_example_loss=True)
+    assert one.loss.shape == (1,)
+    torch.testing.assert_close(one.loss[0], want[0])
+    with pytest.raises(ConfigurationError, match="per_example_loss=True needs loss_only=True"):
+        model(ids, labels=labels, per_example_loss=True)
+
+
 def test_loss_only_per_example_grads_under_vmap(toy_plugins, tiny_llama):
     model = tiny_llama()
     plain = tiny_llama()

@@ -193,6 +193,19 @@ def test_patches_and_checkpointing_do_not_change_the_result(tiny_args, tmp_path)
     wa, wb = _weights(plain / "model"), _weights(patched / "model")
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=1e-5)
+    # book-keeping on the loss-only forward: no logits, lm_head's norms from the chunked
+    # kernel's example-grads op; the same training run
+    logits_free = tmp_path / "logits_free"
+    argv = tiny_args(
+        "--steps", "2", "--kernels", "chunked", "--engine", "bookkeeping", out=logits_free
+    )
+    assert main(argv) == 0
+    summary = json.loads((logits_free / "summary.json").read_text())
+    assert summary["model_patches"]["loss_only"] is True
+    assert summary["clipping_engine"] == "bookkeeping"
+    wc = _weights(logits_free / "model")
+    for name in wa:
+        torch.testing.assert_close(wa[name], wc[name], rtol=1e-4, atol=1e-5)
 
 
 def _free_port() -> int:

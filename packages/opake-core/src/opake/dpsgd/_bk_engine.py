@@ -11,6 +11,7 @@ activation gradients and no weight gradient at all) then leaves, per layer use, 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -18,7 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, OperationError
 from opake.dpsgd._bk_loss import BatchedLoss
-from opake.dpsgd._bk_rules import Dense, OuterSum, Piece, inner, sq_norm, weighted_sum
+from opake.dpsgd._bk_rules import (
+    Dense,
+    Implicit,
+    ImplicitGrad,
+    OuterSum,
+    Piece,
+    inner,
+    sq_norm,
+    weighted_sum,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -27,9 +37,11 @@ __all__ = [
     "BookkeepingMismatchError",
     "BookkeepingPlan",
     "BookkeepingRunner",
+    "ImplicitUse",
     "LayerRule",
     "bookkeeping_plan",
     "choose",
+    "implicit_use",
     "prepare",
 ]
 
@@ -253,6 +265,96 @@ class _Use:
     params: dict[str, torch.Tensor]
     output: torch.Tensor | None = None
     grad: torch.Tensor | None = None
+    build: Callable[[torch.Tensor], Mapping[str, Any]] | None = None
+
+
+#: the runner whose batched forward is being recorded (what :func:`implicit_use` reports to)
+_RECORDING: contextvars.ContextVar[BookkeepingRunner | None] = contextvars.ContextVar(
+    "opake_bookkeeping_recording", default=None
+)
+
+
+class ImplicitUse:
+    """A recorded use of a layer's parameters that the layer's forward hook does not see.
+
+    Returned by :func:`implicit_use`. ``params`` maps the layer's attributes (``"weight"``,
+    ``"bias"``) to the differentiated tensors to compute with; :meth:`tap` routes the use's
+    output through the engine, and ``build`` later turns the output gradient into each
+    attribute's per-example gradients.
+    """
+
+    __slots__ = ("_layer", "_module", "_runner", "params")
+
+    def __init__(
+        self,
+        runner: BookkeepingRunner,
+        layer: LayerRule,
+        module: torch.nn.Module,
+        params: dict[str, torch.Tensor],
+    ) -> None:
+        self._runner = runner
+        self._layer = layer
+        self._module = module
+        self.params = params
+
+    def tap(
+        self, output: torch.Tensor, build: Callable[[torch.Tensor], Mapping[str, Any]]
+    ) -> torch.Tensor:
+        """Record this use; returns ``output`` (identity) through the engine's gradient tap.
+
+        After the backward pass, ``build(grad_of_output)`` must return, for every attribute in
+        :attr:`params`, either an :class:`~opake.dpsgd._bk_rules.ImplicitGrad` (norms, weighted
+        sums and inner products computed by an operator) or the per-example gradients
+        ``[B, *parameter.shape]``. Compute ``output`` from *detached* parameters: the engine
+        takes their gradients from ``build``, and the backward then skips the weight gradient.
+        """
+        runner = self._runner
+        if runner._sink is None or _RECORDING.get() is not runner:
+            raise OperationError(
+                f"book-keeping: the implicit use of layer {self._layer.module!r} was tapped "
+                "after its recording ended; tap it inside the batched forward"
+            )
+        use = _Use(self._layer, self._module, (), {}, dict(self.params), build=build)
+        runner._uses.append(use)
+        return _Tap.apply(output, runner._sink, use)
+
+
+def implicit_use(module: torch.nn.Module) -> ImplicitUse | None:
+    """The book-keeping engine's view of a use of ``module``'s parameters outside its forward.
+
+    Code that reads a layer's parameters without calling the layer (e.g. a loss-only forward
+    that hands ``lm_head.weight`` to a linear cross-entropy kernel) asks this first: ``None``
+    unless a book-keeping forward is being recorded and ``module`` holds differentiated
+    parameters; otherwise an :class:`ImplicitUse` to compute with and tap.
+
+    >>> import torch
+    >>> implicit_use(torch.nn.Linear(2, 2)) is None  # nothing is being recorded
+    True
+    """
+    import torch
+
+    runner = _RECORDING.get()
+    if runner is None or not runner._recording:
+        return None
+    layer = runner._by_module.get(id(module))
+    if layer is None:
+        return None
+    if not torch.is_grad_enabled() or runner._sink is None:
+        raise OperationError(
+            f"book-keeping: layer {layer.module!r} was used outside the recorded forward "
+            "(under no_grad); use clipped_grad(method='vmap') for such models"
+        )
+    params: dict[str, torch.Tensor] = {}
+    for attr, name in layer.params:
+        tensor = getattr(module, attr)
+        if tensor is not runner._diff[name]:
+            raise OperationError(
+                f"book-keeping: layer {layer.module!r} holds a {attr!r} that is not the "
+                f"differentiated tensor {name!r}; the loss must run the model through "
+                "fmodel(params, ...) with the dict clipped_grad passes"
+            )
+        params[attr] = tensor
+    return ImplicitUse(runner, layer, module, params)
 
 
 def _flat(x: torch.Tensor, batch: int, layer: str) -> torch.Tensor:
@@ -318,6 +420,7 @@ class BookkeepingRunner:
         self._sink: torch.Tensor | None = None
         self._batch = 0
         self._diff: Mapping[str, torch.Tensor] = {}
+        self._by_module: dict[int, LayerRule] = {}
         self.verified = False
         self.disabled: str | None = None  # set when the first-call check failed (auto falls back)
 
@@ -386,8 +489,10 @@ class BookkeepingRunner:
         self._uses = []
         self._batch = batch
         self._diff = args[self.argnums]
+        self._by_module = {id(by_name[layer.module]): layer for layer in plan.layers}
         self._sink = torch.zeros((), requires_grad=True)
         self._recording = True
+        token = _RECORDING.set(self)
         try:
             with torch.enable_grad():
                 out = self.loss.fn(*args)
@@ -411,8 +516,10 @@ class BookkeepingRunner:
                     with _holding(module, self._diff):
                         torch.autograd.backward(losses.sum(), inputs=[self._sink])
         finally:
+            _RECORDING.reset(token)
             self._recording = False
             self._sink = None
+            self._by_module = {}
             for handle in handles:
                 handle.remove()
         uses, self._uses = self._uses, []
@@ -429,6 +536,8 @@ class BookkeepingRunner:
             return []
         names = dict(layer.params)
         out: list[tuple[str, Piece]] = []
+        if use.build is not None:
+            return self._implicit(use, batch)
         if layer.rule == "per_layer":
             return self._per_layer(use, batch)
         x = _first_input(use)
@@ -472,6 +581,42 @@ class BookkeepingRunner:
             return out
         if "bias" in names:
             out.append((names["bias"], Dense(g.float().sum(dim=1))))
+        return out
+
+    def _implicit(self, use: _Use, batch: int) -> list[tuple[str, Piece]]:
+        """The pieces an :class:`ImplicitUse`'s ``build`` returns, checked."""
+        import torch
+
+        layer = use.layer
+        assert use.build is not None
+        assert use.grad is not None
+        got = use.build(use.grad)
+        names = dict(layer.params)
+        if not isinstance(got, Mapping) or set(got) != set(names):
+            keys = sorted(got) if isinstance(got, Mapping) else type(got).__name__
+            raise OperationError(
+                f"book-keeping: the implicit use of layer {layer.module!r} built {keys}; "
+                f"expected per-example gradients for exactly {sorted(names)}"
+            )
+        out: list[tuple[str, Piece]] = []
+        for attr, value in got.items():
+            shape = tuple(use.params[attr].shape)
+            if isinstance(value, ImplicitGrad):
+                if value.batch != batch or tuple(value.shape) != shape:
+                    raise OperationError(
+                        f"book-keeping: layer {layer.module!r}: implicit gradients of "
+                        f"{value.batch} examples of shape {tuple(value.shape)}; expected "
+                        f"{batch} of shape {shape}"
+                    )
+                out.append((names[attr], Implicit(value)))
+            elif isinstance(value, torch.Tensor) and tuple(value.shape) == (batch, *shape):
+                out.append((names[attr], Dense(value)))
+            else:
+                what = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                raise OperationError(
+                    f"book-keeping: layer {layer.module!r}: {attr!r} got {what}; expected an "
+                    f"ImplicitGrad or per-example gradients of shape {(batch, *shape)}"
+                )
         return out
 
     def _per_layer(self, use: _Use, batch: int) -> list[tuple[str, Piece]]:

@@ -7,6 +7,9 @@ A layer use leaves one *piece* per parameter it touches:
   transposed ``Conv1D`` of GPT-2, or an embedding (``a`` = one-hot token ids, held as indices).
 - :class:`Dense` — the per-example gradient itself, ``[B, *shape]`` (biases, norm weights,
   per-layer fallbacks).
+- :class:`Implicit` — per-example gradients held by an operator that computes norms, weighted
+  sums and inner products itself (:class:`ImplicitGrad`; e.g. the output projection inside a
+  loss-only linear cross-entropy, whose logit gradients never exist as one tensor).
 
 From pieces the engine needs two things, neither of which forms every ``G_i``:
 
@@ -21,12 +24,23 @@ From pieces the engine needs two things, neither of which forms every ``G_i``:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from opake.core.errors import OperationError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Dense", "OuterSum", "ghost_is_cheaper", "inner", "sq_norm", "weighted_sum"]
+__all__ = [
+    "Dense",
+    "Implicit",
+    "ImplicitGrad",
+    "OuterSum",
+    "ghost_is_cheaper",
+    "inner",
+    "sq_norm",
+    "weighted_sum",
+]
 
 
 @dataclass(frozen=True)
@@ -67,7 +81,53 @@ class Dense:
     g: torch.Tensor
 
 
-Piece = OuterSum | Dense
+@runtime_checkable
+class ImplicitGrad(Protocol):
+    """Per-example gradients ``G_i`` of one ``[R, C]`` matrix that an operator never forms.
+
+    ``opake.kernels.linear_cross_entropy_example_grads`` returns one (the output projection
+    inside a linear cross-entropy). All results are fp32 ``[B]`` unless stated.
+    """
+
+    @property
+    def batch(self) -> int:
+        """Number of examples ``B``."""
+        ...
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The matrix's shape ``(R, C)``."""
+        ...
+
+    def sq_norms(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(‖G_i‖², squared norms of an attached bias or None)``."""
+        ...
+
+    def weighted_sum(
+        self, weights: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(Σ_i w_i G_i [R, C], the bias's or None)``; rows not kept contribute zero."""
+        ...
+
+    def inner_outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``⟨G_i, Σ_s a_s ⊗ b_s⟩``: ``a`` int64 row ids ``[B, S]`` or ``[B, S, R]``, ``b``
+        ``[B, S, C]``."""
+        ...
+
+
+@dataclass(frozen=True)
+class Implicit:
+    """A matrix's per-example gradients held by an :class:`ImplicitGrad` operator."""
+
+    op: ImplicitGrad
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The parameter's shape ``(R, C)``."""
+        return self.op.shape
+
+
+Piece = OuterSum | Dense | Implicit
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -140,6 +200,8 @@ def inner(u: Piece, v: Piece) -> torch.Tensor:
     >>> inner(u, v).tolist(), inner(u, Dense(_materialise(v))).tolist()
     ([4.0], [4.0])
     """
+    if isinstance(u, Implicit) or isinstance(v, Implicit):
+        return _inner_implicit(u, v)
     if isinstance(u, Dense) and isinstance(v, Dense):
         batch = u.g.shape[0]
         return (_f32(u.g).reshape(batch, -1) * _f32(v.g).reshape(batch, -1)).sum(dim=1)
@@ -151,10 +213,27 @@ def inner(u: Piece, v: Piece) -> torch.Tensor:
     return _inner_outer(u, v)
 
 
+def _inner_implicit(u: Piece, v: Piece) -> torch.Tensor:
+    """``⟨G_i, G'_i⟩`` when one side is an :class:`Implicit` (the other must be an OuterSum)."""
+    if isinstance(v, Implicit):
+        u, v = v, u
+    assert isinstance(u, Implicit)
+    if not isinstance(v, OuterSum) or v.shape != u.shape:
+        other = type(v).__name__ if not isinstance(v, OuterSum) else f"OuterSum {v.shape}"
+        raise OperationError(
+            f"book-keeping: a parameter of shape {u.shape} is used both inside an operator "
+            f"that holds its per-example gradients implicitly and by a {other} use; no rule "
+            "forms their cross term. Use clipped_grad(method='vmap')"
+        )
+    return u.op.inner_outer(v.a, v.b).float()
+
+
 def sq_norm(piece: Piece) -> torch.Tensor:
     """Per-example squared Frobenius norm ``[B]`` (fp32), by the cheaper route for an OuterSum."""
     import torch
 
+    if isinstance(piece, Implicit):
+        return piece.op.sq_norms()[0].float()
     if isinstance(piece, Dense):
         g = _f32(piece.g).reshape(piece.g.shape[0], -1)
         return (g * g).sum(dim=1)
@@ -179,6 +258,8 @@ def weighted_sum(piece: Piece, weights: torch.Tensor, keep: torch.Tensor | None)
     """
     import torch
 
+    if isinstance(piece, Implicit):
+        return piece.op.weighted_sum(_f32(weights), keep)[0].float()
     w = _f32(weights)
     if keep is not None:
         w = torch.where(keep, w, 0.0)

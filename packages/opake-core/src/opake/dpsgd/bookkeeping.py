@@ -14,7 +14,13 @@ no ``create_graph``). Per layer:
 - a leaf layer without a rule (e.g. a model's own RMSNorm class): its per-example gradient by
   ``vmap`` over that layer alone, checked to reproduce the batched output;
 - a parameter read by several layers (GPT-2's tied ``wte``/``lm_head``): the sum of the uses,
-  with every cross term.
+  with every cross term;
+- a parameter read without calling its layer — the ``lm_head`` weight handed to a linear
+  cross-entropy kernel by a loss-only forward (``model(..., loss_only=True)`` after
+  :func:`~opake.patches.apply_model_patches`): the forward asks :func:`implicit_use`, computes
+  with the detached weight and taps the per-token losses; the per-example gradients are then
+  held by an :class:`ImplicitGrad` operator (``opake.kernels.linear_cross_entropy_example_grads``,
+  vocabulary tile by vocabulary tile: no logits tensor exists at any point).
 
 The clipped sum ``Σ_i c_i ∇ℓ_i`` is then one contraction per layer of the recorded inputs and
 the ``c_i``-scaled output gradients (fp32). On the first call the norm of example 0 is compared
@@ -51,15 +57,24 @@ True
 
 from __future__ import annotations
 
-from opake.dpsgd._bk_engine import BookkeepingPlan, LayerRule, bookkeeping_plan
+from opake.dpsgd._bk_engine import (
+    BookkeepingPlan,
+    ImplicitUse,
+    LayerRule,
+    bookkeeping_plan,
+    implicit_use,
+)
 from opake.dpsgd._bk_loss import BatchedLoss, causal_lm_losses
-from opake.dpsgd._bk_rules import ghost_is_cheaper
+from opake.dpsgd._bk_rules import ImplicitGrad, ghost_is_cheaper
 
 __all__ = [
     "BatchedLoss",
     "BookkeepingPlan",
+    "ImplicitGrad",
+    "ImplicitUse",
     "LayerRule",
     "bookkeeping_plan",
     "causal_lm_losses",
     "ghost_is_cheaper",
+    "implicit_use",
 ]

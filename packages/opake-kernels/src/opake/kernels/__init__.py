@@ -5,6 +5,9 @@ Each op (:func:`linear_cross_entropy`, :func:`cross_entropy`, :func:`rms_norm`, 
 dispatches to a backend: ``torch`` (reference), ``chunked`` (portable, bounded memory) or
 ``triton`` (fused GPU kernels), or a third party's. Importing this package imports neither torch
 nor triton; backends are imported when first chosen.
+:func:`linear_cross_entropy_example_grads` (the ``chunked`` backend) serves the book-keeping
+clipping engine: the per-example gradients of the projection inside a linear cross-entropy,
+held implicitly.
 
 >>> import opake.kernels
 >>> opake.kernels.__version__
@@ -20,15 +23,17 @@ from opake.kernels._api import (
     geglu,
     kernel_choice,
     linear_cross_entropy,
+    linear_cross_entropy_example_grads,
     rms_norm,
     rope,
     swiglu,
 )
 from opake.kernels._args import REDUCTIONS
-from opake.kernels._plugin import OPS
+from opake.kernels._plugin import EXAMPLE_GRADS_OP, OPS
 from opake.kernels._version import __version__
 
 __all__ = [
+    "EXAMPLE_GRADS_OP",
     "OPS",
     "REDUCTIONS",
     "__version__",
@@ -36,6 +41,7 @@ __all__ = [
     "geglu",
     "kernel_choice",
     "linear_cross_entropy",
+    "linear_cross_entropy_example_grads",
     "rms_norm",
     "rope",
     "swiglu",

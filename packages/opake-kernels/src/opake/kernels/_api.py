@@ -21,6 +21,7 @@ __all__ = [
     "geglu",
     "kernel_choice",
     "linear_cross_entropy",
+    "linear_cross_entropy_example_grads",
     "rms_norm",
     "rope",
     "swiglu",
@@ -113,6 +114,70 @@ def linear_cross_entropy(
         softcap=softcap,
         label_smoothing=label_smoothing,
         chunk_size=chunk_size,
+    )
+
+
+def linear_cross_entropy_example_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    token_grads: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    logit_scale: float | None = None,
+    logit_divisor: float | None = None,
+    softcap: float | None = None,
+    label_smoothing: float = 0.0,
+    chunk_size: bool | int = True,
+    route: str = "auto",
+    backend: str | None = None,
+) -> Any:
+    """Per-example gradients of *weight* (and *bias*) in :func:`linear_cross_entropy`, implicit.
+
+    Example ``i``'s gradient of ``Σ_t token_grads[i, t] · loss[i, t]`` is never formed: the
+    returned object computes, vocabulary tile by vocabulary tile, each example's squared norm
+    (``sq_norms()``), the weighted sum ``Σ_i w_i G_i`` (``weighted_sum(w)``) and inner products
+    with another use of the same matrix (``inner_outer(ids_or_rows, b)``, e.g. a tied input
+    embedding). The book-keeping clipping engine uses it to clip with a loss-only forward.
+
+    Args:
+        hidden: ``(B, T, H)`` final hidden states (batch first).
+        weight: ``(V, H)`` output projection; bias: optional ``(V,)``.
+        labels: ``(B, T)`` targets (already shifted), ``ignore_index`` for none.
+        token_grads: ``(B, T)`` upstream gradient of each token's loss (``1/count_i`` for
+            example ``i``'s mean loss).
+        logit_scale, logit_divisor, softcap, label_smoothing, chunk_size: as
+            :func:`linear_cross_entropy`.
+        route: ``"ghost"`` (Gram matrices of the logit gradients and of the hidden states),
+            ``"materialised"`` (one ``vocab_tile × H`` gradient tile at a time) or ``"auto"``
+            (the cheaper one, ``T·(V + H) ≤ V·H`` for the Gram route).
+        backend: ``None`` (automatic: ``chunked``, which runs on every device) or a backend
+            that implements the op.
+
+    Example:
+        >>> import torch
+        >>> from opake.kernels import linear_cross_entropy_example_grads
+        >>> h, w = torch.ones(2, 3, 4), torch.zeros(5, 4)
+        >>> y, g = torch.tensor([[0, 1, 2], [3, 4, -100]]), torch.ones(2, 3)
+        >>> grads = linear_cross_entropy_example_grads(h, w, y, g)
+        >>> [round(x, 4) for x in grads.sq_norms()[0].tolist()]  # ‖h‖²·‖Σ_t (p_t - onehot_t)‖²
+        [4.8, 4.8]
+    """
+    impl = _impl("linear_cross_entropy_example_grads", "hidden", hidden, backend)
+    return impl(
+        hidden,
+        weight,
+        labels,
+        token_grads,
+        bias=bias,
+        ignore_index=ignore_index,
+        logit_scale=logit_scale,
+        logit_divisor=logit_divisor,
+        softcap=softcap,
+        label_smoothing=label_smoothing,
+        chunk_size=chunk_size,
+        route=route,
     )
 
 

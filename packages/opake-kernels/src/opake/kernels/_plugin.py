@@ -9,7 +9,7 @@ from __future__ import annotations
 from opake.core.plugins import KernelBackend, hookimpl
 from opake.kernels._triton_support import triton_available, triton_devices, triton_priority
 
-__all__ = ["OPS", "opake_kernel_backends"]
+__all__ = ["EXAMPLE_GRADS_OP", "OPS", "opake_kernel_backends"]
 
 #: the ops every opake-kernels backend implements (one signature per op, see the guide)
 OPS: tuple[str, ...] = (
@@ -21,6 +21,9 @@ OPS: tuple[str, ...] = (
     "rope",
 )
 _EVERYWHERE = ("cpu", "cuda", "mps", "xpu")
+#: the book-keeping engine's op: per-example gradients of the projection inside a linear CE,
+#: held implicitly (only the portable ``chunked`` backend implements it; it runs everywhere)
+EXAMPLE_GRADS_OP = "linear_cross_entropy_example_grads"
 
 
 def _ops(module: str) -> dict[str, str]:
@@ -32,7 +35,15 @@ def opake_kernel_backends() -> list[KernelBackend]:
     """The ``torch`` reference, the portable ``chunked`` backend and the ``triton`` backend."""
     return [
         KernelBackend("torch", _ops("opake.kernels.torch"), devices=_EVERYWHERE, priority=0),
-        KernelBackend("chunked", _ops("opake.kernels.chunked"), devices=_EVERYWHERE, priority=10),
+        KernelBackend(
+            "chunked",
+            {
+                **_ops("opake.kernels.chunked"),
+                EXAMPLE_GRADS_OP: f"opake.kernels.chunked:{EXAMPLE_GRADS_OP}",
+            },
+            devices=_EVERYWHERE,
+            priority=10,
+        ),
         KernelBackend(
             "triton",
             _ops("opake.kernels.triton"),

@@ -352,10 +352,14 @@ def check_backend(
     ref = backends["torch"]
     s = sizes or Sizes()
     report: list[str] = []
-    chosen = tuple(be.ops) if ops is None else tuple(ops)
+    # ops the reference lacks (the chunked backend's example-grads op) have their own tests
+    chosen = tuple(op for op in be.ops if op in ref.ops) if ops is None else tuple(ops)
     for dtype in dtypes:
         gen = torch.Generator().manual_seed(seed)
         for op in chosen:
+            if op not in ref.ops:
+                report.append(f"{op}: the torch reference has no such op (skipped)")
+                continue
             ctx = _Ctx(be.load_op(op), ref.load_op(op), s, dtype, device, gen, report)
             if op == "linear_cross_entropy":
                 _check_lce(ctx)

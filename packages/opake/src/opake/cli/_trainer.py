@@ -488,6 +488,12 @@ def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
         trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], x: torch.Tensor
     ) -> torch.Tensor:
         """Per-example losses ``[B]`` of a batch, each over its own tokens only."""
+        if forward_kwargs.get("loss_only"):
+            # no logits at all: the book-keeping engine takes lm_head's per-example norms
+            # from the chunked kernel's example-grads op, vocabulary tile by tile
+            params = (trainable, frozen)
+            out = fmodel(params, input_ids=x, labels=x, per_example_loss=True, **forward_kwargs)
+            return out.loss  # type: ignore[no-any-return]
         out = fmodel((trainable, frozen), input_ids=x, use_cache=False)
         return causal_lm_losses(out.logits, x)
 
@@ -906,8 +912,9 @@ def _summary(
         else {
             "family": patch_report.family,
             "kernels": {op: use.backend for op, use in patch_report.kernels.items()},
-            # the logits-free loss path serves the vmap engine (book-keeping needs the logits)
-            "loss_only": "linear_cross_entropy" in patch_report.kernels and engine[0] == "vmap",
+            # the logits-free loss path, for either engine (book-keeping takes lm_head's
+            # per-example norms from the kernel's example-grads op)
+            "loss_only": "linear_cross_entropy" in patch_report.kernels,
         },
         "outputs": saved,
         "notes": plan.notes,

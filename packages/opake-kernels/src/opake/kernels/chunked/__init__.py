@@ -7,6 +7,10 @@ backward. Every op is a ``setup_context`` autograd.Function with an explicit ``v
 ``vmap(grad(...))`` folds examples into the token dimension and returns per-example gradients
 (also for a shared weight).
 
+:func:`linear_cross_entropy_example_grads` holds the per-example gradients of the output
+projection implicitly (norms, clipped sums and cross terms tile by tile): the book-keeping
+clipping engine uses it to clip with a loss-only forward.
+
 >>> import torch
 >>> from opake.kernels.chunked import resolve_chunking
 >>> resolve_chunking(True, "cpu", 64, 1000, torch.float32, tokens=8)[0]
@@ -15,6 +19,11 @@ backward. Every op is a ``setup_context`` autograd.Function with an explicit ``v
 
 from __future__ import annotations
 
+from opake.kernels.chunked._example_grads import (
+    LinearCEExampleGrads,
+    lce_ghost_is_cheaper,
+    linear_cross_entropy_example_grads,
+)
 from opake.kernels.chunked._ops import (
     cross_entropy,
     geglu,
@@ -32,10 +41,13 @@ from opake.kernels.chunked._workspace import (
 
 __all__ = [
     "WORKSPACE_CAP",
+    "LinearCEExampleGrads",
     "available_memory",
     "cross_entropy",
     "geglu",
+    "lce_ghost_is_cheaper",
     "linear_cross_entropy",
+    "linear_cross_entropy_example_grads",
     "resolve_chunking",
     "rms_norm",
     "rope",

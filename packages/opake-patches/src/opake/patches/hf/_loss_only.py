@@ -9,7 +9,17 @@ Per-example semantics (DP-SGD clips each example's gradient, so an example's los
 depend on the others): an example's loss is the mean over *its own* non-ignored target tokens
 (labels shifted by one for next-token prediction). For a batch of several examples the returned
 loss is the mean of the per-example losses — never a token mean across the batch, and
-``num_items_in_batch`` (a batch-global count) is refused.
+``num_items_in_batch`` (a batch-global count) is refused. ``per_example_loss=True`` (with
+``loss_only=True``) returns the vector of per-example losses ``[B]`` instead: what a
+:class:`~opake.dpsgd.bookkeeping.BatchedLoss` returns.
+
+Under the book-keeping clipping engine (``clipped_grad(method="bookkeeping" | "auto")``) the
+output projection's weight is read without calling its module, so no forward hook sees it: the
+forward asks :func:`opake.dpsgd.bookkeeping.implicit_use`, runs the kernel on the *detached*
+weight (the backward then computes the hidden states' gradient only) and taps the per-token
+losses; the engine gets each example's weight gradient from the kernel backend's
+``linear_cross_entropy_example_grads`` op, vocabulary tile by vocabulary tile. The logits never
+exist, not even for the per-example norms.
 """
 
 from __future__ import annotations
@@ -133,12 +143,17 @@ def per_example_lm_loss(
     bias: torch.Tensor | None = None,
     head: LossOnlyHead | None = None,
     ignore_index: int = -100,
+    per_example: bool = False,
+    module: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """Mean over examples of each example's mean token loss (labels already aligned).
 
     ``hidden`` is ``(B, T, H)`` (or ``(T, H)``), ``labels`` ``(B, T)`` (or ``(T,)``). With one
     example this is the kernel's own ``reduction="mean"``; with several, per-token losses are
     averaged per example first (an example with no target token contributes 0).
+    ``per_example=True`` returns those per-example losses ``(B,)`` instead of their mean.
+    ``module`` is the layer owning ``weight`` (``lm_head``): while the book-keeping engine
+    records a forward it is tapped (see the module docstring).
 
     >>> import torch
     >>> from opake.patches.hf import LossKernel
@@ -152,7 +167,17 @@ def per_example_lm_loss(
     >>> round(per_example_lm_loss(k, h, w, y).item(), 4)  # log(5) for both examples
     1.6094
     """
+    from opake.dpsgd.bookkeeping import implicit_use
+
     transform = (head or LossOnlyHead()).kernel_kwargs()
+    use = None if module is None else implicit_use(module)
+    if use is not None:
+        # the engine takes this layer's gradients from the example-grads op: compute with the
+        # detached parameters so the backward forms the hidden states' gradient only
+        if "weight" in use.params:
+            weight = weight.detach()
+        if bias is not None and "bias" in use.params:
+            bias = bias.detach()
     if weight.dtype != hidden.dtype:  # autocast: the projection runs in the compute dtype
         weight = weight.to(hidden.dtype)
         bias = None if bias is None else bias.to(hidden.dtype)
@@ -162,12 +187,65 @@ def per_example_lm_loss(
         "chunk_size": kernel.chunk_size,
         **transform,
     }
-    if labels.dim() <= 1 or labels.shape[0] == 1:
-        return kernel.impl(hidden, weight, labels, reduction="mean", **common)
+    if use is None and (labels.dim() <= 1 or labels.shape[0] == 1):
+        loss = kernel.impl(hidden, weight, labels, reduction="mean", **common)
+        return loss.reshape(1) if per_example and labels.dim() > 1 else loss
+    if use is not None and (hidden.dim() != 3 or labels.dim() != 2):
+        from opake.core.errors import OperationError
+
+        raise OperationError(
+            f"book-keeping: the loss-only head got hidden states {tuple(hidden.shape)} and "
+            f"labels {tuple(labels.shape)}; it needs a batch: (B, T, H) and (B, T)"
+        )
     per_token = kernel.impl(hidden, weight, labels, reduction="none", **common)
+    if use is not None:
+        per_token = use.tap(
+            per_token,
+            _example_grads_builder(
+                kernel, hidden, weight, labels, common=common, params=use.params
+            ),
+        )
     per_token = per_token.reshape(labels.shape[0], -1).float()
     counts = (labels != ignore_index).reshape(labels.shape[0], -1).sum(-1).clamp_min(1)
-    return (per_token.sum(-1) / counts).mean().to(per_token.dtype)
+    losses = per_token.sum(-1) / counts
+    return losses if per_example else losses.mean().to(per_token.dtype)
+
+
+#: the kernel op that holds the per-example gradients of the projection (opake-kernels)
+EXAMPLE_GRADS_OP = "linear_cross_entropy_example_grads"
+
+
+def _example_grads_builder(
+    kernel: LossKernel,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    common: dict[str, Any],
+    params: dict[str, torch.Tensor],
+) -> Callable[[torch.Tensor], dict[str, Any]]:
+    """What the book-keeping engine calls after the backward: per-example gradients of the head.
+
+    The op comes from the backend that ran the loss when it implements it, else from the
+    portable ``chunked`` backend (every device).
+    """
+    from opake.core.plugins import kernel_backends, select_kernel
+
+    own = kernel_backends().get(kernel.backend)
+    backend = kernel.backend if own is not None and EXAMPLE_GRADS_OP in own.ops else "chunked"
+    impl = select_kernel(EXAMPLE_GRADS_OP, hidden.device, backend).impl
+    hidden = hidden.detach()
+
+    def build(token_grads: torch.Tensor) -> dict[str, Any]:
+        grads = impl(hidden, weight, labels, token_grads.reshape(labels.shape), **common)
+        out: dict[str, Any] = {}
+        if "weight" in params:
+            out["weight"] = grads
+        if "bias" in params:
+            out["bias"] = grads.bias_grads()
+        return out
+
+    return build
 
 
 _DROPPED = ("logits_to_keep", "return_dict")
@@ -198,8 +276,15 @@ def install_loss_only(model: Any, head: LossOnlyHead, kernel: LossKernel, patche
         backbone_takes_cache_flag = False
 
     @functools.wraps(inner)
-    def forward(*args: Any, loss_only: bool = False, **kwargs: Any) -> Any:
+    def forward(
+        *args: Any, loss_only: bool = False, per_example_loss: bool = False, **kwargs: Any
+    ) -> Any:
         if not loss_only:
+            if per_example_loss:
+                raise ConfigurationError(
+                    "per_example_loss=True needs loss_only=True (it returns each example's "
+                    "loss from the loss-only path); pass both, or neither"
+                )
             return inner(*args, **kwargs)
         return _loss_only_forward(
             model,
@@ -209,6 +294,7 @@ def install_loss_only(model: Any, head: LossOnlyHead, kernel: LossKernel, patche
             kwargs,
             signature=signature,
             cache_flag=backbone_takes_cache_flag,
+            per_example=bool(per_example_loss),
         )
 
     forward._opake_stage = "loss_only"  # type: ignore[attr-defined]
@@ -224,6 +310,7 @@ def _loss_only_forward(
     *,
     signature: inspect.Signature,
     cache_flag: bool,
+    per_example: bool = False,
 ) -> Any:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -269,7 +356,14 @@ def _loss_only_forward(
         targets = labels
     targets = targets.to(hidden.device)
     loss = per_example_lm_loss(
-        kernel, hidden, lm_head.weight, targets, bias=getattr(lm_head, "bias", None), head=head
+        kernel,
+        hidden,
+        lm_head.weight,
+        targets,
+        bias=getattr(lm_head, "bias", None),
+        head=head,
+        per_example=per_example,
+        module=lm_head,
     )
     result = CausalLMOutputWithPast(
         loss=loss,

@@ -1,0 +1,391 @@
+"""Per-example gradients of the output projection inside a linear cross-entropy, never formed.
+
+Example ``i``'s gradient of ``Σ_t g_{i,t} · loss_{i,t}`` (``g`` the upstream gradient of each
+token's loss) with respect to the projection ``W`` (``V × H``) is ``G_i = Σ_t d_{i,t} h_{i,t}ᵀ``
+with ``d_{i,t} = g_{i,t} · ∂loss_{i,t}/∂z_{i,t}`` the gradient of the raw logits. Materialising
+``d`` costs ``B·T·V`` numbers and ``G_i`` ``V·H`` per example; :class:`LinearCEExampleGrads`
+needs neither. Vocabulary tile by vocabulary tile it recomputes the logits from ``h`` and ``W``
+(exactly as the chunked loss does) and accumulates:
+
+- the squared norm ``‖G_i‖²``, by the ghost identity ``Σ_{t,s} (d_t·d_s)(h_t·h_s)`` (a ``T × T``
+  Gram matrix per example, summed over tiles) or by the per-example gradient of each tile
+  (``vt × H``), whichever costs less (:func:`lce_ghost_is_cheaper`);
+- the clipped sum ``Σ_i c_i G_i`` (one ``vt × H`` product per tile);
+- ``d`` gathered at given vocabulary columns (or contracted with given rows), which is what the
+  inner product with another use of the same matrix needs: a tied input embedding
+  ``Σ_s onehot(id_s) e_sᵀ`` gives ``⟨G_i, E_i⟩ = Σ_{t,s} d_t[id_s] (h_t·e_s)``.
+
+At most one ``token_tile × vocab_tile`` logits tile exists at a time (and, on the materialised
+route, one ``vocab_tile × H`` gradient tile). This is what lets the book-keeping engine clip
+per example with a loss-only forward (no logits tensor anywhere).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from opake.core.errors import ConfigurationError, InputTypeError
+from opake.kernels._args import LossSpec, check_lce_tensors, loss_spec
+from opake.kernels.chunked import _cores
+from opake.kernels.chunked._workspace import resolve_chunking
+
+__all__ = ["ROUTES", "LinearCEExampleGrads", "lce_ghost_is_cheaper"]
+
+Tensor = torch.Tensor
+_F32 = torch.float32
+ROUTES = ("auto", "ghost", "materialised")
+
+
+def lce_ghost_is_cheaper(steps: int, hidden: int, vocab: int) -> bool:
+    """Whether the Gram route costs fewer multiply-adds than the per-example tiles.
+
+    Per example the Gram route costs ``T²·(V + H)`` (``d`` and ``h`` Gram matrices), the
+    materialised route ``T·V·H`` (each tile's ``vt × H`` gradient); both recompute the logits
+    (``T·V·H``) anyway. So the ghost norm wins while ``T·(V + H) ≤ V·H``, i.e. up to
+    ``T ≈ H`` for a large vocabulary.
+
+    >>> lce_ghost_is_cheaper(64, 256, 4096), lce_ghost_is_cheaper(512, 256, 4096)
+    (True, False)
+    """
+    return steps * (vocab + hidden) <= vocab * hidden
+
+
+def _none_spec(spec: LossSpec) -> LossSpec:
+    return LossSpec(spec.ignore_index, "none", 1, spec.mult, spec.softcap, spec.smoothing)
+
+
+class LinearCEExampleGrads:
+    """Example ``i``'s gradient ``G_i`` of the projection weight (and bias) of a linear CE.
+
+    Built by :func:`linear_cross_entropy_example_grads`; holds ``hidden`` (``[B, T, H]``),
+    ``weight``, ``labels``, the upstream token gradients and the per-token log-sum-exps (one
+    vocabulary pass, done on first use). Every method works tile by tile.
+    """
+
+    def __init__(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        token_grads: Tensor,
+        *,
+        bias: Tensor | None,
+        spec: LossSpec,
+        tiles: tuple[int, int] | None,
+        route: str,
+    ) -> None:
+        self.hidden = hidden
+        self.weight = weight
+        self.bias = bias
+        self.labels = labels
+        self.token_grads = token_grads
+        self.spec = spec
+        self.route = route
+        batch, steps, _ = hidden.shape
+        vocab = weight.shape[0]
+        tt, vt = tiles if tiles is not None else (max(1, batch * steps), vocab)
+        # whole examples per group (the Gram route needs an example's tokens together); when one
+        # example has more tokens than the token tile, narrow the vocabulary tile instead
+        self._group = max(1, min(batch, tt // max(1, steps)))
+        rows = self._group * max(1, steps)
+        self._vt = max(1, min(vocab, (tt * vt) // rows)) if rows > tt else vt
+        self._tiles = (tt, vt)
+        self._lse: Tensor | None = None
+        self._norms: tuple[Tensor, Tensor | None] | None = None
+        self._bias_grads: Tensor | None = None
+
+    @property
+    def batch(self) -> int:
+        """Number of examples ``B``."""
+        return int(self.hidden.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The weight's shape ``(V, H)``."""
+        return int(self.weight.shape[0]), int(self.weight.shape[1])
+
+    def __repr__(self) -> str:
+        b, t, h = (int(n) for n in self.hidden.shape)
+        return (
+            f"LinearCEExampleGrads(batch={b}, tokens={t}, hidden={h}, vocab={self.shape[0]}, "
+            f"route={self.route!r})"
+        )
+
+    # ------------------------------------------------------------------ tiles
+    def _groups(self) -> list[tuple[int, int]]:
+        return [(e0, min(self.batch, e0 + self._group)) for e0 in range(0, self.batch, self._group)]
+
+    def _lse_all(self) -> Tensor:
+        """Per-token log-sum-exp of the transformed logits ``[B·T]`` (fp32; cached)."""
+        if self._lse is None:
+            h2 = self.hidden.reshape(-1, self.hidden.shape[-1])
+            with torch.no_grad():
+                _tok, lse, _ = _cores.lce_forward(
+                    h2, self.weight, self.bias, self.labels.reshape(-1), self.spec, self._tiles
+                )
+            self._lse = lse
+        return self._lse
+
+    def _dlogit_tiles(
+        self,
+        e0: int,
+        e1: int,
+        tg: Tensor,
+        hidden: Tensor | None = None,
+        lse_all: Tensor | None = None,
+    ) -> Any:
+        """Yield ``(v0, v1, d)``: the raw-logit gradients ``[e1-e0, T, vt]`` (fp32) per tile.
+
+        ``d`` lives in a reused buffer: consume it before advancing.
+        """
+        hidden = self.hidden if hidden is None else hidden
+        lse_all = self._lse_all() if lse_all is None else lse_all
+        steps, hsize = hidden.shape[1], hidden.shape[2]
+        vocab = self.weight.shape[0]
+        rows = (e1 - e0) * steps
+        h = hidden[e0:e1].reshape(rows, hsize)
+        y = self.labels[e0:e1].reshape(rows)
+        lse = lse_all[e0 * steps : e1 * steps]
+        g = tg[e0:e1].reshape(rows)
+        bufs = _cores._TileBuffers(
+            rows, self._vt, h.dtype, h.device, extra=self.spec.softcap is not None
+        )
+        for v0 in range(0, vocab, self._vt):
+            v1 = min(vocab, v0 + self._vt)
+            b = None if self.bias is None else self.bias[v0:v1]
+            z = bufs.logits(h, self.weight[v0:v1], b, self.spec)
+            scratch = None if bufs.t is None else bufs.view(bufs.t, *z.shape)
+            d = _cores._dlogits_(z, y, lse, g, v0, vocab, self.spec, scratch)
+            yield v0, v1, d.view(e1 - e0, steps, v1 - v0)
+
+    # ------------------------------------------------------------------ norms
+    def sq_norms(self) -> tuple[Tensor, Tensor | None]:
+        """``(‖G_i‖² for the weight [B], for the bias [B] or None)`` in fp32 (cached)."""
+        if self._norms is None:
+            with torch.no_grad():
+                self._norms = self._sq_norms()
+        return self._norms
+
+    def bias_grads(self) -> Tensor | None:
+        """The per-example bias gradients ``[B, V]`` (fp32; ``None`` without a bias)."""
+        self.sq_norms()
+        return self._bias_grads
+
+    def _sq_norms(self) -> tuple[Tensor, Tensor | None]:
+        batch, steps, _ = self.hidden.shape
+        dev = self.hidden.device
+        w_sq = torch.zeros(batch, dtype=_F32, device=dev)
+        gb = None
+        if self.bias is not None:
+            gb = torch.zeros(batch, self.shape[0], dtype=_F32, device=dev)
+            self._bias_grads = gb
+        if batch == 0 or steps == 0:
+            return w_sq, None if gb is None else gb.square().sum(1)
+        ghost = self.route == "ghost"
+        for e0, e1 in self._groups():
+            hf = self.hidden[e0:e1].to(_F32)
+            gram_d = torch.zeros(e1 - e0, steps, steps, dtype=_F32, device=dev) if ghost else None
+            for v0, v1, d in self._dlogit_tiles(e0, e1, self.token_grads):
+                if gb is not None:
+                    gb[e0:e1, v0:v1] = d.sum(1)
+                if gram_d is not None:
+                    gram_d.baddbmm_(d, d.transpose(1, 2))
+                else:
+                    for j in range(e1 - e0):  # one vt × H gradient tile at a time
+                        w_sq[e0 + j] += torch.mm(d[j].t(), hf[j]).square().sum()
+            if gram_d is not None:
+                gram_h = torch.bmm(hf, hf.transpose(1, 2))
+                w_sq[e0:e1] = (gram_d * gram_h).sum(dim=(1, 2)).clamp_min(0.0)
+        return w_sq, None if gb is None else gb.square().sum(1)
+
+    # ------------------------------------------------------------------ clipped sum
+    def weighted_sum(
+        self, weights: Tensor, keep: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """``Σ_i w_i G_i`` for the weight ``(V, H)`` and the bias ``(V,)`` (fp32).
+
+        Examples with ``keep[i]`` false contribute exactly zero, even when their hidden states
+        or token gradients are not finite.
+        """
+        if tuple(weights.shape) != (self.batch,):
+            raise ConfigurationError(
+                f"weighted_sum: weights of shape {tuple(weights.shape)}; expected ({self.batch},)"
+            )
+        with torch.no_grad():
+            w = weights.to(_F32)
+            tg = self.token_grads
+            hidden = self.hidden
+            lse = self._lse_all()
+            if keep is not None:
+                # a dropped example's hidden states, upstream gradients and log-sum-exps may be
+                # NaN/Inf: zero them all, so that it contributes exactly zero
+                w = torch.where(keep, w, 0.0)
+                tg = torch.where(keep[:, None], tg, 0.0)
+                hidden = torch.where(keep[:, None, None], hidden, 0.0)
+                rows = keep.repeat_interleave(hidden.shape[1])
+                lse = torch.where(rows, lse, 0.0)
+            tg = tg * w[:, None]
+            vocab, hsize = self.shape
+            dev = hidden.device
+            gw = torch.zeros(vocab, hsize, dtype=_F32, device=dev)
+            gb = None if self.bias is None else torch.zeros(vocab, dtype=_F32, device=dev)
+            for e0, e1 in self._groups():
+                hf = hidden[e0:e1].reshape(-1, hsize).to(_F32)
+                for v0, v1, d in self._dlogit_tiles(e0, e1, tg, hidden, lse):
+                    d2 = d.reshape(-1, v1 - v0)
+                    gw[v0:v1].addmm_(d2.t(), hf)
+                    if gb is not None:
+                        gb[v0:v1] += d2.sum(0)
+        return gw, gb
+
+    # ------------------------------------------------------------------ cross terms
+    def project(self, other: Tensor) -> Tensor:
+        """``[B, T, S]``: each token's raw-logit gradient against ``S`` vocabulary directions.
+
+        ``other`` is int64 vocabulary ids ``[B, S]`` (the gradient gathered at those columns) or
+        dense rows ``[B, S, V]`` (``Σ_v d_{t,v} · other_{s,v}``, tile by tile).
+        """
+        with torch.no_grad():
+            if other.dtype in (torch.int64, torch.int32):
+                return self._gather(other.long())
+            return self._contract(other)
+
+    def _gather(self, ids: Tensor) -> Tensor:
+        spec = self.spec
+        vocab = self.weight.shape[0]
+        batch, steps = self.labels.shape
+        if ids.dim() != 2 or ids.shape[0] != batch:
+            raise ConfigurationError(
+                f"project(ids): ids of shape {tuple(ids.shape)}; expected ({batch}, S)"
+            )
+        safe = ids.clamp(0, vocab - 1)
+        rows = self.weight[safe]  # [B, S, H]
+        raw = torch.bmm(self.hidden, rows.transpose(1, 2)).to(_F32)
+        if self.bias is not None:
+            raw = raw + self.bias[safe].to(_F32)[:, None, :]
+        z = raw.clone()
+        if spec.mult is not None:
+            z.mul_(spec.mult)
+        if spec.softcap is not None:
+            z.div_(spec.softcap).tanh_().mul_(spec.softcap)
+        lse = self._lse_all().view(batch, steps, 1)
+        g = self.token_grads.to(_F32)[..., None]
+        eps = spec.smoothing
+        hit = (self.labels[..., None] == ids[:, None, :]).to(_F32)
+        d = g * (torch.exp(z - lse) - eps / vocab - (1.0 - eps) * hit)
+        if spec.softcap is not None:
+            t = z / spec.softcap
+            d = d * (1.0 - t * t)
+        if spec.mult is not None:
+            d = d * spec.mult
+        return d
+
+    def _contract(self, other: Tensor) -> Tensor:
+        batch, steps, _ = self.hidden.shape
+        vocab = self.weight.shape[0]
+        if other.dim() != 3 or other.shape[0] != batch or other.shape[2] != vocab:
+            raise ConfigurationError(
+                f"project(rows): rows of shape {tuple(other.shape)}; expected ({batch}, S, {vocab})"
+            )
+        out = torch.zeros(batch, steps, other.shape[1], dtype=_F32, device=self.hidden.device)
+        for e0, e1 in self._groups():
+            for v0, v1, d in self._dlogit_tiles(e0, e1, self.token_grads):
+                out[e0:e1].baddbmm_(d, other[e0:e1, :, v0:v1].to(_F32).transpose(1, 2))
+        return out
+
+    def inner_outer(self, a: Tensor, b: Tensor) -> Tensor:
+        """``⟨G_i, Σ_s a_s ⊗ b_s⟩`` per example ``[B]`` (fp32) for another use of the weight.
+
+        ``a`` is int64 ids ``[B, S]`` (one-hot rows: an embedding lookup) or ``[B, S, V]``;
+        ``b`` is ``[B, S, H]``. E.g. a tied embedding's gradient ``Σ_s onehot(id_s) ⊗ e_s``.
+        """
+        with torch.no_grad():
+            proj = self.project(a)  # [B, T, S]
+            gram = torch.bmm(self.hidden.to(_F32), b.to(_F32).transpose(1, 2))
+            return (proj * gram).sum(dim=(1, 2))
+
+
+def linear_cross_entropy_example_grads(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    token_grads: Tensor,
+    *,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    logit_scale: float | None = None,
+    logit_divisor: float | None = None,
+    softcap: float | None = None,
+    label_smoothing: float = 0.0,
+    chunk_size: bool | int = True,
+    route: str = "auto",
+) -> LinearCEExampleGrads:
+    """The per-example gradients of ``weight`` (and ``bias``) in a linear cross-entropy, implicit.
+
+    ``hidden [B, T, H]``, ``labels [B, T]`` and ``token_grads [B, T]`` — the upstream gradient
+    of each token's loss (what a backward pass hands the ``reduction="none"`` per-token losses;
+    ``1/count_i`` for example ``i``'s mean loss) — with the same loss options as
+    :func:`~opake.kernels.chunked.linear_cross_entropy`. ``route`` picks the norm computation:
+    ``"ghost"``, ``"materialised"`` or ``"auto"`` (:func:`lce_ghost_is_cheaper`).
+
+    >>> import torch
+    >>> h, w = torch.randn(2, 3, 4), torch.randn(5, 4)
+    >>> y, g = torch.tensor([[0, 1, 2], [3, 4, -100]]), torch.full((2, 3), 0.5)
+    >>> grads = linear_cross_entropy_example_grads(h, w, y, g, chunk_size=2)
+    >>> def loss(w, h, y):
+    ...     return 0.5 * torch.nn.functional.cross_entropy(h @ w.T, y, reduction="sum")
+    >>> want = torch.stack([torch.func.grad(loss)(w, h[i], y[i]) for i in range(2)])
+    >>> torch.allclose(grads.sq_norms()[0], want.square().sum(dim=(1, 2)), rtol=1e-5)
+    True
+    """
+    hidden, weight, labels, bias = check_lce_tensors(hidden, weight, labels, bias)
+    if hidden.dim() != 3:
+        raise ConfigurationError(
+            f"hidden of shape {tuple(hidden.shape)}: expected (batch, tokens, hidden) — the "
+            "per-example gradients need the batch on dimension 0"
+        )
+    if not isinstance(token_grads, torch.Tensor):
+        raise InputTypeError(
+            f"token_grads must be a tensor of shape {tuple(labels.shape)}, got "
+            f"{type(token_grads).__name__}"
+        )
+    if tuple(token_grads.shape) != tuple(labels.shape):
+        raise ConfigurationError(
+            f"token_grads of shape {tuple(token_grads.shape)}; expected {tuple(labels.shape)} "
+            "(one upstream gradient per token, like labels)"
+        )
+    if route not in ROUTES:
+        raise ConfigurationError(f"route={route!r}: expected one of {ROUTES}")
+    spec = _none_spec(
+        loss_spec(
+            tuple(labels.shape),
+            ignore_index=ignore_index,
+            reduction="none",
+            logit_scale=logit_scale,
+            logit_divisor=logit_divisor,
+            softcap=softcap,
+            label_smoothing=label_smoothing,
+        )
+    )
+    batch, steps, hsize = hidden.shape
+    vocab = weight.shape[0]
+    if route == "auto":
+        route = "ghost" if lce_ghost_is_cheaper(steps, hsize, vocab) else "materialised"
+    tiles = resolve_chunking(
+        chunk_size, hidden.device, hsize, vocab, hidden.dtype, tokens=max(1, batch * steps)
+    )
+    mask = labels != ignore_index
+    # ignored tokens carry no gradient (a NaN handed to one must not leak into the norms)
+    grads = torch.where(mask, token_grads.detach().to(_F32), 0.0)
+    return LinearCEExampleGrads(
+        hidden.detach(),
+        weight.detach(),
+        labels,
+        grads,
+        bias=None if bias is None else bias.detach(),
+        spec=spec,
+        tiles=tiles,
+        route=route,
+    )
