@@ -10,9 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
-from opake.kernels import EXAMPLE_GRADS_OP, kernel_choice, linear_cross_entropy
+from opake.kernels import EXAMPLE_GRADS_OP, RECORDED_OP, kernel_choice, linear_cross_entropy
 from opake.kernels import linear_cross_entropy_example_grads as example_grads
-from opake.kernels.chunked import LinearCEExampleGrads, lce_ghost_is_cheaper
+from opake.kernels.chunked import (
+    LinearCEExampleGrads,
+    lce_ghost_is_cheaper,
+    linear_cross_entropy_recorded,
+)
 
 OPTIONS = {
     "plain": {},
@@ -215,3 +219,63 @@ def test_selection_picks_chunked_and_an_explicit_backend_without_the_op_fails():
     y, g = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
     with pytest.raises(OperationError, match="requested explicitly"):
         example_grads(h, w, y, g, backend="torch")
+
+
+@pytest.mark.parametrize("route", ["ghost", "materialised"])
+@pytest.mark.parametrize("option", ["plain", "everything"])
+def test_recorded_loss_backward_gives_hidden_grads_and_the_norms_in_one_pass(gen, option, route):
+    """``linear_cross_entropy_recorded``: per-token losses as ``linear_cross_entropy``'s, the
+    hidden gradient as autograd's, and after the backward the record holds the per-example
+    gradients whose norms that backward computed (no further vocabulary pass for them)."""
+    opts = dict(OPTIONS[option])
+    with_bias = opts.pop("bias", False)
+    hidden, weight, labels, grads, bias = _inputs(gen, bias=with_bias)
+    want_w, want_b = _per_example(hidden, weight, labels, grads, bias, **opts)
+    h32, w32, g32, b32 = _fp32(hidden, weight, grads, bias)
+    leaf = h32.clone().requires_grad_(True)
+    tok, record = linear_cross_entropy_recorded(
+        leaf, w32, labels, bias=b32, chunk_size=7, route=route, **opts
+    )
+    ref_leaf = h32.clone().requires_grad_(True)
+    ref = linear_cross_entropy(
+        ref_leaf, w32, labels, bias=b32, reduction="none", backend="torch", **opts
+    )
+    torch.testing.assert_close(tok, ref)
+    (tok * g32).sum().backward()
+    (ref * g32).sum().backward()
+    torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-5, atol=1e-6)
+    assert record.grads is not None
+    assert record.grads._norms is not None  # computed by the backward itself
+    op = record.example_grads(g32)
+    assert op is record.grads
+    torch.testing.assert_close(
+        op.sq_norms()[0].double(), want_w.square().sum((1, 2)), rtol=1e-5, atol=1e-7
+    )
+    if with_bias:
+        torch.testing.assert_close(op.bias_grads().double(), want_b, rtol=1e-5, atol=1e-6)
+    coef = torch.tensor([0.3, 1.0, 0.05])
+    torch.testing.assert_close(
+        op.weighted_sum(coef)[0].double(),
+        torch.einsum("b,bvh->vh", coef.double(), want_w),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    # other upstream gradients than the backward's: built anew (with the forward's lse)
+    other = record.example_grads(2 * g32)
+    assert other is not op
+    torch.testing.assert_close(other.sq_norms()[0], 4 * op.sq_norms()[0], rtol=1e-5, atol=1e-6)
+
+
+def test_recorded_loss_without_a_backward_and_with_a_trainable_weight(gen):
+    hidden, weight, labels, grads, _ = _inputs(gen)
+    h32, w32, g32 = hidden.float(), weight.float(), grads.float()
+    tok, record = linear_cross_entropy_recorded(h32, w32, labels)  # nothing requires grad
+    assert not tok.requires_grad
+    assert record.grads is None
+    assert record.lse is not None  # kept by the forward: no log-sum-exp pass later
+    want_w, _ = _per_example(hidden, weight, labels, grads, None)
+    got = record.example_grads(g32).sq_norms()[0]
+    torch.testing.assert_close(got.double(), want_w.square().sum((1, 2)), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ConfigurationError, match=r"weight requires grad.*weight\.detach\(\)"):
+        linear_cross_entropy_recorded(h32, w32.requires_grad_(True), labels)
+    assert kernel_choice(RECORDED_OP, "cpu").backend == "chunked"

@@ -10,7 +10,14 @@ import torch
 
 from opake.core.errors import ConfigurationError, OperationError
 from opake.core.plugins import KernelBackend, hookimpl, kernel_backends, register_plugin
-from opake.kernels import EXAMPLE_GRADS_OP, OPS, kernel_choice, linear_cross_entropy, rms_norm
+from opake.kernels import (
+    EXAMPLE_GRADS_OP,
+    OPS,
+    RECORDED_OP,
+    kernel_choice,
+    linear_cross_entropy,
+    rms_norm,
+)
 from opake.kernels import _triton_support as support
 
 
@@ -18,7 +25,7 @@ def test_three_backends_are_registered_with_every_op():
     backends = kernel_backends()
     for name in ("torch", "triton"):
         assert set(backends[name].ops) == set(OPS)
-    assert set(backends["chunked"].ops) == {*OPS, EXAMPLE_GRADS_OP}
+    assert set(backends["chunked"].ops) == {*OPS, EXAMPLE_GRADS_OP, RECORDED_OP}
     assert backends["chunked"].priority > backends["torch"].priority
     assert "cpu" in backends["chunked"].devices
     assert "mps" in backends["chunked"].devices

@@ -215,10 +215,11 @@ def test_patched_model_with_activation_checkpointing(family):
 def test_loss_only_head(family, other_tying, kernels, monkeypatch):
     """``apply_model_patches`` + ``loss_only=True``: no logits anywhere, ``lm_head`` is never
     called, and its per-example gradients (tied to the embedding or not; Gemma 2's softcap,
-    Cohere's scale, Granite's divisor) come from the chunked kernel's example-grads op, tile by
-    tile (a vocabulary tile of 16; with the ``torch`` reference loss, chunked's op still): the
-    clipped sum still equals the per-example loop on the model's own loss and the vmap engine
-    on the same loss-only forward."""
+    Cohere's scale, Granite's divisor) come from the chunked kernel's recorded loss, whose
+    backward computes them in the hidden-gradient pass, tile by tile (a vocabulary tile of 16;
+    with the ``torch`` reference loss, chunked's op still): the clipped sum still equals the
+    per-example loop on the model's own loss and the vmap engine on the same loss-only
+    forward."""
     from opake.kernels.chunked import LinearCEExampleGrads
     from opake.patches import apply_model_patches
 
@@ -233,16 +234,17 @@ def test_loss_only_head(family, other_tying, kernels, monkeypatch):
     assert "loss_only" in " ".join(report.applied), report
     head_calls = []
     model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))
-    norms_calls = []
-    original = LinearCEExampleGrads.sq_norms
+    fused = []
+    original = LinearCEExampleGrads.hidden_grad
 
     def spy(self):
-        norms_calls.append(self.route)
+        fused.append(self.route)
         return original(self)
 
-    monkeypatch.setattr(LinearCEExampleGrads, "sq_norms", spy)
+    monkeypatch.setattr(LinearCEExampleGrads, "hidden_grad", spy)
     _check(model, loss_only=True)
-    assert norms_calls, "the loss-only head was not book-kept through the example-grads op"
+    # the head's norms came from the recorded loss's backward (the hidden-gradient pass)
+    assert fused, "the loss-only head was not book-kept through the recorded kernel"
     # the oracle (the model's own loss, one example at a time) calls lm_head; the batched
     # book-keeping and vmap forwards never do
     assert len(head_calls) == BATCH, head_calls

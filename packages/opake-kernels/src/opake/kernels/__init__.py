@@ -29,12 +29,13 @@ from opake.kernels._api import (
     swiglu,
 )
 from opake.kernels._args import REDUCTIONS
-from opake.kernels._plugin import EXAMPLE_GRADS_OP, OPS
+from opake.kernels._plugin import EXAMPLE_GRADS_OP, OPS, RECORDED_OP
 from opake.kernels._version import __version__
 
 __all__ = [
     "EXAMPLE_GRADS_OP",
     "OPS",
+    "RECORDED_OP",
     "REDUCTIONS",
     "__version__",
     "cross_entropy",

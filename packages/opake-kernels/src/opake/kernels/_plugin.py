@@ -9,7 +9,7 @@ from __future__ import annotations
 from opake.core.plugins import KernelBackend, hookimpl
 from opake.kernels._triton_support import triton_available, triton_devices, triton_priority
 
-__all__ = ["EXAMPLE_GRADS_OP", "OPS", "opake_kernel_backends"]
+__all__ = ["EXAMPLE_GRADS_OP", "OPS", "RECORDED_OP", "opake_kernel_backends"]
 
 #: the ops every opake-kernels backend implements (one signature per op, see the guide)
 OPS: tuple[str, ...] = (
@@ -24,6 +24,8 @@ _EVERYWHERE = ("cpu", "cuda", "mps", "xpu")
 #: the book-keeping engine's op: per-example gradients of the projection inside a linear CE,
 #: held implicitly (only the portable ``chunked`` backend implements it; it runs everywhere)
 EXAMPLE_GRADS_OP = "linear_cross_entropy_example_grads"
+#: and the loss whose backward computes those norms in the hidden-gradient pass
+RECORDED_OP = "linear_cross_entropy_recorded"
 
 
 def _ops(module: str) -> dict[str, str]:
@@ -40,6 +42,7 @@ def opake_kernel_backends() -> list[KernelBackend]:
             {
                 **_ops("opake.kernels.chunked"),
                 EXAMPLE_GRADS_OP: f"opake.kernels.chunked:{EXAMPLE_GRADS_OP}",
+                RECORDED_OP: f"opake.kernels.chunked:{RECORDED_OP}",
             },
             devices=_EVERYWHERE,
             priority=10,

@@ -8,8 +8,10 @@ backward. Every op is a ``setup_context`` autograd.Function with an explicit ``v
 (also for a shared weight).
 
 :func:`linear_cross_entropy_example_grads` holds the per-example gradients of the output
-projection implicitly (norms, clipped sums and cross terms tile by tile): the book-keeping
-clipping engine uses it to clip with a loss-only forward.
+projection implicitly (norms, clipped sums and cross terms tile by tile), and
+:func:`linear_cross_entropy_recorded` is the loss whose backward computes those norms in the
+same tile pass as the hidden states' gradient: the book-keeping clipping engine uses them to
+clip with a loss-only forward.
 
 >>> import torch
 >>> from opake.kernels.chunked import resolve_chunking
@@ -21,8 +23,10 @@ from __future__ import annotations
 
 from opake.kernels.chunked._example_grads import (
     LinearCEExampleGrads,
+    RecordedLinearCE,
     lce_ghost_is_cheaper,
     linear_cross_entropy_example_grads,
+    linear_cross_entropy_recorded,
 )
 from opake.kernels.chunked._ops import (
     cross_entropy,
@@ -42,12 +46,14 @@ from opake.kernels.chunked._workspace import (
 __all__ = [
     "WORKSPACE_CAP",
     "LinearCEExampleGrads",
+    "RecordedLinearCE",
     "available_memory",
     "cross_entropy",
     "geglu",
     "lce_ghost_is_cheaper",
     "linear_cross_entropy",
     "linear_cross_entropy_example_grads",
+    "linear_cross_entropy_recorded",
     "resolve_chunking",
     "rms_norm",
     "rope",

@@ -31,7 +31,14 @@ from opake.kernels._args import LossSpec, check_lce_tensors, loss_spec
 from opake.kernels.chunked import _cores
 from opake.kernels.chunked._workspace import resolve_chunking
 
-__all__ = ["ROUTES", "LinearCEExampleGrads", "lce_ghost_is_cheaper"]
+__all__ = [
+    "ROUTES",
+    "LinearCEExampleGrads",
+    "RecordedLinearCE",
+    "lce_ghost_is_cheaper",
+    "linear_cross_entropy_example_grads",
+    "linear_cross_entropy_recorded",
+]
 
 Tensor = torch.Tensor
 _F32 = torch.float32
@@ -75,6 +82,7 @@ class LinearCEExampleGrads:
         spec: LossSpec,
         tiles: tuple[int, int] | None,
         route: str,
+        lse: Tensor | None = None,
     ) -> None:
         self.hidden = hidden
         self.weight = weight
@@ -92,7 +100,7 @@ class LinearCEExampleGrads:
         rows = self._group * max(1, steps)
         self._vt = max(1, min(vocab, (tt * vt) // rows)) if rows > tt else vt
         self._tiles = (tt, vt)
-        self._lse: Tensor | None = None
+        self._lse: Tensor | None = lse  # per-token log-sum-exps, when the forward kept them
         self._norms: tuple[Tensor, Tensor | None] | None = None
         self._bias_grads: Tensor | None = None
 
@@ -165,16 +173,24 @@ class LinearCEExampleGrads:
         """``(‖G_i‖² for the weight [B], for the bias [B] or None)`` in fp32 (cached)."""
         if self._norms is None:
             with torch.no_grad():
-                self._norms = self._sq_norms()
+                self._norms = self._sq_norms(None)
         return self._norms
+
+    def hidden_grad(self) -> Tensor:
+        """``∂(Σ token_grads · loss)/∂hidden`` ``[B, T, H]`` (fp32), computed in the same tile
+        pass as the norms (which are then cached): the backward of a book-kept loss."""
+        grad = torch.zeros(self.hidden.shape, dtype=_F32, device=self.hidden.device)
+        with torch.no_grad():
+            self._norms = self._sq_norms(grad)
+        return grad
 
     def bias_grads(self) -> Tensor | None:
         """The per-example bias gradients ``[B, V]`` (fp32; ``None`` without a bias)."""
         self.sq_norms()
         return self._bias_grads
 
-    def _sq_norms(self) -> tuple[Tensor, Tensor | None]:
-        batch, steps, _ = self.hidden.shape
+    def _sq_norms(self, hidden_grad: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        batch, steps, hsize = self.hidden.shape
         dev = self.hidden.device
         w_sq = torch.zeros(batch, dtype=_F32, device=dev)
         gb = None
@@ -187,7 +203,11 @@ class LinearCEExampleGrads:
         for e0, e1 in self._groups():
             hf = self.hidden[e0:e1].to(_F32)
             gram_d = torch.zeros(e1 - e0, steps, steps, dtype=_F32, device=dev) if ghost else None
+            gh = None if hidden_grad is None else hidden_grad[e0:e1].view(-1, hsize)
             for v0, v1, d in self._dlogit_tiles(e0, e1, self.token_grads):
+                if gh is not None:
+                    w = self.weight[v0:v1]
+                    gh.addmm_(d.view(-1, v1 - v0), w if w.dtype == _F32 else w.float())
                 if gb is not None:
                     gb[e0:e1, v0:v1] = d.sum(1)
                 if gram_d is not None:
@@ -307,6 +327,65 @@ class LinearCEExampleGrads:
             return (proj * gram).sum(dim=(1, 2))
 
 
+def _prepare(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    *,
+    ignore_index: int,
+    logit_scale: float | None,
+    logit_divisor: float | None,
+    softcap: float | None,
+    label_smoothing: float,
+    chunk_size: bool | int,
+    route: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, LossSpec, tuple[int, int] | None, str]:
+    """Check the arguments; the per-token loss spec, the tiles and the resolved route."""
+    hidden, weight, labels, bias = check_lce_tensors(hidden, weight, labels, bias)
+    if hidden.dim() != 3:
+        raise ConfigurationError(
+            f"hidden of shape {tuple(hidden.shape)}: expected (batch, tokens, hidden) — the "
+            "per-example gradients need the batch on dimension 0"
+        )
+    if route not in ROUTES:
+        raise ConfigurationError(f"route={route!r}: expected one of {ROUTES}")
+    spec = _none_spec(
+        loss_spec(
+            tuple(labels.shape),
+            ignore_index=ignore_index,
+            reduction="none",
+            logit_scale=logit_scale,
+            logit_divisor=logit_divisor,
+            softcap=softcap,
+            label_smoothing=label_smoothing,
+        )
+    )
+    batch, steps, hsize = hidden.shape
+    vocab = weight.shape[0]
+    if route == "auto":
+        route = "ghost" if lce_ghost_is_cheaper(steps, hsize, vocab) else "materialised"
+    tiles = resolve_chunking(
+        chunk_size, hidden.device, hsize, vocab, hidden.dtype, tokens=max(1, batch * steps)
+    )
+    return hidden, weight, labels, bias, spec, tiles, route
+
+
+def _token_grads(token_grads: object, labels: Tensor, ignore_index: int) -> Tensor:
+    """fp32 upstream gradients, zero on ignored tokens (a NaN handed to one cannot leak in)."""
+    if not isinstance(token_grads, torch.Tensor):
+        raise InputTypeError(
+            f"token_grads must be a tensor of shape {tuple(labels.shape)}, got "
+            f"{type(token_grads).__name__}"
+        )
+    if tuple(token_grads.shape) != tuple(labels.shape):
+        raise ConfigurationError(
+            f"token_grads of shape {tuple(token_grads.shape)}; expected {tuple(labels.shape)} "
+            "(one upstream gradient per token, like labels)"
+        )
+    return torch.where(labels != ignore_index, token_grads.detach().to(_F32), 0.0)
+
+
 def linear_cross_entropy_example_grads(
     hidden: Tensor,
     weight: Tensor,
@@ -340,52 +419,172 @@ def linear_cross_entropy_example_grads(
     >>> torch.allclose(grads.sq_norms()[0], want.square().sum(dim=(1, 2)), rtol=1e-5)
     True
     """
-    hidden, weight, labels, bias = check_lce_tensors(hidden, weight, labels, bias)
-    if hidden.dim() != 3:
-        raise ConfigurationError(
-            f"hidden of shape {tuple(hidden.shape)}: expected (batch, tokens, hidden) — the "
-            "per-example gradients need the batch on dimension 0"
-        )
-    if not isinstance(token_grads, torch.Tensor):
-        raise InputTypeError(
-            f"token_grads must be a tensor of shape {tuple(labels.shape)}, got "
-            f"{type(token_grads).__name__}"
-        )
-    if tuple(token_grads.shape) != tuple(labels.shape):
-        raise ConfigurationError(
-            f"token_grads of shape {tuple(token_grads.shape)}; expected {tuple(labels.shape)} "
-            "(one upstream gradient per token, like labels)"
-        )
-    if route not in ROUTES:
-        raise ConfigurationError(f"route={route!r}: expected one of {ROUTES}")
-    spec = _none_spec(
-        loss_spec(
-            tuple(labels.shape),
-            ignore_index=ignore_index,
-            reduction="none",
-            logit_scale=logit_scale,
-            logit_divisor=logit_divisor,
-            softcap=softcap,
-            label_smoothing=label_smoothing,
-        )
+    hidden, weight, labels, bias, spec, tiles, route = _prepare(
+        hidden,
+        weight,
+        labels,
+        bias,
+        ignore_index=ignore_index,
+        logit_scale=logit_scale,
+        logit_divisor=logit_divisor,
+        softcap=softcap,
+        label_smoothing=label_smoothing,
+        chunk_size=chunk_size,
+        route=route,
     )
-    batch, steps, hsize = hidden.shape
-    vocab = weight.shape[0]
-    if route == "auto":
-        route = "ghost" if lce_ghost_is_cheaper(steps, hsize, vocab) else "materialised"
-    tiles = resolve_chunking(
-        chunk_size, hidden.device, hsize, vocab, hidden.dtype, tokens=max(1, batch * steps)
-    )
-    mask = labels != ignore_index
-    # ignored tokens carry no gradient (a NaN handed to one must not leak into the norms)
-    grads = torch.where(mask, token_grads.detach().to(_F32), 0.0)
     return LinearCEExampleGrads(
         hidden.detach(),
         weight.detach(),
         labels,
-        grads,
+        _token_grads(token_grads, labels, ignore_index),
         bias=None if bias is None else bias.detach(),
         spec=spec,
         tiles=tiles,
         route=route,
     )
+
+
+class RecordedLinearCE:
+    """The record of one :func:`linear_cross_entropy_recorded` call.
+
+    After the backward pass, :meth:`example_grads` returns the per-example gradients of the
+    projection whose norms that backward already computed (in the tile pass that formed the
+    hidden states' gradient: no extra pass over the vocabulary).
+    """
+
+    def __init__(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        *,
+        bias: Tensor | None,
+        spec: LossSpec,
+        tiles: tuple[int, int] | None,
+        route: str,
+    ) -> None:
+        self.hidden = hidden
+        self.weight = weight
+        self.labels = labels
+        self.bias = bias
+        self.spec = spec
+        self.tiles = tiles
+        self.route = route
+        self.lse: Tensor | None = None
+        self.grads: LinearCEExampleGrads | None = None  # set by the backward
+
+    def build(self, token_grads: Tensor) -> LinearCEExampleGrads:
+        """Per-example gradients for these upstream token gradients (fp32, ignored tokens 0)."""
+        return LinearCEExampleGrads(
+            self.hidden,
+            self.weight,
+            self.labels,
+            _token_grads(token_grads, self.labels, self.spec.ignore_index),
+            bias=self.bias,
+            spec=self.spec,
+            tiles=self.tiles,
+            route=self.route,
+            lse=self.lse,
+        )
+
+    def example_grads(self, token_grads: Tensor) -> LinearCEExampleGrads:
+        """The per-example gradients for the upstream gradients ``token_grads`` ``[B, T]``.
+
+        Those the backward built when it ran with these gradients (norms already computed);
+        else (no backward reached the kernel, e.g. frozen hidden states) built now, reusing the
+        forward's log-sum-exps.
+        """
+        grads = self.grads
+        if grads is not None:
+            mine = _token_grads(token_grads, self.labels, self.spec.ignore_index)
+            if torch.equal(mine, grads.token_grads):
+                return grads
+        return self.build(token_grads)
+
+
+def _recorded_function() -> Any:
+    class Recorded(torch.autograd.Function):
+        """Per-token losses; the backward forms the hidden gradient and the example norms."""
+
+        @staticmethod
+        def forward(ctx: Any, hidden: Tensor, record: RecordedLinearCE) -> Tensor:
+            h2 = hidden.reshape(-1, hidden.shape[-1])
+            tok, lse, _ = _cores.lce_forward(
+                h2, record.weight, record.bias, record.labels.reshape(-1), record.spec, record.tiles
+            )
+            record.lse = lse
+            ctx.record = record
+            return tok.view(record.labels.shape)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+            record: RecordedLinearCE = ctx.record
+            grads = record.build(grad)
+            hidden_grad = grads.hidden_grad()
+            record.grads = grads
+            return hidden_grad.to(record.hidden.dtype), None
+
+    return Recorded
+
+
+_RECORDED: Any = None
+
+
+def linear_cross_entropy_recorded(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    logit_scale: float | None = None,
+    logit_divisor: float | None = None,
+    softcap: float | None = None,
+    label_smoothing: float = 0.0,
+    chunk_size: bool | int = True,
+    route: str = "auto",
+) -> tuple[Tensor, RecordedLinearCE]:
+    """Per-token losses ``[B, T]`` differentiable in ``hidden``; the projection's per-example
+    gradients come from the returned record after the backward.
+
+    The book-keeping form of :func:`~opake.kernels.chunked.linear_cross_entropy`
+    (``reduction="none"``): ``weight`` and ``bias`` are constants here (pass them detached; one
+    that requires grad raises, since its gradient would silently be missing). The backward
+    recomputes each logits tile once and forms from it both the hidden states' gradient and
+    each example's squared norm (``record.example_grads(token_grads)``).
+
+    >>> import torch
+    >>> h = torch.randn(2, 3, 4, requires_grad=True)
+    >>> w, y = torch.randn(5, 4), torch.tensor([[0, 1, 2], [3, 4, -100]])
+    >>> losses, record = linear_cross_entropy_recorded(h, w, y, chunk_size=2)
+    >>> losses.sum().backward()
+    >>> record.example_grads(torch.ones(2, 3)).sq_norms()[0].shape
+    torch.Size([2])
+    """
+    global _RECORDED
+    hidden, weight, labels, bias, spec, tiles, route = _prepare(
+        hidden,
+        weight,
+        labels,
+        bias,
+        ignore_index=ignore_index,
+        logit_scale=logit_scale,
+        logit_divisor=logit_divisor,
+        softcap=softcap,
+        label_smoothing=label_smoothing,
+        chunk_size=chunk_size,
+        route=route,
+    )
+    for name, value in (("weight", weight), ("bias", bias)):
+        if value is not None and value.requires_grad:
+            raise ConfigurationError(
+                f"linear_cross_entropy_recorded: {name} requires grad, but this loss treats it "
+                f"as a constant (its per-example gradients come from the record); pass "
+                f"{name}.detach(), or use linear_cross_entropy for an ordinary gradient"
+            )
+    if _RECORDED is None:
+        _RECORDED = _recorded_function()
+    record = RecordedLinearCE(
+        hidden.detach(), weight, labels, bias=bias, spec=spec, tiles=tiles, route=route
+    )
+    return _RECORDED.apply(hidden, record), record

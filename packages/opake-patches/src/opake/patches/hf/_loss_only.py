@@ -17,9 +17,10 @@ Under the book-keeping clipping engine (``clipped_grad(method="bookkeeping" | "a
 output projection's weight is read without calling its module, so no forward hook sees it: the
 forward asks :func:`opake.dpsgd.bookkeeping.implicit_use`, runs the kernel on the *detached*
 weight (the backward then computes the hidden states' gradient only) and taps the per-token
-losses; the engine gets each example's weight gradient from the kernel backend's
-``linear_cross_entropy_example_grads`` op, vocabulary tile by vocabulary tile. The logits never
-exist, not even for the per-example norms.
+losses through the kernel backend's ``linear_cross_entropy_recorded`` op, whose backward forms
+the hidden states' gradient and each example's ``lm_head`` norm in one pass over the vocabulary
+tiles; the engine then gets the head's per-example gradients (norms, clipped sum, the cross term
+of a tied embedding) from it. The logits never exist, not even for the per-example norms.
 """
 
 from __future__ import annotations
@@ -197,55 +198,42 @@ def per_example_lm_loss(
             f"book-keeping: the loss-only head got hidden states {tuple(hidden.shape)} and "
             f"labels {tuple(labels.shape)}; it needs a batch: (B, T, H) and (B, T)"
         )
-    per_token = kernel.impl(hidden, weight, labels, reduction="none", **common)
-    if use is not None:
-        per_token = use.tap(
-            per_token,
-            _example_grads_builder(
-                kernel, hidden, weight, labels, common=common, params=use.params
-            ),
-        )
+    if use is None:
+        per_token = kernel.impl(hidden, weight, labels, reduction="none", **common)
+    else:
+        recorded = _recorded_impl(kernel, hidden.device)
+        per_token, record = recorded(hidden, weight, labels, **common)
+        per_token = use.tap(per_token, functools.partial(_head_grads, record, tuple(use.params)))
     per_token = per_token.reshape(labels.shape[0], -1).float()
     counts = (labels != ignore_index).reshape(labels.shape[0], -1).sum(-1).clamp_min(1)
     losses = per_token.sum(-1) / counts
     return losses if per_example else losses.mean().to(per_token.dtype)
 
 
-#: the kernel op that holds the per-example gradients of the projection (opake-kernels)
-EXAMPLE_GRADS_OP = "linear_cross_entropy_example_grads"
+#: the kernel op whose backward also computes the projection's per-example norms (opake-kernels)
+RECORDED_OP = "linear_cross_entropy_recorded"
 
 
-def _example_grads_builder(
-    kernel: LossKernel,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    common: dict[str, Any],
-    params: dict[str, torch.Tensor],
-) -> Callable[[torch.Tensor], dict[str, Any]]:
-    """What the book-keeping engine calls after the backward: per-example gradients of the head.
-
-    The op comes from the backend that ran the loss when it implements it, else from the
-    portable ``chunked`` backend (every device).
-    """
+def _recorded_impl(kernel: LossKernel, device: torch.device) -> Callable[..., Any]:
+    """The loss backend's ``linear_cross_entropy_recorded`` op, else the portable ``chunked``
+    backend's (every device)."""
     from opake.core.plugins import kernel_backends, select_kernel
 
     own = kernel_backends().get(kernel.backend)
-    backend = kernel.backend if own is not None and EXAMPLE_GRADS_OP in own.ops else "chunked"
-    impl = select_kernel(EXAMPLE_GRADS_OP, hidden.device, backend).impl
-    hidden = hidden.detach()
+    backend = kernel.backend if own is not None and RECORDED_OP in own.ops else "chunked"
+    return select_kernel(RECORDED_OP, device, backend).impl
 
-    def build(token_grads: torch.Tensor) -> dict[str, Any]:
-        grads = impl(hidden, weight, labels, token_grads.reshape(labels.shape), **common)
-        out: dict[str, Any] = {}
-        if "weight" in params:
-            out["weight"] = grads
-        if "bias" in params:
-            out["bias"] = grads.bias_grads()
-        return out
 
-    return build
+def _head_grads(record: Any, attrs: tuple[str, ...], token_grads: torch.Tensor) -> dict[str, Any]:
+    """What the book-keeping engine gets after the backward: the head's per-example gradients
+    (``weight``: an implicit operator whose norms that backward computed; ``bias``: [B, V])."""
+    grads = record.example_grads(token_grads.reshape(record.labels.shape))
+    out: dict[str, Any] = {}
+    if "weight" in attrs:
+        out["weight"] = grads
+    if "bias" in attrs:
+        out["bias"] = grads.bias_grads()
+    return out
 
 
 _DROPPED = ("logits_to_keep", "return_dict")

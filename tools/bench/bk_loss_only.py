@@ -1,0 +1,255 @@
+"""Book-keeping with and without logits: one DP step on a tiny Llama with a large vocabulary.
+
+The loss-only forward (``apply_model_patches`` + ``model(..., loss_only=True,
+per_example_loss=True)``) never forms the ``(batch, seq, vocab)`` logits; the book-keeping
+engine then takes ``lm_head``'s per-example norms and clipped sum from the chunked kernel's
+``linear_cross_entropy_example_grads`` op, vocabulary tile by vocabulary tile. This script
+compares, each configuration in a fresh process (so peak RSS is its own), median of ``--steps``
+timed steps after ``--warmup``:
+
+- ``nonprivate``: ``model(ids, labels).loss.backward()`` + SGD (logits materialised);
+- ``nonprivate-lossonly``: the same through the patched loss-only forward;
+- ``bk-logits``: book-keeping over ``causal_lm_losses(model(ids).logits)`` (unpatched model);
+- ``bk-lossonly``: book-keeping over the loss-only forward (no logits anywhere);
+- ``vmap-lossonly``: the vmap engine over the loss-only forward (per-example gradients).
+
+Each DP step is ``clipped_grad`` + ``DPOptimizer`` (noise once, SGD). Full fine-tuning of a Llama
+built from a config (hidden 256, 4 layers, intermediate 688, vocabulary ``--vocab``, eager
+attention), batch ``--batch`` × sequence ``--seq`` random tokens, 1 torch thread. ``--rounds N``
+repeats every configuration N times interleaved; ratios to ``nonprivate`` are taken within each
+round, then the median over rounds is reported.
+
+    python tools/bench/bk_loss_only.py                       # markdown table
+    python tools/bench/bk_loss_only.py --vocab 32000 --batch 16 --seq 64 --rounds 3
+    python tools/bench/bk_loss_only.py --json out.json
+
+Results are recorded in docs/benchmarks.md ("Book-keeping engine", loss-only head).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+METHODS = ("nonprivate", "nonprivate-lossonly", "bk-logits", "bk-lossonly", "vmap-lossonly")
+CLIP, SIGMA, LR = 1.0, 1.0, 1e-3
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _build(args: argparse.Namespace, *, patched: bool) -> tuple[Any, Any]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=688,
+        vocab_size=args.vocab,
+        max_position_embeddings=args.seq,
+        attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(cfg)
+    model.train()
+    if patched:
+        from opake.patches import apply_model_patches
+
+        apply_model_patches(model, chunked_linear_cross_entropy=True)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    return model, ids
+
+
+def _step(method: str, args: argparse.Namespace) -> Callable[[], None]:
+    import torch
+
+    patched = method.endswith("lossonly")
+    model, ids = _build(args, patched=patched)
+    if method.startswith("nonprivate"):
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        extra = {"loss_only": True} if patched else {}
+
+        def plain() -> None:
+            opt.zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=ids, use_cache=False, **extra).loss.backward()
+            opt.step()
+
+        return plain
+
+    from opake.dpsgd.bookkeeping import BatchedLoss, causal_lm_losses
+    from opake.dpsgd.clipping import clipped_grad
+    from opake.dpsgd.optimizer import DPOptimizer
+    from opake.functional import make_functional
+
+    fmodel, params = make_functional(model)
+
+    def lossonly(p: Any, x: Any) -> Any:
+        out = fmodel(
+            p, input_ids=x, labels=x, loss_only=True, per_example_loss=True, use_cache=False
+        )
+        return out.loss
+
+    def logits(p: Any, x: Any) -> Any:
+        return causal_lm_losses(fmodel(p, input_ids=x, use_cache=False).logits, x)
+
+    loss = BatchedLoss(lossonly if patched else logits, fmodel)
+    engine = "vmap" if method.startswith("vmap") else "bookkeeping"
+    grad_fn, state = clipped_grad(
+        loss,
+        clipping_norm=CLIP,
+        batch_argnums=1,
+        method=engine,
+        microbatch_size=args.microbatch if engine == "vmap" else None,
+    )
+    opt = DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        params,
+        noise_multiplier=SIGMA,
+        expected_batch_size=float(args.batch),
+        seed=0,
+    )
+    box = {"state": state}
+
+    def private() -> None:
+        grads, box["state"] = grad_fn(params, ids, state=box["state"])
+        assert grad_fn.engine == engine, grad_fn.engine
+        opt.accumulate(grads)
+        opt.step()
+
+    return private
+
+
+def run_one(method: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Build, warm up, time ``--steps`` steps; wall and CPU medians, peak RSS."""
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    step = _step(method, args)
+    for _ in range(args.warmup):
+        step()
+    walls, cpus = [], []
+    for _ in range(args.steps):
+        w0, c0 = time.perf_counter(), time.process_time()
+        step()
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+    return {
+        "method": method,
+        "wall": statistics.median(walls),
+        "cpu": statistics.median(cpus),
+        "rss_mib": _peak_rss_mib(),
+    }
+
+
+def _worker(method: str, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        method,
+        *("--vocab", str(args.vocab), "--batch", str(args.batch), "--seq", str(args.seq)),
+        *("--steps", str(args.steps), "--warmup", str(args.warmup)),
+        *("--microbatch", str(args.microbatch)),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"{method} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--microbatch", type=int, default=4, help="vmap engine microbatch (bounds its memory)"
+    )
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(run_one(args.worker, args)))
+        return 0
+    import torch
+
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} cores, "
+        f"load {os.getloadavg()[0]:.2f}; Llama h256 L4 vocab {args.vocab}, batch {args.batch} × "
+        f"seq {args.seq}, full fine-tuning, 1 thread, median of {args.steps} steps, "
+        f"{args.rounds} round(s)",
+        flush=True,
+    )
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for r in range(args.rounds):
+        results = {}
+        for method in args.methods:
+            results[method] = _worker(method, args)
+            res = results[method]
+            print(
+                f"  round {r + 1} {method}: wall {res['wall']:.3f} s, cpu {res['cpu']:.3f} s, "
+                f"rss {res['rss_mib']:.0f} MiB",
+                file=sys.stderr,
+                flush=True,
+            )
+        rounds.append(results)
+    base = "nonprivate" if "nonprivate" in args.methods else args.methods[0]
+    rows = []
+    for method in args.methods:
+
+        def med(key: str, m: str = method) -> float:
+            return statistics.median(rd[m][key] for rd in rounds)
+
+        def ratio(key: str, m: str = method) -> float:
+            return statistics.median(rd[m][key] / rd[base][key] for rd in rounds)
+
+        rows.append(
+            {
+                "method": method,
+                "wall": med("wall"),
+                "cpu": med("cpu"),
+                "rss_mib": med("rss_mib"),
+                "wall_ratio": ratio("wall"),
+                "cpu_ratio": ratio("cpu"),
+                "rss_ratio": ratio("rss_mib"),
+            }
+        )
+    print(
+        f"\n| method | wall s/step | CPU s/step | × {base} (CPU) | peak RSS MiB | × {base} (RSS) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for row in rows:
+        print(
+            f"| `{row['method']}` | {row['wall']:.3f} | {row['cpu']:.3f} | {row['cpu_ratio']:.2f} "
+            f"| {row['rss_mib']:.0f} | {row['rss_ratio']:.2f} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "rounds": rounds}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
