@@ -24,12 +24,19 @@ the non-private step are taken within each round).
     python tools/bench/dpsgd_step.py --opacus-python /tmp/bench-venv/bin/python
     python tools/bench/dpsgd_step.py --json results.json
     python tools/bench/dpsgd_step.py --engines            # how to compute per-example grads
+    python tools/bench/dpsgd_step.py --check --opacus-python /tmp/bench-venv/bin/python
 
 ``--engines`` times only the per-example gradients of the trainable parameters (no clipping),
 for each of ``--modes``, each way in its own process: ``vmap(grad)``; ``vmap(vjp)`` (what
 ``clipped_grad`` uses for full models); a vmapped forward over parameters expanded to a batch
 dimension, then one plain ``autograd.grad`` (what it uses when the trainable part is small,
 e.g. LoRA); and a batch-of-one Python loop. It checks that all four agree.
+
+``--check`` verifies, before timing anything, that every private method computes the step it
+claims: on a smaller Llama (hidden 64, 2 layers, vocabulary 256, batch 4 × 16) with C set to
+the median per-example gradient norm, its clipped sum (before noise) must match
+``Σ_i min(1, C/‖g_i‖) g_i`` from a per-example loop of plain autograd to 1e-4 relative, for
+every trainable parameter (exit status 1 otherwise).
 
 Results are recorded in docs/benchmarks.md ("DP-SGD step (opake-core)").
 """
@@ -46,6 +53,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,18 +70,43 @@ CONFIG = {
 }
 BATCH, SEQ, LORA_R = 32, 64, 8
 CLIP, SIGMA, LR = 1.0, 1.0, 1e-3
+# --check: a smaller Llama, and C set to the median per-example norm (half the examples clipped)
+CHECK_CONFIG = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+}
+CHECK_BATCH, CHECK_SEQ = 4, 16
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model config, the batch shape and the clipping norm of one configuration."""
+
+    config: dict[str, int]
+    batch: int
+    seq: int
+    clip: float
+
+
+BENCH = Workload(CONFIG, BATCH, SEQ, CLIP)
+# Clipped sum of one step: parameter name -> fp32 tensor (no noise), for --check.
+Clipped = Callable[[], dict[str, Any]]
 
 
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def _build(mode: str) -> tuple[Any, Any]:
+def _build(mode: str, work: Workload = BENCH) -> tuple[Any, Any]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(**CONFIG, max_position_embeddings=SEQ, attn_implementation="eager")
+    cfg = LlamaConfig(**work.config, max_position_embeddings=work.seq, attn_implementation="eager")
     model = LlamaForCausalLM(cfg)
     if mode == "lora":
         from peft import LoraConfig, get_peft_model
@@ -82,11 +115,13 @@ def _build(mode: str) -> tuple[Any, Any]:
         model = get_peft_model(model, lora)
     model.train()
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=gen)
+    ids = torch.randint(0, work.config["vocab_size"], (work.batch, work.seq), generator=gen)
     return model, ids
 
 
-def _nonprivate(model: Any, ids: Any, args: argparse.Namespace) -> Callable[[], None]:
+def _nonprivate(
+    model: Any, ids: Any, args: argparse.Namespace, work: Workload = BENCH
+) -> tuple[Callable[[], None], Clipped | None]:
     import torch
 
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
@@ -96,10 +131,12 @@ def _nonprivate(model: Any, ids: Any, args: argparse.Namespace) -> Callable[[], 
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         opt.step()
 
-    return step
+    return step, None
 
 
-def _opake(model: Any, ids: Any, args: argparse.Namespace) -> Callable[[], None]:
+def _opake(
+    model: Any, ids: Any, args: argparse.Namespace, work: Workload = BENCH
+) -> tuple[Callable[[], None], Clipped]:
     import torch
 
     from opake.dpsgd.clipping import clipped_grad
@@ -116,7 +153,7 @@ def _opake(model: Any, ids: Any, args: argparse.Namespace) -> Callable[[], None]
 
     grad_fn, clip_state = clipped_grad(
         loss_fn,
-        clipping_norm=CLIP,
+        clipping_norm=work.clip,
         batch_argnums=(2, 3),
         microbatch_size=args.microbatch_size,
         method="vmap",
@@ -125,7 +162,7 @@ def _opake(model: Any, ids: Any, args: argparse.Namespace) -> Callable[[], None]
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR),
         trainable,
         noise_multiplier=SIGMA,
-        expected_batch_size=float(BATCH),
+        expected_batch_size=float(work.batch),
         seed=0,
         unused_params="warn",
     )
@@ -136,10 +173,15 @@ def _opake(model: Any, ids: Any, args: argparse.Namespace) -> Callable[[], None]
         opt.accumulate(grads)
         opt.step()
 
-    return step
+    def clipped() -> dict[str, Any]:
+        return dict(grad_fn(trainable, frozen, ids, ids, state=state["clip"])[0])
+
+    return step, clipped
 
 
-def _opake_bk(model: Any, ids: Any, args: argparse.Namespace) -> Callable[[], None]:
+def _opake_bk(
+    model: Any, ids: Any, args: argparse.Namespace, work: Workload = BENCH
+) -> tuple[Callable[[], None], Clipped]:
     import torch
 
     from opake.dpsgd.bookkeeping import BatchedLoss, causal_lm_losses
@@ -155,7 +197,7 @@ def _opake_bk(model: Any, ids: Any, args: argparse.Namespace) -> Callable[[], No
 
     grad_fn, clip_state = clipped_grad(
         BatchedLoss(losses, fmodel),
-        clipping_norm=CLIP,
+        clipping_norm=work.clip,
         batch_argnums=(2, 3),
         microbatch_size=args.microbatch_size,
         method="bookkeeping",
@@ -164,7 +206,7 @@ def _opake_bk(model: Any, ids: Any, args: argparse.Namespace) -> Callable[[], No
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR),
         trainable,
         noise_multiplier=SIGMA,
-        expected_batch_size=float(BATCH),
+        expected_batch_size=float(work.batch),
         seed=0,
         unused_params="warn",
     )
@@ -175,18 +217,31 @@ def _opake_bk(model: Any, ids: Any, args: argparse.Namespace) -> Callable[[], No
         opt.accumulate(grads)
         opt.step()
 
-    return step
+    def clipped() -> dict[str, Any]:
+        return dict(grad_fn(trainable, frozen, ids, ids, state=state["clip"])[0])
+
+    return step, clipped
 
 
-def _opacus(model: Any, ids: Any, args: argparse.Namespace, ghost: bool) -> Callable[[], None]:
+def _opacus(
+    model: Any, ids: Any, args: argparse.Namespace, ghost: bool, work: Workload = BENCH
+) -> tuple[Callable[[], None], Clipped]:
     import torch
     from opacus import PrivacyEngine
 
     data = torch.utils.data.TensorDataset(ids)
-    loader = torch.utils.data.DataLoader(data, batch_size=BATCH)
+    loader = torch.utils.data.DataLoader(data, batch_size=work.batch)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     engine = PrivacyEngine()
-    vocab = CONFIG["vocab_size"]
+    vocab = work.config["vocab_size"]
+
+    def named_trainable(wrapped: Any) -> list[tuple[str, Any]]:
+        return [
+            (name.removeprefix("_module."), p)
+            for name, p in wrapped.named_parameters()
+            if p.requires_grad
+        ]
+
     if ghost:
         criterion = torch.nn.CrossEntropyLoss()
         model, opt, criterion, _ = engine.make_private(
@@ -195,27 +250,37 @@ def _opacus(model: Any, ids: Any, args: argparse.Namespace, ghost: bool) -> Call
             data_loader=loader,
             criterion=criterion,
             noise_multiplier=SIGMA,
-            max_grad_norm=CLIP,
+            max_grad_norm=work.clip,
             grad_sample_mode="ghost",
             poisson_sampling=False,
         )
 
-        def step() -> None:
+        def backward() -> None:
+            # Opacus's loss wrapper runs both passes: per-example norms (ghost identity for
+            # linear layers and embeddings, per-sample gradients for the rest), then the
+            # backward of Σ_i c_i ℓ_i, which leaves the clipped sum in .grad.
             opt.zero_grad(set_to_none=True)
             logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
             shape = logits.shape  # per-sequence privacy unit: Opacus needs [B, T, V]
             loss = criterion(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1), shape=shape)
             loss.backward()
+
+        def step() -> None:
+            backward()
             opt.step()
 
-        return step
+        def clipped() -> dict[str, Any]:
+            backward()
+            return {name: p.grad.detach().clone() for name, p in named_trainable(model)}
+
+        return step, clipped
 
     model, opt, _ = engine.make_private(
         module=model,
         optimizer=opt,
         data_loader=loader,
         noise_multiplier=SIGMA,
-        max_grad_norm=CLIP,
+        max_grad_norm=work.clip,
         poisson_sampling=False,
     )
 
@@ -224,7 +289,13 @@ def _opacus(model: Any, ids: Any, args: argparse.Namespace, ghost: bool) -> Call
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         opt.step()
 
-    return step
+    def clipped() -> dict[str, Any]:
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        opt.clip_and_accumulate()  # per-sample gradients -> clipped sum in .summed_grad
+        return {name: p.summed_grad.detach().clone() for name, p in named_trainable(model)}
+
+    return step, clipped
 
 
 def _engine(model: Any, ids: Any, engine: str) -> tuple[Callable[[], Any], Callable[[], float]]:
@@ -283,6 +354,76 @@ def _engine(model: Any, ids: Any, engine: str) -> tuple[Callable[[], Any], Calla
     return fn, fingerprint
 
 
+def _method(
+    method: str, model: Any, ids: Any, args: argparse.Namespace, work: Workload
+) -> tuple[Callable[[], None], Clipped | None]:
+    if method == "nonprivate":
+        return _nonprivate(model, ids, args, work)
+    if method == "opake":
+        return _opake(model, ids, args, work)
+    if method == "opake-bk":
+        return _opake_bk(model, ids, args, work)
+    return _opacus(model, ids, args, method == "opacus-ghost", work)
+
+
+def _reference(mode: str, work: Workload) -> tuple[list[dict[str, Any]], list[float]]:
+    """Per-example gradients by a Python loop of plain autograd (batches of one), and norms."""
+    import torch
+
+    model, ids = _build(mode, work)
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    grads, norms = [], []
+    for i in range(work.batch):
+        x = ids[i : i + 1]
+        loss = model(input_ids=x, labels=x, use_cache=False).loss
+        g = torch.autograd.grad(loss, [p for _, p in named])
+        grads.append({name: t.double() for (name, _), t in zip(named, g, strict=True)})
+        norms.append(float(torch.sqrt(sum(t.double().square().sum() for t in g))))
+    return grads, norms
+
+
+def check_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The method's clipped sum (no noise) against Σ_i min(1, C/‖g_i‖) g_i from a loop."""
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    base = Workload(CHECK_CONFIG, CHECK_BATCH, CHECK_SEQ, 1.0)
+    grads, norms = _reference(mode, base)
+    clip = statistics.median(norms)  # half the examples are clipped, half are not
+    work = Workload(CHECK_CONFIG, CHECK_BATCH, CHECK_SEQ, clip)
+    ref = {
+        name: sum(min(1.0, clip / n) * g[name] for g, n in zip(grads, norms, strict=True))
+        for name in grads[0]
+    }
+    model, ids = _build(mode, work)
+    _, clipped = _method(method, model, ids, args, work)
+    if clipped is None:
+        raise SystemExit(f"{method}: no clipped sum to check")
+    got = {name: t.double() for name, t in clipped().items()}
+    missing = sorted(set(ref) - set(got))
+    diff = sum((got[k] - ref[k]).square().sum() for k in ref if k in got)
+    total = sum(r.square().sum() for r in ref.values())
+    worst = max(
+        (float((got[k] - ref[k]).norm() / ref[k].norm().clamp(min=1e-30)), k)
+        for k in ref
+        if k in got
+    )
+    return {
+        "mode": mode,
+        "method": method,
+        "clip": clip,
+        "norms": norms,
+        "params": len(ref),
+        "missing": missing,
+        "rel_diff": float(torch.sqrt(diff / total)),
+        "worst_param_rel_diff": worst[0],
+        "worst_param": worst[1],
+    }
+
+
 def run_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
     """One configuration, in this process."""
     import warnings
@@ -297,14 +438,8 @@ def run_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
     if method in ENGINES:
         step, fingerprint = _engine(model, ids, method)
         extra["fingerprint"] = fingerprint()
-    elif method == "nonprivate":
-        step = _nonprivate(model, ids, args)
-    elif method == "opake":
-        step = _opake(model, ids, args)
-    elif method == "opake-bk":
-        step = _opake_bk(model, ids, args)
     else:
-        step = _opacus(model, ids, args, ghost=method == "opacus-ghost")
+        step, _ = _method(method, model, ids, args, BENCH)
     for _ in range(args.warmup):
         step()
     wall, cpu = [], []
@@ -329,6 +464,8 @@ def run_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
 def _worker_cmd(python: str, mode: str, method: str, args: argparse.Namespace) -> list[str]:
     cmd = [python, __file__, "--worker", mode, method, "--threads", str(args.threads)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.check:
+        cmd += ["--check"]
     if args.microbatch_size:
         cmd += ["--microbatch-size", str(args.microbatch_size)]
     return cmd
@@ -401,6 +538,7 @@ def _summary(runs: list[dict[str, Any]], ref: list[dict[str, Any]] | None) -> di
         pairs = list(zip(runs, ref, strict=False))
         out["ratio_wall"] = statistics.median(a["wall_s"] / b["wall_s"] for a, b in pairs)
         out["ratio_cpu"] = statistics.median(a["cpu_s"] / b["cpu_s"] for a, b in pairs)
+        out["ratio_rss"] = out["peak_rss_mib"] / max(r["peak_rss_mib"] for r in ref)
     return out
 
 
@@ -434,6 +572,35 @@ def _engines(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    """Each private method's clipped sum against the loop; exit 1 if one is off or missing."""
+    methods = [m for m in args.methods if m != "nonprivate"]
+    runs, notes = _collect([(mode, m) for mode in args.modes for m in methods], args)
+    _header(args)
+    print(
+        f"clipped sum (no noise) vs a per-example autograd loop: Llama {CHECK_CONFIG}, "
+        f"batch {CHECK_BATCH} × {CHECK_SEQ}, C = median per-example norm"
+    )
+    print()
+    print("| mode | method | C | parameters | missing | rel. diff (all) | worst parameter |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    bad = bool(notes)
+    results = []
+    for (mode, method), rounds in runs.items():
+        r = rounds[0]
+        results.append(r)
+        bad |= bool(r["missing"]) or r["rel_diff"] > 1e-4
+        print(
+            f"| {mode} | {method} | {r['clip']:.4g} | {r['params']} | {len(r['missing'])} | "
+            f"{r['rel_diff']:.1e} | {r['worst_param_rel_diff']:.1e} (`{r['worst_param']}`) |"
+        )
+    for note in notes:
+        print(f"\n- {note}")
+    if args.json:
+        args.json.write_text(json.dumps({"checks": results, "notes": notes}, indent=2))
+    return 1 if bad else 0
+
+
 def _plain(runs: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, Any]:
     return {f"{mode}/{method}": value for (mode, method), value in runs.items()}
 
@@ -464,6 +631,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--engines", action="store_true", help="compare ways to compute per-example gradients"
     )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check each private method's clipped sum against a per-example loop (small model)",
+    )
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "METHOD"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -471,8 +643,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 5:
         parser.error("--steps must be at least 5 (the median of ≥ 5 steps is reported)")
     if args.worker:
-        print(json.dumps(run_one(*args.worker, args)))
+        one = check_one if args.check else run_one
+        print(json.dumps(one(*args.worker, args)))
         return 0
+    if args.check:
+        return _check(args)
 
     if args.engines:
         return _engines(args)
@@ -486,15 +661,16 @@ def main(argv: list[str] | None = None) -> int:
     _header(args)
     print(
         "| mode | method | trainable | wall s/step | CPU s/step | ×non-private (wall) |"
-        " ×non-private (CPU) | peak RSS MiB |"
+        " ×non-private (CPU) | peak RSS MiB | ×non-private (RSS) |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         ratio_w = f"{r['ratio_wall']:.2f}" if "ratio_wall" in r else "–"
         ratio_c = f"{r['ratio_cpu']:.2f}" if "ratio_cpu" in r else "–"
+        ratio_m = f"{r['ratio_rss']:.2f}" if "ratio_rss" in r else "–"
         print(
             f"| {r['mode']} | {r['method']} | {r['trainable_params']:,} | {r['wall_s']:.3f} | "
-            f"{r['cpu_s']:.3f} | {ratio_w} | {ratio_c} | {r['peak_rss_mib']:.0f} |"
+            f"{r['cpu_s']:.3f} | {ratio_w} | {ratio_c} | {r['peak_rss_mib']:.0f} | {ratio_m} |"
         )
     for note in notes:
         print(f"\n- {note}")
