@@ -44,22 +44,11 @@ SKIP: dict[tuple[str, str], str] = {
         "guide/model-patches.md",
         "def apply(model: PreTrainedModel, options: PatchOptions) -> FamilyPatch: ...",
     ): ("a signature, not code"),
-    (
-        "guide/checkpointing.md",
-        "with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):",
-    ): ("fragment: grad_fn of a (params, x, y) loss, unlike the page's previous example"),
-    (
-        "guide/checkpointing.md",
-        "apply_runtime_patches(vmap_checkpointing=False)",
-    ): ("fragment: uses remove_runtime_patches / is_runtime_patched without importing them"),
     ("guide/distributed.md", "fmodel, params = make_functional(unwrap_ddp(ddp_model))"): (
         "fragment: needs a DDP-wrapped model in a torch.distributed process group"
     ),
     ("guide/distributed.md", "from opake.profiling import step_perf"): (
         "fragment: runs inside a torchrun worker (ctx, gather_metrics)"
-    ),
-    ("guide/training.md", "for x_chunk, y_chunk in physical_chunks:"): (
-        "fragment: the physical chunks of one Poisson batch"
     ),
 }
 
