@@ -220,8 +220,9 @@ class PoissonSampler(_BaseSampler):
         seed: the shared key (required when ``world_size > 1``). ``None`` draws one from OS
             entropy, kept in :meth:`state_dict`. Batch membership must stay secret for the
             amplification by subsampling to hold: keep the seed as secret as the data.
-        rank, world_size: this process's shard. Every rank draws the same global batch and
-            keeps ``global[rank::world_size]`` (sorted indices), so the shards partition it.
+        rank: this process's shard. Every rank draws the same global batch and keeps
+            ``global[rank::world_size]`` (sorted indices), so the shards partition it.
+        world_size: the number of shards (processes).
 
     Example:
         >>> sampler = PoissonSampler(100, 0.05, seed=0)
@@ -414,7 +415,9 @@ class ShuffleSampler(_BaseSampler):
         dataset_size: N.
         batch_size: global batch size B; each rank gets ``global[rank::world_size]``.
         drop_last: drop the last incomplete batch of each epoch (default: keep shapes fixed).
-        seed, rank, world_size: as :class:`PoissonSampler`.
+        seed: as :class:`PoissonSampler`.
+        rank: as :class:`PoissonSampler`.
+        world_size: as :class:`PoissonSampler`.
 
     Example:
         >>> import warnings

@@ -143,12 +143,16 @@ def linear_cross_entropy_example_grads(
 
     Args:
         hidden: ``(B, T, H)`` final hidden states (batch first).
-        weight: ``(V, H)`` output projection; bias: optional ``(V,)``.
+        weight: ``(V, H)`` output projection.
         labels: ``(B, T)`` targets (already shifted), ``ignore_index`` for none.
         token_grads: ``(B, T)`` upstream gradient of each token's loss (``1/count_i`` for
             example ``i``'s mean loss).
-        logit_scale, logit_divisor, softcap, label_smoothing, chunk_size: as
-            :func:`linear_cross_entropy`.
+        bias: optional ``(V,)`` output bias.
+        logit_scale: as :func:`linear_cross_entropy`.
+        logit_divisor: as :func:`linear_cross_entropy`.
+        softcap: as :func:`linear_cross_entropy`.
+        label_smoothing: as :func:`linear_cross_entropy`.
+        chunk_size: as :func:`linear_cross_entropy`.
         route: ``"ghost"`` (Gram matrices of the logit gradients and of the hidden states),
             ``"materialised"`` (one ``vocab_tile × H`` gradient tile at a time) or ``"auto"``
             (the cheaper one, ``T·(V + H) ≤ V·H`` for the Gram route).

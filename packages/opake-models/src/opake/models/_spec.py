@@ -82,8 +82,10 @@ class Mlp:
         kind: ``"swiglu"``, ``"geglu"`` (gated; a kernel may replace the gate product) or
             ``"gelu"`` (plain two-layer MLP; left as transformers wrote it).
         module: class name of the MLP module (``"LlamaMLP"``).
-        gate, up, down: attribute names of the projections (``down`` may be None for a
-            plain MLP whose output projection lives in another module, as in BERT).
+        gate: attribute name of the gate projection.
+        up: attribute name of the up projection.
+        down: attribute name of the down projection (None for a plain MLP whose output
+            projection lives in another module, as in BERT).
         gate_up: attribute of a fused projection whose output is ``[gate | up]`` (Phi-3);
             replaces ``gate`` and ``up``.
         act: attribute holding the activation module; the adapter checks numerically that it
@@ -359,8 +361,10 @@ class FamilySpec:
         layer: class name of one decoder (or encoder) layer — the gradient-checkpoint boundary;
             the adapter finds the layers by class and checks there are
             ``config.num_hidden_layers`` of them.
-        mlp, norm, rope, attention: see :class:`Mlp`, :class:`Norm`, :class:`Rope`,
-            :class:`Attention`.
+        mlp: the MLP, see :class:`Mlp`.
+        norm: the normalisation layers, see :class:`Norm`.
+        rope: the rotary embedding, see :class:`Rope`.
+        attention: the attention and its mask, see :class:`Attention`.
         head: :class:`CausalLMHead` or :class:`ClassifierHead`.
         models: class names of the task models the adapter patches (``"LlamaForCausalLM"``).
         tiny_config: config keyword arguments of a tiny model that exercises every quirk of
