@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import io
 import os
@@ -88,6 +89,45 @@ def test_cpu_peak_falls_back_to_sampling_when_reset_is_not_permitted(monkeypatch
     del big
     later = get_memory_stats("cpu")
     assert later.peak_gb == pytest.approx(sampled.allocated_gb, abs=4 * MB)
+
+
+def test_proc_descriptors_retry_transient_failures_and_remember_permanent_ones(
+    monkeypatch, tmp_path
+):
+    status = tmp_path / "status"
+    status.write_bytes(b"VmRSS:\t  2048 kB\nVmHWM:\t  4096 kB\n")
+    monkeypatch.setattr(_memory, "_PROC_STATUS", str(status))
+    real_open = os.open
+    calls = []
+
+    def flaky_open(path, flags, *args):
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(_memory.os, "open", flaky_open)
+    assert _memory._read_proc_status() is None  # out of descriptors: not remembered
+    assert _memory._read_proc_status() == {"VmRSS": 2048 * 1024, "VmHWM": 4096 * 1024}
+    assert _memory._read_proc_status() is not None
+    assert len(calls) == 2  # the descriptor is kept once open
+    # a failed read forgets (and closes) the descriptor: the next call reopens it
+    monkeypatch.setattr(
+        _memory.os, "pread", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, ""))
+    )
+    assert _memory._read_proc_status() is None
+    monkeypatch.undo()
+    monkeypatch.setattr(_memory, "_PROC_STATUS", str(status))
+    assert _memory._read_proc_status() == {"VmRSS": 2048 * 1024, "VmHWM": 4096 * 1024}
+    # a file that does not exist is remembered as missing (no open per call)
+    missing = str(tmp_path / "none")
+    monkeypatch.setattr(_memory, "_PROC_STATUS", missing)
+    assert _memory._read_proc_status() is None
+    assert _memory._PROC_FDS[(os.getpid(), missing, os.O_RDONLY)] is None
+    for key in [k for k in _memory._PROC_FDS if k[1] in (str(status), missing)]:
+        fd = _memory._PROC_FDS.pop(key)
+        if fd is not None:
+            os.close(fd)
 
 
 def test_cpu_without_proc_uses_psutil(monkeypatch, tmp_path):

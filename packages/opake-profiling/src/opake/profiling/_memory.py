@@ -18,8 +18,10 @@ One small backend per device kind reads the figures; everything else (``get_memo
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import errno
 import gc
 import os
 import re
@@ -358,14 +360,29 @@ _CPU_PEAK_MODE = {"mode": "lifetime"}
 _PROC_FDS: dict[tuple[int, str, int], int | None] = {}
 
 
+# errors that say the file will never open here (no /proc, not permitted): remembered; any other
+# (out of descriptors, interrupted) is retried on the next call
+_PERMANENT = (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
 def _proc_fd(path: str, flags: int) -> int | None:
     key = (os.getpid(), path, flags)
     if key not in _PROC_FDS:
         try:
             _PROC_FDS[key] = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
+        except OSError as err:
+            if err.errno not in _PERMANENT:
+                return None
             _PROC_FDS[key] = None
     return _PROC_FDS[key]
+
+
+def _drop_proc_fd(path: str, flags: int) -> None:
+    """Forget (and close) a kept descriptor whose read or write failed: reopen next time."""
+    fd = _PROC_FDS.pop((os.getpid(), path, flags), None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _kb_field(text: bytes, name: bytes) -> int | None:
@@ -384,6 +401,7 @@ def _read_proc_status() -> dict[str, int] | None:
     try:
         text = os.pread(fd, 1 << 16, 0)
     except OSError:
+        _drop_proc_fd(_PROC_STATUS, os.O_RDONLY)
         return None
     rss = _kb_field(text, b"VmRSS:")
     if rss is None:
@@ -399,7 +417,9 @@ def _clear_peak_rss() -> bool:
         return False
     try:
         os.write(fd, b"5")
-    except OSError:
+    except OSError as err:
+        if err.errno not in (*_PERMANENT, errno.EINVAL):  # EINVAL: the kernel lacks "5"
+            _drop_proc_fd(_PROC_CLEAR_REFS, os.O_WRONLY)
         return False
     return True
 
