@@ -111,10 +111,12 @@ def test_proc_descriptors_retry_transient_failures_and_remember_permanent_ones(
     assert _memory._read_proc_status() == {"VmRSS": 2048 * 1024, "VmHWM": 4096 * 1024}
     assert _memory._read_proc_status() is not None
     assert len(calls) == 2  # the descriptor is kept once open
+
     # a failed read forgets (and closes) the descriptor: the next call reopens it
-    monkeypatch.setattr(
-        _memory.os, "pread", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, ""))
-    )
+    def failing_pread(*args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(_memory.os, "pread", failing_pread)
     assert _memory._read_proc_status() is None
     monkeypatch.undo()
     monkeypatch.setattr(_memory, "_PROC_STATUS", str(status))
