@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.dpsgd._dist_comm import broadcast_tensors
-from opake.dpsgd._dist_optim import DistributedDPOptimizer, _BroadcastNoise
+from opake.dpsgd._dist_optim import DistributedDPOptimizer, _BroadcastNoise, _NoiseProxy
 from opake.dpsgd._optim import DPOptimizer, StepReport
 
 if TYPE_CHECKING:
@@ -148,31 +148,12 @@ def _like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return replicated.redistribute(mesh, like.placements)  # type: ignore[attr-defined]
 
 
-class _ShardedNoise:
+class _ShardedNoise(_NoiseProxy):
     """One full-size draw (shared seed, or rank 0's broadcast), each rank adding its rows."""
 
     def __init__(self, inner: Any, *, broadcast: bool, group: Any, device: torch.device) -> None:
-        self._inner = inner
+        super().__init__(inner, group=group, device=device)
         self._broadcast = broadcast
-        self._group = group
-        self._device = device
-
-    @property
-    def inner(self) -> Any:
-        return self._inner
-
-    @property
-    def noise_multiplier(self) -> float:
-        return float(self._inner.noise_multiplier)
-
-    @noise_multiplier.setter
-    def noise_multiplier(self, value: float) -> None:
-        self._inner.noise_multiplier = value
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "_inner":
-            raise AttributeError(name)
-        return getattr(self._inner, name)
 
     def add(
         self, grads: Mapping[str, torch.Tensor], sensitivity: float | None = None

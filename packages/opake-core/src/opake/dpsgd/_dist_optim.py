@@ -139,18 +139,19 @@ def check_replicas_in_sync(
     return local
 
 
-class _BroadcastNoise:
-    """Rank 0 draws the noise (e.g. from OS entropy) and broadcasts the noised sum."""
+class _NoiseProxy:
+    """A noise object wrapping another: ``noise_multiplier`` and every other attribute
+    (``state_dict`` / ``load_state_dict`` / ``secure`` / ``seed``, iff the inner object has
+    them) are the inner object's; subclasses change how ``add`` draws across ranks."""
 
-    def __init__(self, inner: Any, *, rank: int, group: Any, device: torch.device) -> None:
+    def __init__(self, inner: Any, *, group: Any, device: torch.device) -> None:
         self._inner = inner
-        self._rank = rank
         self._group = group
         self._device = device
 
     @property
     def inner(self) -> Any:
-        """The noise object rank 0 draws from."""
+        """The noise object that draws."""
         return self._inner
 
     @property
@@ -162,10 +163,17 @@ class _BroadcastNoise:
         self._inner.noise_multiplier = value
 
     def __getattr__(self, name: str) -> Any:
-        # state_dict / load_state_dict / secure / seed exist here iff the inner object has them
         if name.startswith("__") or name == "_inner":
             raise AttributeError(name)
         return getattr(self._inner, name)
+
+
+class _BroadcastNoise(_NoiseProxy):
+    """Rank 0 draws the noise (e.g. from OS entropy) and broadcasts the noised sum."""
+
+    def __init__(self, inner: Any, *, rank: int, group: Any, device: torch.device) -> None:
+        super().__init__(inner, group=group, device=device)
+        self._rank = rank
 
     def add(
         self, grads: Mapping[str, torch.Tensor], sensitivity: float | None = None
