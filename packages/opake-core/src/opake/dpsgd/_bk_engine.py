@@ -509,7 +509,9 @@ class BookkeepingRunner:
                     shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else losses
                     raise ConfigurationError(
                         f"BatchedLoss fn returned {shape} for a batch of {batch}; expected "
-                        f"per-example losses of shape [{batch}]"
+                        f"per-example losses of shape [{batch}] (reduce over each example's "
+                        "tokens only: causal_lm_losses(logits, labels), or a patched model's "
+                        "loss_only=True, per_example_loss=True)"
                     )
                 self._recording = False
                 if losses.requires_grad:
