@@ -54,7 +54,9 @@ STEPS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 def _shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
     shapes = [(w, w) for w in args.widths]
-    shapes += [tuple(map(int, s.split("x"))) for s in args.rect]  # type: ignore[misc]
+    for spec in args.rect:
+        d, p = spec.split("x")
+        shapes.append((int(d), int(p)))
     return shapes
 
 
@@ -316,8 +318,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{'–' if factor is None else f'{factor:.2f}'} |"
         )
     if args.json:
-        payload = {"machine": machine, "args": vars(args) | {"json": str(args.json)}}
-        payload |= {"points": results, "summary": summary}
+        payload: dict[str, Any] = {
+            "machine": machine,
+            "args": vars(args) | {"json": str(args.json)},
+            "points": results,
+            "summary": summary,
+        }
         args.json.write_text(json.dumps(payload, indent=2))
     return 0
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -107,7 +108,7 @@ def _build(mode: str, work: Workload = BENCH) -> tuple[Any, Any]:
 
     torch.manual_seed(0)
     cfg = LlamaConfig(**work.config, max_position_embeddings=work.seq, attn_implementation="eager")
-    model = LlamaForCausalLM(cfg)
+    model: Any = LlamaForCausalLM(cfg)
     if mode == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -145,7 +146,7 @@ def _opake(
 
     fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
 
-    def loss_fn(trainable, frozen, input_ids, labels):  # one example: [SEQ]
+    def loss_fn(trainable: Any, frozen: Any, input_ids: Any, labels: Any) -> Any:  # [SEQ]
         out = fmodel(
             (trainable, frozen), input_ids=input_ids[None], labels=labels[None], use_cache=False
         )
@@ -191,7 +192,7 @@ def _opake_bk(
 
     fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
 
-    def losses(trainable, frozen, input_ids, labels):  # a batch: [B, SEQ] -> [B]
+    def losses(trainable: Any, frozen: Any, input_ids: Any, labels: Any) -> Any:  # [B]
         out = fmodel((trainable, frozen), input_ids=input_ids, use_cache=False)
         return causal_lm_losses(out.logits, labels)
 
@@ -265,15 +266,15 @@ def _opacus(
             loss = criterion(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1), shape=shape)
             loss.backward()
 
-        def step() -> None:
+        def ghost_step() -> None:
             backward()
             opt.step()
 
-        def clipped() -> dict[str, Any]:
+        def ghost_clipped() -> dict[str, Any]:
             backward()
             return {name: p.grad.detach().clone() for name, p in named_trainable(model)}
 
-        return step, clipped
+        return ghost_step, ghost_clipped
 
     model, opt, _ = engine.make_private(
         module=model,
@@ -378,7 +379,7 @@ def _reference(mode: str, work: Workload) -> tuple[list[dict[str, Any]], list[fl
         loss = model(input_ids=x, labels=x, use_cache=False).loss
         g = torch.autograd.grad(loss, [p for _, p in named])
         grads.append({name: t.double() for (name, _), t in zip(named, g, strict=True)})
-        norms.append(float(torch.sqrt(sum(t.double().square().sum() for t in g))))
+        norms.append(math.sqrt(sum(float(t.double().square().sum()) for t in g)))
     return grads, norms
 
 
@@ -643,8 +644,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 5:
         parser.error("--steps must be at least 5 (the median of ≥ 5 steps is reported)")
     if args.worker:
+        mode, method = args.worker
         one = check_one if args.check else run_one
-        print(json.dumps(one(*args.worker, args)))
+        print(json.dumps(one(mode, method, args)))
         return 0
     if args.check:
         return _check(args)
