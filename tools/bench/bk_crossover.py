@@ -13,14 +13,16 @@ per-example gradients ``G_i = Σ_t g_{i,t} ⊗ x_{i,t}`` (a ``p × d`` matrix). 
 * **materialised**: ``_materialise(piece)`` (the ``[B, p, d]`` per-example gradients) then
   ``vector_norm`` — about ``2·B·T·d·p`` flops.
 
-``auto`` picks ghost while ``ghost_is_cheaper(T, p, d)`` holds, i.e. ``2T² ≤ d·p`` (fastDP's
-MixOpt memory rule; crossover ``T* = sqrt(d·p / 2)``). This script times both routes on a grid
-of (width, T) in this process (one torch thread, fp32, random ``g`` and ``x``; the median of
-``--repeats`` calls after ``--warmup``, as process CPU time and wall time), and reports for each
-width the first grid T at which the materialised route is faster next to the rule's switch.
+``auto`` picks ghost while ``ghost_is_cheaper(T, p, d)`` holds, i.e. ``T·(d + p) ≤ d·p`` (the
+flop balance; crossover ``T* = d·p / (d + p)``; it replaced MixOpt's memory rule ``2T² ≤ d·p``
+after this script's first run showed that one switching 1.1–2.1× too late). This script times
+both routes on a grid of (width, T) in this process (one torch thread, fp32, random ``g`` and
+``x``; the median of ``--repeats`` calls after ``--warmup``, as process CPU time and wall time),
+and reports for each width the first grid T at which the materialised route is faster next to
+the rule's switch.
 
-Memory: the analytic extra floats of each route (ghost: the two Gram matrices and their product,
-``3·B·T²``, of which the rule counts ``2·B·T²``; materialised: ``B·d·p``), and, unless
+Memory: the analytic extra floats of each route (ghost: the two Gram matrices, multiplied in
+place, ``2·B·T²``; materialised: ``B·d·p``), and, unless
 ``--no-memory``, the measured peak: one child process with ``MALLOC_MMAP_THRESHOLD_=131072`` (so a
 freed tensor leaves the resident set at once) runs each route once per point and reads the
 kernel's peak-RSS mark (``VmHWM``, reset through ``/proc/self/clear_refs`` just before the call)
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, fn in _routes(args.batch, steps, d, p).items():
                 row[f"{name}_cpu_s"], row[f"{name}_wall_s"] = _time(fn, args.warmup, args.repeats)
             row["rule"] = "ghost" if ghost_is_cheaper(steps, p, d) else "materialised"
-            row["ghost_floats"] = 3 * args.batch * steps * steps
+            row["ghost_floats"] = 2 * args.batch * steps * steps
             row["materialised_floats"] = args.batch * d * p
             results.append(row)
             print(json.dumps(row), file=sys.stderr)
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print()
     print(
-        "| d × p | rule T* = sqrt(dp/2) | rule switches at grid T | measured: materialised"
+        "| d × p | rule T* = dp/(d+p) | rule switches at grid T | measured: materialised"
         " faster from grid T (CPU) | interpolated T (CPU) | interpolated T (wall) |"
         " measured / rule |"
     )
@@ -288,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         points = [r for r in results if (r["d"], r["p"]) == (d, p)]
         if not points:
             continue
-        t_rule = math.sqrt(d * p / 2)
+        t_rule = d * p / (d + p)
         rule_grid = next((r["T"] for r in points if r["rule"] == "materialised"), None)
         grid_cpu, interp_cpu = _crossover(points, "cpu_s")
         _, interp_wall = _crossover(points, "wall_s")

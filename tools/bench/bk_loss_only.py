@@ -142,20 +142,30 @@ def run_one(method: str, args: argparse.Namespace) -> dict[str, Any]:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    from opake.profiling import get_memory_stats, reset_peak_memory
+
     step = _step(method, args)
     for _ in range(args.warmup):
         step()
+    # steady state: the resident set before the timed steps, and its peak during them (the
+    # workers run with MALLOC_MMAP_THRESHOLD_ set, so freed tensors leave the resident set)
+    reset_peak_memory("cpu")
+    resident = get_memory_stats("cpu").allocated_gb * 1024
     walls, cpus = [], []
     for _ in range(args.steps):
         w0, c0 = time.perf_counter(), time.process_time()
         step()
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
+    stats = get_memory_stats("cpu")
     return {
         "method": method,
         "wall": statistics.median(walls),
         "cpu": statistics.median(cpus),
         "rss_mib": _peak_rss_mib(),
+        "resident_mib": resident,
+        "step_peak_mib": stats.peak_gb * 1024,
+        "step_peak_exact": stats.peak_exact,
     }
 
 
@@ -169,7 +179,12 @@ def _worker(method: str, args: argparse.Namespace) -> dict[str, Any]:
         *("--steps", str(args.steps), "--warmup", str(args.warmup)),
         *("--microbatch", str(args.microbatch)),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "MALLOC_MMAP_THRESHOLD_": "131072",  # large tensors are unmapped when freed
+    }
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{method} failed:\n{out.stderr[-3000:]}")
@@ -211,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             res = results[method]
             print(
                 f"  round {r + 1} {method}: wall {res['wall']:.3f} s, cpu {res['cpu']:.3f} s, "
-                f"rss {res['rss_mib']:.0f} MiB",
+                f"rss {res['rss_mib']:.0f} MiB, resident {res['resident_mib']:.0f} MiB, step "
+                f"peak {res['step_peak_mib']:.0f} MiB",
                 file=sys.stderr,
                 flush=True,
             )
@@ -235,16 +251,21 @@ def main(argv: list[str] | None = None) -> int:
                 "wall_ratio": ratio("wall"),
                 "cpu_ratio": ratio("cpu"),
                 "rss_ratio": ratio("rss_mib"),
+                "resident_mib": med("resident_mib"),
+                "step_peak_mib": med("step_peak_mib"),
+                "step_peak_ratio": ratio("step_peak_mib"),
             }
         )
     print(
-        f"\n| method | wall s/step | CPU s/step | × {base} (CPU) | peak RSS MiB | × {base} (RSS) |"
+        f"\n| method | wall s/step | CPU s/step | × {base} (CPU) | step peak MiB | × {base} "
+        f"(step peak) | resident before MiB | lifetime peak RSS MiB | × {base} (lifetime) |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(
             f"| `{row['method']}` | {row['wall']:.3f} | {row['cpu']:.3f} | {row['cpu_ratio']:.2f} "
-            f"| {row['rss_mib']:.0f} | {row['rss_ratio']:.2f} |"
+            f"| {row['step_peak_mib']:.0f} | {row['step_peak_ratio']:.2f} "
+            f"| {row['resident_mib']:.0f} | {row['rss_mib']:.0f} | {row['rss_ratio']:.2f} |"
         )
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "rounds": rounds}, indent=2))

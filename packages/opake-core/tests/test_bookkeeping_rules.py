@@ -45,7 +45,7 @@ def test_ghost_and_materialised_norms_match_the_gradient(shape):
     piece = OuterSum(a, b)
     ghost = _inner_outer(piece, piece).double()  # Σ_{t,s} (a_t·a_s)(b_t·b_s)
     direct = _materialise(piece).double().square().sum(dim=(1, 2))
-    chosen = sq_norm(piece).double()  # whichever MixOpt picks
+    chosen = sq_norm(piece).double()  # whichever route ghost_is_cheaper picks
     for got in (ghost, direct, chosen):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -111,7 +111,10 @@ def test_weighted_sum_is_the_clipped_sum(shape):
 
 
 def test_mixopt_crossover():
-    # ghost while 2T² ≤ d·p: a 256 × 256 layer switches to materialised above T = 181
-    assert ghost_is_cheaper(181, 256, 256)
-    assert not ghost_is_cheaper(182, 256, 256)
-    assert ghost_is_cheaper(1, 1, 2)
+    # ghost while T·(d + p) ≤ d·p: a 256 × 256 layer switches to materialised above T = 128,
+    # a 256 × 4096 (lm_head-shaped) one above T = 240
+    assert ghost_is_cheaper(128, 256, 256)
+    assert not ghost_is_cheaper(129, 256, 256)
+    assert ghost_is_cheaper(240, 256, 4096)
+    assert not ghost_is_cheaper(241, 256, 4096)
+    assert not ghost_is_cheaper(1, 1, 2)  # T·3 > 2: a 1 × 2 gradient is cheaper to form

@@ -17,7 +17,8 @@ From pieces the engine needs two things, neither of which forms every ``G_i``:
   the sum over all pairs of its uses, so tied weights (one matrix used as embedding and
   ``lm_head``) get the cross term. ``⟨G, G⟩`` of an :class:`OuterSum` is the ghost identity
   ``Σ_{t,s} (a_t·a_s)(b_t·b_s)`` (cost ``~T²(R+C)`` per example) or the materialised norm (cost
-  ``~T·R·C``, memory ``R·C``): :func:`ghost_is_cheaper` decides, like fastDP's MixOpt;
+  ``~T·R·C``, memory ``R·C``): :func:`ghost_is_cheaper` decides per layer (like fastDP's MixOpt,
+  but by multiply-adds, which the timed crossover follows);
 - the clipped sum ``Σ_i c_i G_i`` (:func:`weighted_sum`): one contraction over batch × time.
 """
 
@@ -137,12 +138,22 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 
 
 def ghost_is_cheaper(steps: int, rows: int, cols: int) -> bool:
-    """MixOpt's rule: the Gram route needs ``2T²`` numbers per example, materialising ``R·C``.
+    """Whether the Gram ("ghost") norm costs fewer multiply-adds than the materialised one.
+
+    Per example the Gram route costs ``T²·(R + C)`` (two ``T × T`` Gram matrices), the
+    materialised route ``T·R·C`` (the ``R × C`` gradient): ghost while ``T·(R + C) ≤ R·C``,
+    i.e. up to ``T* = R·C / (R + C)``. Timed on CPU (``tools/bench/bk_crossover.py``,
+    ``docs/benchmarks.md``) this lands within 1.05–1.4× of the measured crossover for square and
+    rectangular layers, where MixOpt's memory rule ``2T² ≤ R·C`` switched 1.1–2.1× too late. It
+    also never costs memory: below ``T*`` the Gram route's ``2T²`` numbers are at most
+    ``R·C / 2``.
 
     >>> ghost_is_cheaper(64, 256, 256), ghost_is_cheaper(512, 64, 64)
     (True, False)
+    >>> ghost_is_cheaper(128, 256, 256), ghost_is_cheaper(129, 256, 256)  # T* = 128
+    (True, False)
     """
-    return 2 * steps * steps <= rows * cols
+    return steps * (rows + cols) <= rows * cols
 
 
 def _materialise(piece: OuterSum) -> torch.Tensor:
@@ -178,7 +189,7 @@ def _inner_outer(u: OuterSum, v: OuterSum) -> torch.Tensor:
     import torch
 
     gram_b = torch.bmm(_f32(u.b), _f32(v.b).transpose(1, 2))
-    return (_gram_a(u, v) * gram_b).sum(dim=(1, 2))
+    return gram_b.mul_(_gram_a(u, v)).sum(dim=(1, 2))  # in place: two T × T matrices at most
 
 
 def _inner_dense_outer(m: torch.Tensor, v: OuterSum) -> torch.Tensor:

@@ -8,7 +8,8 @@ no ``create_graph``). Per layer:
 
 - ``nn.Linear`` (LoRA adapters included) and GPT-2's ``Conv1D`` over a sequence: the ghost
   identity ``‖Σ_t g_t x_tᵀ‖² = Σ_{t,s} (g_t·g_s)(x_t·x_s)`` or the materialised per-example
-  gradient, whichever :func:`ghost_is_cheaper` says (``2T²`` vs ``d·p``, fastDP's MixOpt);
+  gradient, whichever :func:`ghost_is_cheaper` says (``T·(d + p)`` vs ``d·p`` multiply-adds,
+  per layer like fastDP's MixOpt);
 - ``nn.Embedding``: index matching (``Σ_{t,s} [id_t = id_s] (e_t·e_s)``, padding index excluded);
 - ``nn.LayerNorm`` / ``nn.RMSNorm`` weights and all biases directly;
 - a leaf layer without a rule (e.g. a model's own RMSNorm class): its per-example gradient by
