@@ -248,3 +248,33 @@ def test_loss_only_head(family, other_tying, kernels, monkeypatch):
     # the oracle (the model's own loss, one example at a time) calls lm_head; the batched
     # book-keeping and vmap forwards never do
     assert len(head_calls) == BATCH, head_calls
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_loss_only_head_with_checkpointing_and_microbatches(family):
+    """The loss-only head composes with activation checkpointing (the backbone's layers are
+    recomputed in the one backward, the head is not) and with microbatches (one recorded loss
+    per microbatch): still the per-example loop's clipped sum."""
+    import warnings
+
+    from opake.patches import apply_model_patches
+
+    model = tiny_model(family)
+    _zero_dropout(model)
+    apply_model_patches(model, chunked_linear_cross_entropy=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' renaming notice
+        model.gradient_checkpointing_enable()
+    model.train()
+    loss_fn, _, args = _case(model, loss_only=True)
+    grad_fn, state = clipped_grad(
+        loss_fn, clipping_norm=0.5, batch_argnums=(2, 3, 4), method="bookkeeping", microbatch_size=2
+    )
+    grads, _ = grad_fn(*args, state=state)
+    reference = tiny_model(family)
+    apply_model_patches(reference)
+    _, oracle, ref_args = _case(reference)
+    expected = testing.reference_clipped_grad(
+        oracle, ref_args, clipping_norm=0.5, batch_argnums=(2, 3, 4)
+    )
+    testing.assert_grads_close(grads, expected, rtol=1e-5, atol=1e-7)
