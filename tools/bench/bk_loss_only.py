@@ -22,6 +22,7 @@ round, then the median over rounds is reported.
     python tools/bench/bk_loss_only.py                       # markdown table
     python tools/bench/bk_loss_only.py --vocab 32000 --batch 16 --seq 64 --rounds 3
     python tools/bench/bk_loss_only.py --json out.json
+    python tools/bench/bk_loss_only.py --unmap --rounds 3    # memory of live tensors only
 
 Results are recorded in docs/benchmarks.md ("Book-keeping engine", loss-only head).
 """
@@ -147,8 +148,8 @@ def run_one(method: str, args: argparse.Namespace) -> dict[str, Any]:
     step = _step(method, args)
     for _ in range(args.warmup):
         step()
-    # steady state: the resident set before the timed steps, and its peak during them (the
-    # workers run with MALLOC_MMAP_THRESHOLD_ set, so freed tensors leave the resident set)
+    # steady state: the resident set before the timed steps, and its peak during them (with
+    # --unmap, freed tensors leave the resident set at once)
     reset_peak_memory("cpu")
     resident = get_memory_stats("cpu").allocated_gb * 1024
     walls, cpus = [], []
@@ -179,12 +180,9 @@ def _worker(method: str, args: argparse.Namespace) -> dict[str, Any]:
         *("--steps", str(args.steps), "--warmup", str(args.warmup)),
         *("--microbatch", str(args.microbatch)),
     ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "MALLOC_MMAP_THRESHOLD_": "131072",  # large tensors are unmapped when freed
-    }
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if args.unmap:  # large tensors are unmapped when freed: the resident set tracks live tensors
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{method} failed:\n{out.stderr[-3000:]}")
@@ -202,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument(
         "--microbatch", type=int, default=4, help="vmap engine microbatch (bounds its memory)"
+    )
+    parser.add_argument(
+        "--unmap",
+        action="store_true",
+        help="run the workers with MALLOC_MMAP_THRESHOLD_=131072, so that the step peak and the "
+        "resident set count live tensors only (every large allocation then page-faults anew: "
+        "slower steps; take times from a run without it)",
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

@@ -150,8 +150,9 @@ def _draw(
         value = grads[name]
         dtype = _noise_dtype(value)
         noise = torch.randn(value.shape, generator=generator, device=generator.device, dtype=dtype)
-        noise.mul_(std)
-        out[name] = value.detach().to(dtype=dtype) + noise.to(value.device)
+        noise = noise.mul_(std).to(value.device)
+        # the noise buffer becomes the result (one tensor per entry, never the caller's)
+        out[name] = noise.add_(value.detach().to(dtype=dtype))
     return {name: out[name] for name in grads}
 
 

@@ -511,20 +511,24 @@ class DPOptimizer:
             self._check_unused(skipped)
         sensitivity = self._sensitivity
         sigma = self.noise_multiplier
-        noisy = _noised(self.noise, self._sums, sensitivity)
-        grads: dict[str, torch.Tensor] = {}
-        for name, total in noisy.items():
-            if name not in self._sums:
-                raise OperationError(
-                    f"the noise object returned an entry {name!r} that was not in the gradient "
-                    "sum; it must return the same keys it was given"
-                )
-            grads[name] = total / self._expected_batch_size
-        if set(grads) != set(self._sums):
+        noisy = dict(_noised(self.noise, self._sums, sensitivity))
+        extra = [name for name in noisy if name not in self._sums]
+        if extra:
+            raise OperationError(
+                f"the noise object returned an entry {extra[0]!r} that was not in the gradient "
+                "sum; it must return the same keys it was given"
+            )
+        if set(noisy) != set(self._sums):
             raise OperationError(
                 "the noise object dropped entries "
-                f"{sorted(set(self._sums) - set(grads))}; it must return every key it was given"
+                f"{sorted(set(self._sums) - set(noisy))}; it must return every key it was given"
             )
+        # the noised sum replaces the sum: release each tensor as soon as it is replaced, so at
+        # most one gradient-sized copy beyond the result exists
+        self._sums.clear()
+        grads: dict[str, torch.Tensor] = {}
+        for name in list(noisy):
+            grads[name] = noisy.pop(name) / self._expected_batch_size
         for name, param in self._params.items():
             if name not in grads:
                 param.grad = None
