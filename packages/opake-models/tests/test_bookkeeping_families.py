@@ -278,3 +278,39 @@ def test_loss_only_head_with_checkpointing_and_microbatches(family):
         oracle, ref_args, clipping_norm=0.5, batch_argnums=(2, 3, 4)
     )
     testing.assert_grads_close(grads, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_loss_only_head_in_bf16_gives_fp32_sums():
+    """``compute_dtype=torch.bfloat16``: the recorded loss runs on bf16 hidden states and weight,
+    the norms and the clipped sum stay fp32, and book-keeping agrees with the vmap engine to
+    bf16 rounding (which differs batched vs per example). The left-padded example's fully
+    masked rows overflow the float mask to -inf in bf16: its norm is NaN in both engines and it
+    is dropped from both sums (the per-layer check of the other examples must not trip on it)."""
+    from opake.patches import apply_model_patches
+
+    model = tiny_model("llama")
+    apply_model_patches(model, chunked_linear_cross_entropy=16)
+    loss_fn, _, args = _case(model, loss_only=True)
+    results = {}
+    for method in ("bookkeeping", "vmap"):
+        grad_fn, state = clipped_grad(
+            loss_fn,
+            clipping_norm=1.0,
+            batch_argnums=(2, 3, 4),
+            method=method,
+            compute_dtype=torch.bfloat16,
+            return_aux=True,
+        )
+        (grads, aux), _ = grad_fn(*args, state=state)
+        assert grad_fn.engine == method
+        assert all(g.dtype == torch.float32 for g in grads.values())
+        assert aux.grad_norms.dtype == torch.float32
+        results[method] = grads, aux
+    testing.assert_grads_close(results["bookkeeping"][0], results["vmap"][0], rtol=3e-2, atol=1e-3)
+    torch.testing.assert_close(
+        results["bookkeeping"][1].grad_norms,
+        results["vmap"][1].grad_norms,
+        rtol=3e-2,
+        atol=0,
+        equal_nan=True,
+    )
