@@ -671,9 +671,8 @@ class BookkeepingRunner:
         tol = 1e-5 if use.output.dtype in (torch.float32, torch.float64) else 1e-2
         # an example whose activations are not finite (e.g. a fully masked row in half
         # precision) must not poison the tolerance: it is dropped from the sum later anyway
-        scale = (
-            float(use.output.float().abs().nan_to_num(0.0, posinf=0.0).max()) if y.numel() else 0.0
-        )
+        finite = use.output.float().abs().nan_to_num(0.0, posinf=0.0)
+        scale = float(finite.max()) if finite.numel() else 0.0
         if y.shape != use.output.shape or not torch.allclose(
             y.float(), use.output.float(), rtol=tol, atol=tol * scale, equal_nan=True
         ):
