@@ -144,14 +144,17 @@ def _hf_loss(fmodel):
     return loss
 
 
-def _check_lm(model, *, microbatch_size=None):
+def _check_lm(model, *, microbatch_size=None, auto="bookkeeping"):
     loss_fn, args = _lm_case(model, pad=True)
     oracle = _hf_loss(make_functional(loss_fn.module, partition_trainable=True)[0])
     clip, per_example = _median_norm(oracle, args, (2, 3, 4))
     options = {"batch_argnums": (2, 3, 4), "microbatch_size": microbatch_size}
-    bk_fn, bk, bk_aux, _ = _run(loss_fn, args, clip, "auto", **options)
+    auto_fn, auto_grads, _, _ = _run(loss_fn, args, clip, "auto", **options)
+    assert auto_fn.engine == auto, auto_fn.engine_reason
+    bk_fn, bk, bk_aux, _ = _run(loss_fn, args, clip, "bookkeeping", **options)
     _, vm, vm_aux, _ = _run(loss_fn, args, clip, "vmap", **options)
     assert bk_fn.engine == "bookkeeping", bk_fn.engine_reason
+    testing.assert_grads_close(auto_grads, bk, rtol=1e-5)
     expected = testing.reference_clipped_sum(per_example, clipping_norm=clip)
     testing.assert_grads_close(bk, expected, rtol=1e-5)
     testing.assert_grads_close(bk, vm, rtol=1e-5)
@@ -169,7 +172,7 @@ def test_llama_full(tiny_llama):
 def test_llama_lora(tiny_llama):
     pytest.importorskip("peft")
     model = testing.with_lora(tiny_llama, r=4)
-    trainable = _check_lm(model)
+    trainable = _check_lm(model, auto="vmap")  # adapters: auto takes the cheaper vmap route
     assert all("lora_" in name for name in trainable)
 
 
@@ -188,7 +191,7 @@ def test_gpt2_tied_full(tiny_gpt2):
 def test_gpt2_lora(tiny_gpt2):
     pytest.importorskip("peft")
     model = testing.with_lora(tiny_gpt2, r=4, target_modules=("c_attn",))
-    trainable = _check_lm(model, microbatch_size=2)
+    trainable = _check_lm(model, microbatch_size=2, auto="vmap")
     assert all("lora_" in name for name in trainable)
 
 

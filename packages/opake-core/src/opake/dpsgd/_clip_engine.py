@@ -448,6 +448,7 @@ class ClippedGradFn:
             names,
             differentiable=differentiable,
             randomness=self.randomness,
+            small=self.method == "auto" and self._prefer_expanded(args, differentiable),
         )
         context = contextlib.nullcontext() if differentiable else torch.no_grad()
         with context:
