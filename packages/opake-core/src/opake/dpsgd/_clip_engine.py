@@ -748,8 +748,10 @@ def clipped_grad(
             ``"bookkeeping"`` (norms and the clipped sum from one ordinary batched backward;
             needs ``loss_fn`` to be a :class:`~opake.dpsgd.bookkeeping.BatchedLoss`, see
             :mod:`opake.dpsgd.bookkeeping`) or ``"auto"`` (book-keeping where every
-            differentiated parameter has a rule and its first-call check passes, vmap
-            otherwise; ``grad_fn.engine``/``grad_fn.engine_reason`` report the choice).
+            differentiated parameter has a rule and its first-call check passes, unless the
+            differentiated parameters are at most a tenth of the other floating-point
+            arguments, e.g. LoRA adapters, where vmap is cheaper; vmap otherwise;
+            ``grad_fn.engine``/``grad_fn.engine_reason`` report the choice).
 
     Semantics: an example's gradient covers all differentiated leaves together. An example
     with a NaN/Inf gradient entry (or a norm beyond fp32 range) contributes zero and is
