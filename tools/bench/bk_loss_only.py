@@ -14,7 +14,8 @@ timed steps after ``--warmup``:
 - ``vmap-lossonly``: the vmap engine over the loss-only forward (per-example gradients).
 
 Each DP step is ``clipped_grad`` + ``DPOptimizer`` (noise once, SGD). Full fine-tuning of a Llama
-built from a config (hidden 256, 4 layers, intermediate 688, vocabulary ``--vocab``, eager
+built from a config (``--hidden`` 256, ``--layers`` 4, intermediate 2.6875 × hidden, one head
+per 64 channels, vocabulary ``--vocab``, eager
 attention), batch ``--batch`` × sequence ``--seq`` random tokens, 1 torch thread. ``--rounds N``
 repeats every configuration N times interleaved; ratios to ``nonprivate`` are taken within each
 round, then the median over rounds is reported.
@@ -23,6 +24,7 @@ round, then the median over rounds is reported.
     python tools/bench/bk_loss_only.py --vocab 32000 --batch 16 --seq 64 --rounds 3
     python tools/bench/bk_loss_only.py --json out.json
     python tools/bench/bk_loss_only.py --unmap --rounds 3    # memory of live tensors only
+    python tools/bench/bk_loss_only.py --device cuda --hidden 1024 --vocab 128256 --seq 1024
 
 Results are recorded in docs/benchmarks.md ("Book-keeping engine", loss-only head).
 """
@@ -56,23 +58,23 @@ def _build(args: argparse.Namespace, *, patched: bool) -> tuple[Any, Any]:
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=688,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden // 64),
+        num_key_value_heads=max(1, args.hidden // 64),
+        intermediate_size=round(args.hidden * 2.6875),  # 688 for hidden 256
         vocab_size=args.vocab,
         max_position_embeddings=args.seq,
         attn_implementation="eager",
     )
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg).to(args.device)
     model.train()
     if patched:
         from opake.patches import apply_model_patches
 
         apply_model_patches(model, chunked_linear_cross_entropy=True)
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device)
     return model, ids
 
 
@@ -145,20 +147,29 @@ def run_one(method: str, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     from opake.profiling import get_memory_stats, reset_peak_memory
 
+    dev = args.device
+    cuda = dev.startswith("cuda")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
     step = _step(method, args)
     for _ in range(args.warmup):
         step()
-    # steady state: the resident set before the timed steps, and its peak during them (with
-    # --unmap, freed tensors leave the resident set at once)
-    reset_peak_memory("cpu")
-    resident = get_memory_stats("cpu").allocated_gb * 1024
+    sync()
+    # steady state: memory in use before the timed steps, and its peak during them (on the CPU
+    # the resident set: with --unmap, freed tensors leave it at once; on CUDA the allocator's)
+    reset_peak_memory(dev)
+    resident = get_memory_stats(dev).allocated_gb * 1024
     walls, cpus = [], []
     for _ in range(args.steps):
         w0, c0 = time.perf_counter(), time.process_time()
         step()
+        sync()
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
-    stats = get_memory_stats("cpu")
+    stats = get_memory_stats(dev)
     return {
         "method": method,
         "wall": statistics.median(walls),
@@ -178,7 +189,8 @@ def _worker(method: str, args: argparse.Namespace) -> dict[str, Any]:
         method,
         *("--vocab", str(args.vocab), "--batch", str(args.batch), "--seq", str(args.seq)),
         *("--steps", str(args.steps), "--warmup", str(args.warmup)),
-        *("--microbatch", str(args.microbatch)),
+        *("--microbatch", str(args.microbatch), "--device", args.device),
+        *("--hidden", str(args.hidden), "--layers", str(args.layers)),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if args.unmap:  # large tensors are unmapped when freed: the resident set tracks live tensors
@@ -195,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU run")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=1)
@@ -218,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} cores, "
-        f"load {os.getloadavg()[0]:.2f}; Llama h256 L4 vocab {args.vocab}, batch {args.batch} × "
+        f"load {os.getloadavg()[0]:.2f}; device {args.device}; Llama h{args.hidden} "
+        f"L{args.layers} vocab {args.vocab}, batch {args.batch} × "
         f"seq {args.seq}, full fine-tuning, 1 thread, median of {args.steps} steps, "
         f"{args.rounds} round(s)",
         flush=True,

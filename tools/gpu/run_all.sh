@@ -31,6 +31,9 @@ step profiling "${PROFILING_S:-170}" python3 tools/gpu/profiling_check.py --budg
 step training 90 python3 tools/gpu/training_step_check.py --out "$OUT/training.json"
 step clip-kernel 60 python3 tools/gpu/clip_kernel_check.py
 step ddp 90 python3 tools/gpu/ddp_check.py --out "$OUT/ddp.json"
+step bk-loss-only 150 python3 tools/bench/bk_loss_only.py --device cuda --hidden 1024 --layers 4 \
+  --vocab 128256 --batch 8 --seq 1024 --steps 3 --warmup 1 \
+  --methods nonprivate nonprivate-lossonly bk-logits bk-lossonly --json "$OUT/bk_loss_only.json"
 step checkpoint-memory 120 python3 tools/bench/checkpoint_memory.py --device cuda --offload --json "$OUT/ckpt_cuda.json"
 step gpu-tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="--import-mode=importlib" \
   packages/opake-core/tests packages/opake-patches/tests packages/opake-kernels/tests packages/opake-profiling/tests
