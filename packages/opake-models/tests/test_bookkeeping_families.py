@@ -196,13 +196,20 @@ def test_patched_model_with_activation_checkpointing(family):
     calls.clear()
     grads, _ = grad_fn(*args, state=state)
     assert len(calls) == 2, calls  # the recorded forward, then the recomputation in backward
-    # the loop on a patched copy without checkpointing (a patched sliding-window family restricts
-    # a 4-D mask to the window, which the unpatched model does not)
+    _assert_patched_loop(family, grads, clipping_norm=1.0)
+
+
+def _assert_patched_loop(family, grads, *, clipping_norm):
+    """``grads`` equal the per-example loop on a patched copy without checkpointing (a patched
+    sliding-window family restricts a 4-D mask to the window, which the unpatched model does
+    not)."""
+    from opake.patches import apply_model_patches
+
     reference = tiny_model(family)
     apply_model_patches(reference)
     _, oracle, ref_args = _case(reference)
     expected = testing.reference_clipped_grad(
-        oracle, ref_args, clipping_norm=1.0, batch_argnums=(2, 3, 4)
+        oracle, ref_args, clipping_norm=clipping_norm, batch_argnums=(2, 3, 4)
     )
     testing.assert_grads_close(grads, expected, rtol=1e-5, atol=1e-7)
 
@@ -271,13 +278,7 @@ def test_loss_only_head_with_checkpointing_and_microbatches(family):
         loss_fn, clipping_norm=0.5, batch_argnums=(2, 3, 4), method="bookkeeping", microbatch_size=2
     )
     grads, _ = grad_fn(*args, state=state)
-    reference = tiny_model(family)
-    apply_model_patches(reference)
-    _, oracle, ref_args = _case(reference)
-    expected = testing.reference_clipped_grad(
-        oracle, ref_args, clipping_norm=0.5, batch_argnums=(2, 3, 4)
-    )
-    testing.assert_grads_close(grads, expected, rtol=1e-5, atol=1e-7)
+    _assert_patched_loop(family, grads, clipping_norm=0.5)
 
 
 def test_loss_only_head_in_bf16_gives_fp32_sums():
