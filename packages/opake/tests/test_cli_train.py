@@ -254,6 +254,10 @@ def test_torchrun_two_ranks_match_one_process(tiny_args, tmp_path):
     b = json.loads((two / "summary.json").read_text())
     assert b["world_size"] == 2
     assert a["world_size"] == 1
+    # both ran book-keeping on the loss-only forward (no logits), composed with DDP
+    for summary in (a, b):
+        assert summary["clipping_engine"] == "bookkeeping"
+        assert summary["model_patches"]["loss_only"] is True
     # the same global Poisson batches, the same noise, one noisy sum: the same training
     assert [r["batch_size"] for r in _rows(one)] == [r["batch_size"] for r in _rows(two)]
     assert b["epsilon"] == a["epsilon"]
