@@ -421,6 +421,7 @@ class BookkeepingRunner:
         self._batch = 0
         self._diff: Mapping[str, torch.Tensor] = {}
         self._by_module: dict[int, LayerRule] = {}
+        self._half = False
         self.verified = False
         self.disabled: str | None = None  # set when the first-call check failed (auto falls back)
 
@@ -526,6 +527,12 @@ class BookkeepingRunner:
                 handle.remove()
         uses, self._uses = self._uses, []
         self._diff = {}
+        # half-precision activations (autocast, or a half model): the first-call check compares
+        # with per-example autograd at half-precision tolerance
+        self._half = any(
+            use.grad is not None and use.grad.dtype in (torch.float16, torch.bfloat16)
+            for use in uses
+        )
         return losses.detach(), aux, uses
 
     # ------------------------------------------------------------------ pieces
@@ -766,7 +773,9 @@ class BookkeepingRunner:
         have = float(leaf_sq[0].detach().sum())
         if not (math.isfinite(want) and math.isfinite(have)):
             return None
-        low = any(v.dtype not in (torch.float32, torch.float64) for v in diff.values())
+        low = self._half or any(
+            v.dtype not in (torch.float32, torch.float64) for v in diff.values()
+        )
         tol = 5e-2 if low else 1e-4
         if abs(math.sqrt(have) - math.sqrt(want)) > tol * max(math.sqrt(want), 1e-12):
             return (

@@ -117,13 +117,21 @@ class DistributedContext:
 
             dist.barrier(group=self.group)
 
-    def close(self) -> None:
-        """Destroy the process group if :func:`init_distributed` created it (idempotent)."""
+    def close(self, *, synchronize: bool = False) -> None:
+        """Destroy the process group if :func:`init_distributed` created it (idempotent).
+
+        ``synchronize=True`` first waits for every rank (what leaving the ``with`` block
+        normally does): rank 0 hosts the rendezvous store, and a rank still tearing down its
+        group when rank 0 has already gone down can abort in the backend's threads
+        (``terminate called without an active exception``).
+        """
         if not self.owns_group:
             return
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
+            if synchronize and self.is_distributed:
+                dist.barrier(group=self.group)
             dist.destroy_process_group()
 
     def __enter__(self) -> DistributedContext:
@@ -135,7 +143,8 @@ class DistributedContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        # after an error the other ranks may be gone: no barrier (the timeout would only delay)
+        self.close(synchronize=exc_type is None)
 
 
 def _device_for(backend: str | None, local_rank: int, device: object) -> torch.device:

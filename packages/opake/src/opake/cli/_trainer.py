@@ -287,11 +287,14 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     )
     baseline = unigram_entropy(val[:, 1:], vocab)
     engine = settings.engine
-    if settings.precision != "fp32":
+    if settings.precision == "fp16":
+        # fp16 needs a loss scale removed from each example's gradient before clipping:
+        # autocast_loss does that around the vmap engine's one-example loss
         if engine == "bookkeeping":
             raise ConfigurationError(
-                f"--engine bookkeeping with --precision {settings.precision}: mixed precision "
-                "runs on the vmap engine; use --engine vmap or auto"
+                "--engine bookkeeping with --precision fp16: fp16 needs a per-example loss "
+                "scale, which the vmap engine applies; use --engine vmap or auto, or --precision "
+                "bf16 (book-keeping runs under bf16 autocast)"
             )
         engine = "vmap"
     return RunPlan(
@@ -487,15 +490,17 @@ def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
     def batch_losses(
         trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], x: torch.Tensor
     ) -> torch.Tensor:
-        """Per-example losses ``[B]`` of a batch, each over its own tokens only."""
-        if forward_kwargs.get("loss_only"):
-            # no logits at all: the book-keeping engine takes lm_head's per-example norms
-            # from the chunked kernel's example-grads op, vocabulary tile by tile
-            params = (trainable, frozen)
-            out = fmodel(params, input_ids=x, labels=x, per_example_loss=True, **forward_kwargs)
-            return out.loss  # type: ignore[no-any-return]
-        out = fmodel((trainable, frozen), input_ids=x, use_cache=False)
-        return causal_lm_losses(out.logits, x)
+        """Per-example losses ``[B]`` of a batch, each over its own tokens only (fp32; the
+        forward under bf16 autocast with ``--precision bf16``)."""
+        with autocast():
+            if forward_kwargs.get("loss_only"):
+                # no logits at all: the book-keeping engine takes lm_head's per-example norms
+                # from the chunked kernel's recorded loss, vocabulary tile by tile
+                params = (trainable, frozen)
+                out = fmodel(params, input_ids=x, labels=x, per_example_loss=True, **forward_kwargs)
+                return out.loss.float()  # type: ignore[no-any-return]
+            out = fmodel((trainable, frozen), input_ids=x, use_cache=False)
+            return causal_lm_losses(out.logits, x)
 
     per_example: Any
     if plan.engine == "vmap":
