@@ -96,7 +96,9 @@ class LinearCEExampleGrads:
         tt, vt = tiles if tiles is not None else (max(1, batch * steps), vocab)
         # whole examples per group (the Gram route needs an example's tokens together); when one
         # example has more tokens than the token tile, narrow the vocabulary tile instead
-        self._group = max(1, min(batch, tt // max(1, steps)))
+        # (and no more examples than their two T × T Gram matrices fit the tile's fp32 budget)
+        grams = max(1, (tt * vt) // (2 * max(1, steps) ** 2))
+        self._group = max(1, min(batch, tt // max(1, steps), grams))
         rows = self._group * max(1, steps)
         self._vt = max(1, min(vocab, (tt * vt) // rows)) if rows > tt else vt
         self._tiles = (tt, vt)
