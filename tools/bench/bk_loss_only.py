@@ -11,7 +11,10 @@ timed steps after ``--warmup``:
 - ``nonprivate-lossonly``: the same through the patched loss-only forward;
 - ``bk-logits``: book-keeping over ``causal_lm_losses(model(ids).logits)`` (unpatched model);
 - ``bk-lossonly``: book-keeping over the loss-only forward (no logits anywhere);
-- ``vmap-lossonly``: the vmap engine over the loss-only forward (per-example gradients).
+- ``vmap-lossonly``: the vmap engine over the loss-only forward (per-example gradients);
+- ``opacus-ghost``: Opacus ghost clipping on the unpatched model (its logits), as in
+  ``dpsgd_step.py``, run by ``--opacus-python`` (skipped with a note where ``import opacus``
+  fails there).
 
 Each DP step is ``clipped_grad`` + ``DPOptimizer`` (noise once, SGD). Full fine-tuning of a Llama
 built from a config (``--hidden`` 256, ``--layers`` 4, intermediate 2.6875 × hidden, one head
@@ -24,6 +27,7 @@ round, then the median over rounds is reported.
     python tools/bench/bk_loss_only.py --vocab 32000 --batch 16 --seq 64 --rounds 3
     python tools/bench/bk_loss_only.py --json out.json
     python tools/bench/bk_loss_only.py --unmap --rounds 3    # memory of live tensors only
+    python tools/bench/bk_loss_only.py --opacus-python /tmp/bench-venv/bin/python  # + Opacus
     python tools/bench/bk_loss_only.py --device cuda --hidden 1024 --vocab 128256 --seq 1024
 
 Results are recorded in docs/benchmarks.md ("Book-keeping engine", loss-only head).
@@ -44,7 +48,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-METHODS = ("nonprivate", "nonprivate-lossonly", "bk-logits", "bk-lossonly", "vmap-lossonly")
+METHODS = (
+    "nonprivate",
+    "nonprivate-lossonly",
+    "bk-logits",
+    "bk-lossonly",
+    "vmap-lossonly",
+    "opacus-ghost",
+)
 CLIP, SIGMA, LR = 1.0, 1.0, 1e-3
 
 
@@ -83,6 +94,12 @@ def _step(method: str, args: argparse.Namespace) -> Callable[[], None]:
 
     patched = method.endswith("lossonly")
     model, ids = _build(args, patched=patched)
+    if method == "opacus-ghost":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from dpsgd_step import Workload, _opacus
+
+        work = Workload({"vocab_size": args.vocab}, args.batch, args.seq, CLIP)
+        return _opacus(model, ids, args, True, work)[0]
     if method.startswith("nonprivate"):
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         extra = {"loss_only": True} if patched else {}
@@ -145,7 +162,7 @@ def run_one(method: str, args: argparse.Namespace) -> dict[str, Any]:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from opake.profiling import get_memory_stats, reset_peak_memory
+    get_memory_stats, reset_peak_memory = _memory_functions()
 
     dev = args.device
     cuda = dev.startswith("cuda")
@@ -181,9 +198,45 @@ def run_one(method: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _worker(method: str, args: argparse.Namespace) -> dict[str, Any]:
+def _memory_functions() -> tuple[Callable[[str], Any], Callable[[str], None]]:
+    """``opake.profiling``'s memory functions; in an interpreter without Opake (the Opacus
+    environment) the same CPU figures from ``/proc`` (resident set, peak reset by
+    ``clear_refs``)."""
+    try:
+        from opake.profiling import get_memory_stats, reset_peak_memory
+    except ImportError:
+        pass
+    else:
+        return get_memory_stats, reset_peak_memory
+    from types import SimpleNamespace
+
+    def read(device: str) -> Any:
+        fields = {}
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                name, _, value = line.partition(":")
+                if name in ("VmRSS", "VmHWM"):
+                    fields[name] = int(value.split()[0]) / 1024**2  # kB -> GiB
+        return SimpleNamespace(
+            allocated_gb=fields["VmRSS"], peak_gb=fields["VmHWM"], peak_exact=True
+        )
+
+    def reset(device: str) -> None:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+
+    return read, reset
+
+
+def _worker(method: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    python = args.opacus_python if method.startswith("opacus") else sys.executable
+    if method.startswith("opacus"):
+        probe = subprocess.run([python, "-c", "import opacus"], capture_output=True, check=False)
+        if probe.returncode != 0:
+            print(f"  {method}: skipped (opacus not importable in {python})", file=sys.stderr)
+            return None
     cmd = [
-        sys.executable,
+        python,
         __file__,
         "--worker",
         method,
@@ -223,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         "resident set count live tensors only (every large allocation then page-faults anew: "
         "slower steps; take times from a run without it)",
     )
+    parser.add_argument(
+        "--opacus-python",
+        default=sys.executable,
+        help="interpreter with opacus installed, for opacus-ghost (default: this one)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -243,8 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         results = {}
         for method in args.methods:
-            results[method] = _worker(method, args)
-            res = results[method]
+            res = _worker(method, args)
+            if res is None:
+                continue
+            results[method] = res
             print(
                 f"  round {r + 1} {method}: wall {res['wall']:.3f} s, cpu {res['cpu']:.3f} s, "
                 f"rss {res['rss_mib']:.0f} MiB, resident {res['resident_mib']:.0f} MiB, step "
@@ -253,9 +313,10 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         rounds.append(results)
-    base = "nonprivate" if "nonprivate" in args.methods else args.methods[0]
+    ran = [m for m in args.methods if all(m in rd for rd in rounds)]
+    base = "nonprivate" if "nonprivate" in ran else ran[0]
     rows = []
-    for method in args.methods:
+    for method in ran:
 
         def med(key: str, m: str = method) -> float:
             return statistics.median(rd[m][key] for rd in rounds)
@@ -279,14 +340,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         f"\n| method | wall s/step | CPU s/step | × {base} (CPU) | step peak MiB | × {base} "
-        f"(step peak) | resident before MiB | lifetime peak RSS MiB | × {base} (lifetime) |"
+        f"(step peak) | resident before MiB | step peak − resident MiB | lifetime peak RSS MiB "
+        f"| × {base} (lifetime) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(
             f"| `{row['method']}` | {row['wall']:.3f} | {row['cpu']:.3f} | {row['cpu_ratio']:.2f} "
             f"| {row['step_peak_mib']:.0f} | {row['step_peak_ratio']:.2f} "
-            f"| {row['resident_mib']:.0f} | {row['rss_mib']:.0f} | {row['rss_ratio']:.2f} |"
+            f"| {row['resident_mib']:.0f} | {row['step_peak_mib'] - row['resident_mib']:.0f} "
+            f"| {row['rss_mib']:.0f} | {row['rss_ratio']:.2f} |"
         )
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "rounds": rounds}, indent=2))
