@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from opake.core.errors import ConfigurationError, InputTypeError
+from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 
 if TYPE_CHECKING:
     import torch
@@ -173,8 +173,8 @@ def per_example_lm_loss(
     transform = (head or LossOnlyHead()).kernel_kwargs()
     use = None if module is None else implicit_use(module)
     if use is not None:
-        # the engine takes this layer's gradients from the example-grads op: compute with the
-        # detached parameters so the backward forms the hidden states' gradient only
+        # the engine takes this layer's gradients from the recorded loss below: compute with
+        # the detached parameters, so that autograd forms the hidden states' gradient only
         if "weight" in use.params:
             weight = weight.detach()
         if bias is not None and "bias" in use.params:
@@ -192,8 +192,6 @@ def per_example_lm_loss(
         loss = kernel.impl(hidden, weight, labels, reduction="mean", **common)
         return loss.reshape(1) if per_example and labels.dim() > 1 else loss
     if use is not None and (hidden.dim() != 3 or labels.dim() != 2):
-        from opake.core.errors import OperationError
-
         raise OperationError(
             f"book-keeping: the loss-only head got hidden states {tuple(hidden.shape)} and "
             f"labels {tuple(labels.shape)}; it needs a batch: (B, T, H) and (B, T)"
