@@ -303,7 +303,7 @@ class ImplicitUse:
         """Record this use; returns ``output`` (identity) through the engine's gradient tap.
 
         After the backward pass, ``build(grad_of_output)`` must return, for every attribute in
-        :attr:`params`, either an :class:`~opake.dpsgd._bk_rules.ImplicitGrad` (norms, weighted
+        :attr:`params`, either an :class:`~opake.dpsgd.bookkeeping.ImplicitGrad` (norms, weighted
         sums and inner products computed by an operator) or the per-example gradients
         ``[B, *parameter.shape]``. Compute ``output`` from *detached* parameters: the engine
         takes their gradients from ``build``, and the backward then skips the weight gradient.
