@@ -136,10 +136,18 @@ def _nonprivate(
 
 
 def _opake(
-    model: Any, ids: Any, args: argparse.Namespace, work: Workload = BENCH
+    model: Any,
+    ids: Any,
+    args: argparse.Namespace,
+    work: Workload = BENCH,
+    *,
+    engine: str = "vmap",
 ) -> tuple[Callable[[], None], Clipped]:
+    """One Opake DP step: ``clipped_grad`` with ``engine`` ("vmap": the one-example loss;
+    "bookkeeping": a ``BatchedLoss``), then ``DPOptimizer`` (noise once, SGD)."""
     import torch
 
+    from opake.dpsgd.bookkeeping import BatchedLoss, causal_lm_losses
     from opake.dpsgd.clipping import clipped_grad
     from opake.dpsgd.optimizer import DPOptimizer
     from opake.functional import make_functional
@@ -152,56 +160,16 @@ def _opake(
         )
         return out.loss
 
-    grad_fn, clip_state = clipped_grad(
-        loss_fn,
-        clipping_norm=work.clip,
-        batch_argnums=(2, 3),
-        microbatch_size=args.microbatch_size,
-        method="vmap",
-    )
-    opt = DPOptimizer(
-        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR),
-        trainable,
-        noise_multiplier=SIGMA,
-        expected_batch_size=float(work.batch),
-        seed=0,
-        unused_params="warn",
-    )
-    state = {"clip": clip_state}
-
-    def step() -> None:
-        grads, state["clip"] = grad_fn(trainable, frozen, ids, ids, state=state["clip"])
-        opt.accumulate(grads)
-        opt.step()
-
-    def clipped() -> dict[str, Any]:
-        return dict(grad_fn(trainable, frozen, ids, ids, state=state["clip"])[0])
-
-    return step, clipped
-
-
-def _opake_bk(
-    model: Any, ids: Any, args: argparse.Namespace, work: Workload = BENCH
-) -> tuple[Callable[[], None], Clipped]:
-    import torch
-
-    from opake.dpsgd.bookkeeping import BatchedLoss, causal_lm_losses
-    from opake.dpsgd.clipping import clipped_grad
-    from opake.dpsgd.optimizer import DPOptimizer
-    from opake.functional import make_functional
-
-    fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
-
     def losses(trainable: Any, frozen: Any, input_ids: Any, labels: Any) -> Any:  # [B]
         out = fmodel((trainable, frozen), input_ids=input_ids, use_cache=False)
         return causal_lm_losses(out.logits, labels)
 
     grad_fn, clip_state = clipped_grad(
-        BatchedLoss(losses, fmodel),
+        loss_fn if engine == "vmap" else BatchedLoss(losses, fmodel),
         clipping_norm=work.clip,
         batch_argnums=(2, 3),
         microbatch_size=args.microbatch_size,
-        method="bookkeeping",
+        method=engine,
     )
     opt = DPOptimizer(
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR),
@@ -363,7 +331,7 @@ def _method(
     if method == "opake":
         return _opake(model, ids, args, work)
     if method == "opake-bk":
-        return _opake_bk(model, ids, args, work)
+        return _opake(model, ids, args, work, engine="bookkeeping")
     return _opacus(model, ids, args, method == "opacus-ghost", work)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -442,42 +443,37 @@ class ClippedGradFn:
 
             args = tuple(tree_map(cast, a) for a in args)
 
+        # a small differentiated part: the vmap engine's expanded forward, which "auto" prefers
+        expanded = self._prefer_expanded(args, differentiable)
         bk, self.engine_reason = choose_engine(
             self._bookkeeping,
             self.method,
             names,
             differentiable=differentiable,
             randomness=self.randomness,
-            small=self.method == "auto" and self._prefer_expanded(args, differentiable),
+            small=self.method == "auto" and expanded,
+        )
+        run = functools.partial(
+            self._run,
+            args,
+            state=state,
+            batch=batch,
+            names=names,
+            device=device,
+            groups=groups,
+            example_mask=example_mask,
+            differentiable=differentiable,
+            expanded=expanded,
         )
         context = contextlib.nullcontext() if differentiable else torch.no_grad()
         with context:
             try:
-                result = self._run(
-                    args,
-                    state=state,
-                    batch=batch,
-                    names=names,
-                    device=device,
-                    groups=groups,
-                    example_mask=example_mask,
-                    differentiable=differentiable,
-                    bk=bk,
-                )
+                result = run(bk=bk)
             except BookkeepingMismatchError as err:  # first-call check: "auto" falls back quietly
                 if self.method == "bookkeeping":
                     raise
                 bk, self.engine_reason = None, str(err)
-                result = self._run(
-                    args,
-                    state=state,
-                    batch=batch,
-                    names=names,
-                    device=device,
-                    groups=groups,
-                    example_mask=example_mask,
-                    differentiable=differentiable,
-                )
+                result = run()
         self.engine = "vmap" if bk is None else "bookkeeping"
         sums, aux, centred = result
         if self._check_unused and batch > 0 and not differentiable:
@@ -508,6 +504,7 @@ class ClippedGradFn:
         groups: list[int] | None,
         example_mask: torch.Tensor | None,
         differentiable: bool,
+        expanded: bool,
         bk: BookkeepingRunner | None = None,
     ) -> tuple[dict[str, torch.Tensor], ClipAux, torch.Tensor]:
         import torch
@@ -533,7 +530,6 @@ class ClippedGradFn:
             else example_mask.sum()
         )
         in_dims = tuple(0 if i in self.batch_argnums else None for i in range(len(args)))
-        expanded = self._prefer_expanded(args, differentiable)
         vmapped = torch.func.vmap(
             self._per_example_fn(), in_dims=in_dims, randomness=self.randomness
         )

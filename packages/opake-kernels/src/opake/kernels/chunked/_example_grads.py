@@ -28,6 +28,7 @@ import torch
 
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.kernels._args import LossSpec, check_lce_tensors, loss_spec
+from opake.kernels._math import transform_grad_, transform_logits_
 from opake.kernels.chunked import _cores
 from opake.kernels.chunked._workspace import resolve_chunking
 
@@ -284,25 +285,16 @@ class LinearCEExampleGrads:
             )
         safe = ids.clamp(0, vocab - 1)
         rows = self.weight[safe]  # [B, S, H]
-        raw = torch.bmm(self.hidden, rows.transpose(1, 2)).to(_F32)
+        z = torch.bmm(self.hidden, rows.transpose(1, 2)).to(_F32)  # raw logits at the ids
         if self.bias is not None:
-            raw = raw + self.bias[safe].to(_F32)[:, None, :]
-        z = raw.clone()
-        if spec.mult is not None:
-            z.mul_(spec.mult)
-        if spec.softcap is not None:
-            z.div_(spec.softcap).tanh_().mul_(spec.softcap)
+            z = z + self.bias[safe].to(_F32)[:, None, :]
+        transform_logits_(z, spec)
         lse = self._lse_all().view(batch, steps, 1)
         g = self.token_grads.to(_F32)[..., None]
         eps = spec.smoothing
         hit = (self.labels[..., None] == ids[:, None, :]).to(_F32)
         d = g * (torch.exp(z - lse) - eps / vocab - (1.0 - eps) * hit)
-        if spec.softcap is not None:
-            t = z / spec.softcap
-            d = d * (1.0 - t * t)
-        if spec.mult is not None:
-            d = d * spec.mult
-        return d
+        return transform_grad_(d, z, spec)
 
     def _contract(self, other: Tensor) -> Tensor:
         batch, steps, _ = self.hidden.shape
@@ -504,32 +496,26 @@ class RecordedLinearCE:
         return self.build(token_grads)
 
 
-def _recorded_function() -> Any:
-    class Recorded(torch.autograd.Function):
-        """Per-token losses; the backward forms the hidden gradient and the example norms."""
+class _Recorded(torch.autograd.Function):
+    """Per-token losses; the backward forms the hidden gradient and the example norms."""
 
-        @staticmethod
-        def forward(ctx: Any, hidden: Tensor, record: RecordedLinearCE) -> Tensor:
-            h2 = hidden.reshape(-1, hidden.shape[-1])
-            tok, lse, _ = _cores.lce_forward(
-                h2, record.weight, record.bias, record.labels.reshape(-1), record.spec, record.tiles
-            )
-            record.lse = lse
-            ctx.record = record
-            return tok.view(record.labels.shape)
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, record: RecordedLinearCE) -> Tensor:
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        tok, lse, _ = _cores.lce_forward(
+            h2, record.weight, record.bias, record.labels.reshape(-1), record.spec, record.tiles
+        )
+        record.lse = lse
+        ctx.record = record
+        return tok.view(record.labels.shape)
 
-        @staticmethod
-        def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-            record: RecordedLinearCE = ctx.record
-            grads = record.build(grad)
-            hidden_grad = grads.hidden_grad()
-            record.grads = grads
-            return hidden_grad.to(record.hidden.dtype), None
-
-    return Recorded
-
-
-_RECORDED: Any = None
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        record: RecordedLinearCE = ctx.record
+        grads = record.build(grad)
+        hidden_grad = grads.hidden_grad()
+        record.grads = grads
+        return hidden_grad.to(record.hidden.dtype), None
 
 
 def linear_cross_entropy_recorded(
@@ -563,7 +549,6 @@ def linear_cross_entropy_recorded(
     >>> record.example_grads(torch.ones(2, 3)).sq_norms()[0].shape
     torch.Size([2])
     """
-    global _RECORDED
     hidden, weight, labels, bias, spec, tiles, route = _prepare(
         hidden,
         weight,
@@ -584,9 +569,7 @@ def linear_cross_entropy_recorded(
                 f"as a constant (its per-example gradients come from the record); pass "
                 f"{name}.detach(), or use linear_cross_entropy for an ordinary gradient"
             )
-    if _RECORDED is None:
-        _RECORDED = _recorded_function()
     record = RecordedLinearCE(
         hidden.detach(), weight, labels, bias=bias, spec=spec, tiles=tiles, route=route
     )
-    return _RECORDED.apply(hidden, record), record
+    return _Recorded.apply(hidden, record), record
