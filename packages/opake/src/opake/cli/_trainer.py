@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from opake.cli._data import Corpus, load_corpus, make_blocks, split_blocks, unigram_entropy
 from opake.cli._models import load_model, load_tokenizer, resolve_model
 from opake.cli._outputs import plot_metrics, write_json, write_metrics
+from opake.cli._progress import make_progress
 from opake.cli._settings import DEFAULT_STEPS, RESUME_LOCKED, TrainSettings
 from opake.cli._tokenizer import ByteTokenizer
 from opake.core.errors import ConfigurationError, OpakePrivacyWarning
@@ -601,17 +602,7 @@ def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
     eval_every = s.eval_every or max(1, plan.steps // 10)
     reset_peak_memory(device)
     batches = _batches(sampler)
-    from tqdm.auto import tqdm
-
-    bar = tqdm(
-        total=plan.steps,
-        initial=start_step,
-        desc="opake train",
-        unit="step",
-        file=sys.stderr,
-        disable=not (s.progress and main),
-        dynamic_ncols=True,
-    )
+    bar = make_progress(plan.steps, initial=start_step, enabled=s.progress and main)
 
     def save(step: int) -> None:
         save_checkpoint_distributed(
