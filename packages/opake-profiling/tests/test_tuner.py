@@ -521,3 +521,25 @@ def test_choice_is_privacy_neutral():
         for k in params:
             assert grads[k].dtype == torch.float32
             torch.testing.assert_close(grads[k], ref[k], rtol=1e-5, atol=1e-6, msg=f"m={m} {k}")
+
+
+@pytest.mark.parametrize(("budget", "line_drawn"), [(18.5, False), (0.9, True)])
+def test_plot_keeps_the_memory_curve_readable_under_a_far_budget(budget, line_drawn):
+    """A CPU default budget (most of free memory, 18.5 GB) once squashed peaks of ~0.5 GB into a
+    flat line at the bottom of the panel: a budget far above every peak is written, not drawn."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from opake.profiling._tuner import FITS, TuneCandidate, TuneResult
+
+    peaks = {4: 0.62, 2: 0.55, 1: 0.5}
+    candidates = tuple(TuneCandidate(m, FITS, 2, 0.1, 10.0 * m, p) for m, p in peaks.items())
+    result = TuneResult(4, 4, "cpu", budget, candidates, memory_process_level=True)
+    fig = Figure()
+    result._draw(fig)
+    ax_mem = fig.axes[0]
+    low, high = ax_mem.get_ylim()
+    assert high < 2.0 * budget if line_drawn else high < 1.0
+    assert high - low > 0.05  # the curve's own range fills the panel
+    texts = [t.get_text() for t in ax_mem.texts]
+    assert any("off scale" in t for t in texts) is not line_drawn

@@ -164,7 +164,9 @@ def calibrate_noise(
                 f"gives ε={eps_hi:.6g} (q={q}, steps={n_steps}"
                 + (", with adaptive clipping's count noise" if count_noise_multiplier else "")
                 + (", with fixed-shape truncation" if max_batch_size is not None else "")
-                + "); raise δ or the target, or lower the truncation probability/count cost"
+                + "); raise δ or the target"
+                + (", or lower the count noise's cost" if count_noise_multiplier else "")
+                + (", or raise max_batch_size" if max_batch_size is not None else "")
             )
         hi = min(hi * factor, high_limit)
         eps_hi = eps_at(hi)

@@ -170,6 +170,13 @@ class TuneResult:
             raise ConfigurationError(f"plot path {str(path)!r}: expected a file name ending .png")
         fig = Figure(figsize=(9.0, 3.6), layout="constrained")
         FigureCanvasAgg(fig)
+        self._draw(fig)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, format="png", dpi=100)
+        return out
+
+    def _draw(self, fig: Any) -> None:
+        """Draw the memory and throughput panels into the matplotlib figure *fig*."""
         ax_mem, ax_tp = fig.subplots(1, 2)
         ordered = sorted(self.candidates, key=lambda c: c.microbatch_size)
         measured = [c for c in ordered if c.memory_peak_gb is not None]
@@ -180,10 +187,23 @@ class TuneResult:
             label="step peak",
         )
         failed = [c for c in ordered if c.status in (OOM, OVER_BUDGET, UNSTABLE)]
-        if self.memory_budget_gb is not None:
-            ax_mem.axhline(self.memory_budget_gb, color="tab:red", linestyle="--", label="budget")
+        budget = self.memory_budget_gb
+        highest = max((c.memory_peak_gb or 0.0 for c in ordered), default=0.0)
+        # a budget far above every peak (a CPU default: most of free memory) would squash the
+        # curve into a line at the bottom: say it in words instead of drawing it
+        budget_in_view = budget is not None and (highest <= 0 or budget <= 2.0 * highest)
+        if budget is not None and budget_in_view:
+            ax_mem.axhline(budget, color="tab:red", linestyle="--", label="budget")
+        elif budget is not None:
+            ax_mem.annotate(
+                f"budget {budget:.3g} GB (off scale)",
+                xy=(0.02, 0.97),
+                xycoords="axes fraction",
+                va="top",
+                color="tab:red",
+            )
         if failed:
-            top = max([c.memory_peak_gb or 0.0 for c in ordered] + [self.memory_budget_gb or 0.0])
+            top = max(highest, budget or 0.0) if budget_in_view else highest
             ax_mem.scatter(
                 [c.microbatch_size for c in failed],
                 [c.memory_peak_gb if c.memory_peak_gb is not None else top for c in failed],
@@ -210,9 +230,6 @@ class TuneResult:
         fig.suptitle(
             f"{self.device}, batch {self.batch_size}: chosen microbatch {self.microbatch_size}"
         )
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format="png", dpi=100)
-        return out
 
 
 def default_candidates(batch_size: int) -> tuple[int, ...]:
