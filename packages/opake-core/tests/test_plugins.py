@@ -312,3 +312,152 @@ def test_import_opake_core_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# -- pluggy contract: validation, blocking, argument matching, documentation --------------------
+
+
+class _Typo:
+    @hookimpl
+    def opake_model_familys(self):  # a misspelt hook name
+        return []
+
+
+class _ExtraArgument:
+    @hookimpl
+    def opake_kernel_backends(self, device):  # the spec has no such argument
+        return []
+
+
+class _NewerOptional:
+    @hookimpl(optionalhook=True)
+    def opake_hook_of_a_newer_opake(self):
+        return []
+
+    @hookimpl
+    def opake_model_families(self):
+        return [ModelFamily("newer", ("newer",), apply=_apply)]
+
+
+def test_register_rejects_unknown_hook_and_registers_nothing(fresh_plugins):
+    with pytest.raises(ConfigurationError, match="opake_model_familys"):
+        plugins.register_plugin(_Typo(), "typo")
+    assert not plugins.plugin_manager().has_plugin("typo")
+    assert plugins.plugins() == []
+
+
+def test_register_rejects_argument_the_spec_lacks(fresh_plugins):
+    with pytest.raises(ConfigurationError, match="device"):
+        plugins.register_plugin(_ExtraArgument(), "extra")
+    assert not plugins.plugin_manager().has_plugin("extra")
+
+
+def test_optional_hook_of_newer_version_loads(fresh_plugins):
+    plugins.register_plugin(_NewerOptional(), "newer")
+    assert set(plugins.model_families()) == {"newer"}
+
+
+def test_entry_point_failing_validation_is_skipped_with_warning(monkeypatch):
+    monkeypatch.delenv("OPAKE_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    typo = types.ModuleType("opake_test_typo_plugin")
+
+    def opake_kernel_backend():  # a misspelt hook name
+        return []
+
+    typo.opake_kernel_backend = hookimpl(opake_kernel_backend)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "opake_test_typo_plugin", typo)
+    _fake_entry_points(
+        monkeypatch, [metadata.EntryPoint("typo", "opake_test_typo_plugin", "opake")]
+    )
+    plugins.reset_plugins()
+    try:
+        with pytest.warns(OpakePluginWarning, match="failed to load"):
+            pm = plugins.plugin_manager()
+        assert not pm.has_plugin("typo")
+        (broken,) = plugins.broken_plugins()
+        assert broken.name == "typo"
+        assert "opake_kernel_backend" in broken.error
+    finally:
+        plugins.reset_plugins()
+
+
+def test_block_plugins_env_skips_named_entry_points(monkeypatch):
+    monkeypatch.delenv("OPAKE_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.setenv("OPAKE_BLOCK_PLUGINS", " bad , other")
+    good = types.ModuleType("opake_test_good2_plugin")
+    good.opake_kernel_backends = hookimpl(  # type: ignore[attr-defined]
+        lambda: [KernelBackend("good2", {"op": _apply}, ("cpu",))]
+    )
+    monkeypatch.setitem(sys.modules, "opake_test_good2_plugin", good)
+    eps = [
+        metadata.EntryPoint("bad", "opake_test_no_such_module", "opake"),
+        metadata.EntryPoint("good", "opake_test_good2_plugin", "opake"),
+    ]
+    _fake_entry_points(monkeypatch, eps)
+    plugins.reset_plugins()
+    try:
+        pm = plugins.plugin_manager()  # the blocked, broken module is never imported
+        assert plugins.broken_plugins() == []
+        assert plugins.blocked_plugins() == ["bad", "other"]
+        assert pm.is_blocked("bad")
+        assert [p.name for p in plugins.plugins()] == ["good"]
+        with pytest.raises(ConfigurationError, match="blocked"):
+            plugins.register_plugin(_Backends(), "bad")
+    finally:
+        plugins.reset_plugins()
+
+
+def _hook_specs() -> dict[str, object]:
+    from opake.core.plugins import hookspecs
+
+    return {
+        name: fn
+        for name, fn in vars(hookspecs).items()
+        if callable(fn) and hasattr(fn, "opake_spec")
+    }
+
+
+#: each hook -> (the query that calls it, a plugin object implementing it, what to expect)
+def _exercise() -> dict[str, tuple[object, object, object]]:
+    fam = ModelFamily("ex", ("ex",), apply=_apply)
+    be = KernelBackend("exbe", {"op": _apply}, ("cpu",))
+    return {
+        "opake_model_families": (plugins.model_families, _Families(fam), {"ex": fam}),
+        "opake_kernel_backends": (plugins.kernel_backends, _Backends(be), {"exbe": be}),
+    }
+
+
+def test_every_hookspec_is_documented_and_exercised(fresh_plugins):
+    import inspect
+    from pathlib import Path
+
+    specs = _hook_specs()
+    assert specs, "no hookspecs found"
+    guide = (Path(__file__).parents[3] / "docs" / "guide" / "plugins.md").read_text()
+    exercise = _exercise()
+    assert set(exercise) == set(specs), "a hookspec without a query test (add it to _exercise)"
+    for name, fn in specs.items():
+        doc = inspect.getdoc(fn) or ""
+        assert "Returns:" in doc, f"{name}: document what it returns"
+        assert "Since:" in doc, f"{name}: document since which version it exists"
+        sig = inspect.signature(fn)
+        ret = str(sig.return_annotation).replace("'", "")
+        assert f"`{name}{str(sig).split(' ->')[0]} -> {ret}`" in guide, f"{name} not in the guide"
+    for i, (query, plugin, expected) in enumerate(exercise.values()):
+        plugins.register_plugin(plugin, f"exercise{i}")
+        assert query() == expected
+
+
+def test_automatic_kernel_choice_is_logged_once(three_backends, caplog):
+    import logging
+
+    from opake.core.plugins import _select
+
+    _select._reported.clear()
+    with caplog.at_level(logging.INFO, logger="opake.core"):
+        first = plugins.select_kernel("op")
+        plugins.select_kernel("op")
+    lines = [r.getMessage() for r in caplog.records if r.name == "opake.core"]
+    assert len(lines) == 1
+    assert repr(first.backend) in lines[0]
+    assert "automatic" in lines[0]

@@ -11,7 +11,10 @@ with :data:`hookimpl`, returning frozen descriptors:
 
 Queries: :func:`plugin_manager`, :func:`model_families` (keyed by ``model_type``),
 :func:`kernel_backends` (keyed by name), :func:`select_kernel`. ``OPAKE_DISABLE_PLUGIN_AUTOLOAD=1``
-skips entry points; ``OPAKE_KERNEL_BACKEND=name`` forces a kernel backend.
+skips entry points; ``OPAKE_BLOCK_PLUGINS=name,other`` skips the named ones;
+``OPAKE_KERNEL_BACKEND=name`` forces a kernel backend. Every plugin is validated against the
+hookspecs when it loads (pluggy's ``check_pending``) and hooks are called through pluggy, so
+an implementation receives only the arguments it names.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import pluggy
 from opake.core.plugins import hookspecs
 from opake.core.plugins._descriptors import KNOWN_DEVICES, KernelBackend, ModelFamily
 from opake.core.plugins._manager import (
+    BLOCK_PLUGINS_ENV,
     ENTRY_POINT_GROUP,
     BrokenPlugin,
     PluginInfo,
+    blocked_plugins,
     broken_plugins,
     kernel_backends,
     model_families,
@@ -43,6 +48,7 @@ from opake.core.plugins._select import (
 hookimpl = pluggy.HookimplMarker("opake")
 
 __all__ = [
+    "BLOCK_PLUGINS_ENV",
     "ENTRY_POINT_GROUP",
     "KERNEL_BACKEND_ENV",
     "KNOWN_DEVICES",
@@ -51,6 +57,7 @@ __all__ = [
     "KernelChoice",
     "ModelFamily",
     "PluginInfo",
+    "blocked_plugins",
     "broken_plugins",
     "device_type_of",
     "hookimpl",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import warnings
@@ -17,9 +18,11 @@ from opake.core.plugins import hookspecs
 from opake.core.plugins._descriptors import KernelBackend, ModelFamily
 
 __all__ = [
+    "BLOCK_PLUGINS_ENV",
     "ENTRY_POINT_GROUP",
     "BrokenPlugin",
     "PluginInfo",
+    "blocked_plugins",
     "broken_plugins",
     "kernel_backends",
     "model_families",
@@ -32,6 +35,10 @@ __all__ = [
 #: the entry-point group every plugin (first- and third-party) registers under
 ENTRY_POINT_GROUP = "opake"
 _DISABLE_ENV = "OPAKE_DISABLE_PLUGIN_AUTOLOAD"
+#: comma-separated entry-point names of plugins never to load (a broken or unwanted plugin)
+BLOCK_PLUGINS_ENV = "OPAKE_BLOCK_PLUGINS"
+
+_log = logging.getLogger("opake.core")
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,7 @@ class _State:
         self.pm: pluggy.PluginManager | None = None
         self.infos: list[PluginInfo] = []
         self.broken: list[BrokenPlugin] = []
+        self.blocked: list[str] = []
         self.families: dict[str, ModelFamily] | None = None
         self.backends: dict[str, KernelBackend] | None = None
 
@@ -70,6 +78,29 @@ _state = _State()
 
 def _autoload_disabled() -> bool:
     return os.environ.get(_DISABLE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _blocked_names() -> list[str]:
+    raw = os.environ.get(BLOCK_PLUGINS_ENV, "")
+    return sorted({name.strip() for name in raw.split(",") if name.strip()})
+
+
+def _validated_register(pm: pluggy.PluginManager, obj: object, name: str | None) -> str | None:
+    """Register *obj* and check it against the hookspecs (``check_pending``), all or nothing.
+
+    A hook implementation with a signature the spec does not allow, or one named like a hook
+    (``opake_*``) that no spec defines (a typo, or a hook of a newer Opake), raises
+    ``pluggy.PluginValidationError``; the plugin is then unregistered again.
+    """
+    registered = pm.register(obj, name=name)
+    if registered is None:
+        return None
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError:
+        pm.unregister(name=registered)
+        raise
+    return registered
 
 
 def _dist_of(ep: metadata.EntryPoint) -> tuple[str | None, str | None]:
@@ -83,6 +114,15 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
     seen: dict[str, PluginInfo] = {}
     for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         dist_name, dist_version = _dist_of(ep)
+        if ep.name in _state.blocked:
+            _log.info(
+                "plugin %r (%s, from %s) is blocked by %s",
+                ep.name,
+                ep.value,
+                dist_name,
+                BLOCK_PLUGINS_ENV,
+            )
+            continue
         if ep.name in seen:
             if seen[ep.name].value == ep.value:  # same distribution seen twice on sys.path
                 continue
@@ -93,6 +133,8 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             )
         try:
             obj = ep.load()
+            if _validated_register(pm, obj, ep.name) is None:  # pragma: no cover - blocked above
+                continue
         except Exception as err:
             msg = f"{type(err).__name__}: {err}"
             _state.broken.append(BrokenPlugin(ep.name, dist_name, dist_version, ep.value, msg))
@@ -105,15 +147,19 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             continue
         info = PluginInfo(ep.name, dist_name, dist_version, ep.value)
         seen[ep.name] = info
-        pm.register(obj, name=ep.name)
         _state.infos.append(info)
+        _log.debug("loaded plugin %r (%s, from %s %s)", ep.name, ep.value, dist_name, dist_version)
 
 
 def plugin_manager() -> pluggy.PluginManager:
     """Return the process-wide plugin manager, loading entry points on first use.
 
     Set ``OPAKE_DISABLE_PLUGIN_AUTOLOAD=1`` to skip entry points (only plugins registered
-    with :func:`register_plugin` are then used).
+    with :func:`register_plugin` are then used), and ``OPAKE_BLOCK_PLUGINS=name,other`` to
+    skip the entry points of those names (:func:`blocked_plugins` lists them). Each plugin is
+    validated against the hookspecs when it is loaded (``check_pending``): one that
+    implements a hook no spec defines, or with arguments its spec does not have, is skipped
+    with a warning and listed by :func:`broken_plugins`.
 
     >>> plugin_manager().project_name
     'opake'
@@ -124,6 +170,9 @@ def plugin_manager() -> pluggy.PluginManager:
             pm.add_hookspecs(hookspecs)
             _state.infos = []
             _state.broken = []
+            _state.blocked = _blocked_names()
+            for name in _state.blocked:
+                pm.set_blocked(name)
             _state.pm = pm
             if not _autoload_disabled():
                 try:
@@ -137,14 +186,20 @@ def plugin_manager() -> pluggy.PluginManager:
 def register_plugin(plugin: object, name: str | None = None) -> str:
     """Register a plugin object by hand (tests, notebooks); returns its name.
 
-    Clears the cached families and backends so the next query sees it.
+    The plugin is validated against the hookspecs first: an unknown ``opake_*`` hook or a
+    signature its spec does not allow raises :class:`~opake.core.errors.ConfigurationError`
+    and nothing is registered. Clears the cached families and backends so the next query
+    sees it.
     """
     pm = plugin_manager()
     with _state.lock:
         try:
-            registered = pm.register(plugin, name=name)
-        except ValueError as err:
-            raise ConfigurationError(f"cannot register plugin {name!r}: {err}") from err
+            registered = _validated_register(pm, plugin, name)
+        except (ValueError, pluggy.PluginValidationError) as err:
+            raise ConfigurationError(
+                f"cannot register plugin {name!r}: {err}. Check its hook names and arguments "
+                "against opake.core.plugins.hookspecs."
+            ) from err
         if registered is None:
             raise ConfigurationError(f"plugin {name!r} is blocked or already registered.")
         _state.infos.append(PluginInfo(registered, None, None, repr(plugin)))
@@ -159,6 +214,7 @@ def reset_plugins() -> None:
         _state.pm = None
         _state.infos = []
         _state.broken = []
+        _state.blocked = []
         _state.families = None
         _state.backends = None
 
@@ -173,6 +229,28 @@ def broken_plugins() -> list[BrokenPlugin]:
     """Entry points that failed to import (each was skipped with a warning)."""
     plugin_manager()
     return list(_state.broken)
+
+
+def blocked_plugins() -> list[str]:
+    """Entry-point names skipped because ``OPAKE_BLOCK_PLUGINS`` names them."""
+    plugin_manager()
+    return list(_state.blocked)
+
+
+def _per_plugin(pm: pluggy.PluginManager, hook: str) -> list[tuple[str, Any]]:
+    """Call *hook* through pluggy once per implementing plugin, in pluggy's call order.
+
+    Each call goes through pluggy's own hook caller (so an implementation receives only the
+    arguments it names, and specs can grow optional arguments), restricted to one plugin so
+    every result can be attributed to the plugin that returned it.
+    """
+    impls = getattr(pm.hook, hook).get_hookimpls()
+    out = []
+    for impl in reversed(impls):  # pluggy calls the last registered first
+        others = [other.plugin for other in impls if other is not impl]
+        caller = pm.subset_hook_caller(hook, remove_plugins=others)
+        out.append((impl.plugin_name, caller()))
+    return out
 
 
 def _collect(results: list[Any], kind: type, hook: str) -> list[Any]:
@@ -200,9 +278,9 @@ def model_families() -> dict[str, ModelFamily]:
     with _state.lock:
         if _state.families is None:
             found: list[tuple[str, ModelFamily]] = []
-            for impl in reversed(pm.hook.opake_model_families.get_hookimpls()):
-                fams = _collect([impl.function()], ModelFamily, "opake_model_families")
-                found.extend((impl.plugin_name, fam) for fam in fams)
+            for plugin, results in _per_plugin(pm, "opake_model_families"):
+                fams = _collect(results, ModelFamily, "opake_model_families")
+                found.extend((plugin, fam) for fam in fams)
             by_name: dict[str, str] = {}
             by_type: dict[str, tuple[str, ModelFamily]] = {}
             for plugin, fam in found:
@@ -230,13 +308,13 @@ def kernel_backends() -> dict[str, KernelBackend]:
     with _state.lock:
         if _state.backends is None:
             backends: dict[str, tuple[str, KernelBackend]] = {}
-            for impl in reversed(pm.hook.opake_kernel_backends.get_hookimpls()):
-                for be in _collect([impl.function()], KernelBackend, "opake_kernel_backends"):
+            for plugin, results in _per_plugin(pm, "opake_kernel_backends"):
+                for be in _collect(results, KernelBackend, "opake_kernel_backends"):
                     if be.name in backends:
                         raise ConfigurationError(
                             f"kernel backend {be.name!r} is registered twice: by plugin "
-                            f"{backends[be.name][0]!r} and by plugin {impl.plugin_name!r}."
+                            f"{backends[be.name][0]!r} and by plugin {plugin!r}."
                         )
-                    backends[be.name] = (impl.plugin_name, be)
+                    backends[be.name] = (plugin, be)
             _state.backends = {name: be for name, (_, be) in backends.items()}
         return dict(_state.backends)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,25 @@ __all__ = ["KERNEL_BACKEND_ENV", "KernelChoice", "device_type_of", "select_kerne
 
 KERNEL_BACKEND_ENV = "OPAKE_KERNEL_BACKEND"
 _REFERENCE = "torch"
+_log = logging.getLogger("opake.core")
+_reported: set[tuple[str, str, str]] = set()
+
+
+def _report(choice: KernelChoice, device_type: str, skipped: list[str]) -> KernelChoice:
+    """Log an automatic choice once per (op, device type, backend) and return it."""
+    key = (choice.op, device_type, choice.backend)
+    if key not in _reported:
+        _reported.add(key)
+        extra = f" (passed over: {'; '.join(skipped)})" if skipped else ""
+        _log.info(
+            "kernel %r on %s: backend %r, %s%s",
+            choice.op,
+            device_type,
+            choice.backend,
+            choice.reason,
+            extra,
+        )
+    return choice
 
 
 @dataclass(frozen=True)
@@ -66,7 +86,8 @@ def select_kernel(op: str, device: object = None, backend: str | None = None) ->
     backend of highest priority that supports the op on that device, then the ``torch``
     reference. An explicit choice (argument or environment variable) that cannot run raises
     :class:`~opake.core.errors.OperationError`; automatic selection never raises while the
-    reference backend is installed.
+    reference backend is installed; it logs what it chose (logger ``opake.core``, once per
+    op, device type and backend) and the backends it passed over.
     """
     if not isinstance(op, str):
         raise InputTypeError(f"op must be a str, got {type(op).__name__}.")
@@ -106,4 +127,4 @@ def select_kernel(op: str, device: object = None, backend: str | None = None) ->
     reason = f"automatic: highest-priority available backend for {op!r} on {device_type!r}"
     if chosen.name == _REFERENCE:
         reason = f"automatic: reference backend for {op!r} on {device_type!r}"
-    return KernelChoice(op, chosen.name, chosen.load_op(op), reason)
+    return _report(KernelChoice(op, chosen.name, chosen.load_op(op), reason), device_type, skipped)

@@ -6,7 +6,12 @@ A plugin is a module (or object) registered under the entry-point group ``opake`
     my_plugin = "my_package.opake_plugin"
 
 whose functions are marked with :data:`opake.core.plugins.hookimpl`. Specs only ever gain
-optional arguments, so an implementation written against an older version keeps working.
+optional arguments, so an implementation written against an older version keeps working: hooks
+are called through pluggy, which passes an implementation only the arguments it names. A plugin
+is validated when it loads (pluggy's ``check_pending``): an ``opake_*`` function that no spec
+defines is an error (the plugin is skipped with a warning), unless it is marked
+``@hookimpl(optionalhook=True)`` — the way to implement a hook of a newer Opake and still load
+on an older one.
 The rest of Opake never calls these hooks directly; it uses the typed queries in
 :mod:`opake.core.plugins` (``model_families()``, ``kernel_backends()``).
 """
