@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from opake.cli import _bench, _epsilon, _info, _train, _tune
+from opake.cli._version import __version__
 
 __all__ = ["OneLineErrorParser", "build_parser", "main"]
 
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="opake",
         description="Opake: differentially private training (DP-SGD) for PyTorch.",
     )
+    parser.add_argument("--version", action="version", version=f"opake {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _info.register(sub)
@@ -35,10 +37,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: options whose value may itself start with "-" (``--script-args "--help"``)
+_DASHED_VALUE_OPTIONS = ("--script-args",)
+
+
+def _join_dashed_values(argv: Sequence[str]) -> list[str]:
+    """``["--script-args", "--quick"]`` → ``["--script-args=--quick"]``: argparse would read the
+    value as an option of its own.
+
+    >>> _join_dashed_values(["bench", "x", "--script-args", "--help", "--timeout", "5"])
+    ['bench', 'x', '--script-args=--help', '--timeout', '5']
+    """
+    out: list[str] = []
+    items = iter(argv)
+    for item in items:
+        if item in _DASHED_VALUE_OPTIONS:
+            value = next(items, None)
+            out.append(item if value is None else f"{item}={value}")
+        else:
+            out.append(item)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``opake`` command; returns the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_dashed_values(sys.argv[1:] if argv is None else argv))
     from opake.core.errors import OpakeError
 
     try:

@@ -16,10 +16,14 @@ printed under a heading, its standard error (progress) passes through.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,28 +56,86 @@ def find_scripts(directory: Path) -> list[Path]:
 def run_scripts(
     scripts: Sequence[Path], *, extra_args: Sequence[str] = (), timeout: float | None = None
 ) -> dict[str, int]:
-    """Run each script in a fresh interpreter, printing its stdout; returns exit codes by name."""
+    """Run each script in a fresh interpreter, printing its stdout; returns exit codes by name.
+
+    Each script runs in a process group of its own with a temporary directory of its own
+    (``TMPDIR``); when it ends — or runs past *timeout* seconds (exit code 124) — the whole group
+    (the script and every process it started) is killed and the directory removed.
+    """
     codes: dict[str, int] = {}
-    env = dict(os.environ)
-    env.setdefault("MPLBACKEND", "Agg")
     for script in scripts:
         print(f"## {script.stem}  ({script})", flush=True)
-        try:
-            proc = subprocess.run(
-                [sys.executable, str(script), *extra_args],
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-                timeout=timeout,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
+        code, stdout = _run_one([sys.executable, str(script), *extra_args], timeout)
+        if code == _TIMED_OUT:
             print(f"(timed out after {timeout:g} s)\n", flush=True)
-            codes[script.stem] = 124
-            continue
-        print(proc.stdout.rstrip() + "\n", flush=True)
-        codes[script.stem] = proc.returncode
+        else:
+            print(stdout.rstrip() + "\n", flush=True)
+        codes[script.stem] = code
     return codes
+
+
+_TIMED_OUT = 124
+#: seconds a process group gets to exit after SIGTERM before SIGKILL
+_GRACE_SEC = 5.0
+
+
+def _run_one(cmd: Sequence[str], timeout: float | None) -> tuple[int, str]:
+    """Run *cmd* in its own process group and temporary directory; ``(exit code, stdout)``."""
+    env = dict(os.environ)
+    env.setdefault("MPLBACKEND", "Agg")
+    scratch = tempfile.mkdtemp(prefix="opake-bench-")
+    for name in ("TMPDIR", "TEMP", "TMP"):
+        env[name] = scratch
+    posix = os.name == "posix"
+    proc = subprocess.Popen(
+        list(cmd), stdout=subprocess.PIPE, text=True, env=env, start_new_session=posix
+    )
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        stdout, code = "", _TIMED_OUT
+    except BaseException:  # Ctrl-C: take the benchmark's processes down with us
+        _kill_group(proc, posix)
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    _kill_group(proc, posix)  # also any child the script left running after it exited
+    shutil.rmtree(scratch, ignore_errors=True)
+    return code, stdout
+
+
+def _kill_group(proc: subprocess.Popen[str], posix: bool) -> None:
+    """SIGTERM the process group of *proc*, SIGKILL what is left after a grace period."""
+    if not posix:
+        if proc.poll() is None:
+            proc.kill()
+        _reap(proc)
+        return
+    import signal
+
+    def signal_group(sig: int) -> bool:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return False  # the group is gone
+        return True
+
+    if signal_group(signal.SIGTERM):
+        deadline = time.monotonic() + _GRACE_SEC
+        while time.monotonic() < deadline and signal_group(0):
+            if proc.poll() is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=0.05)
+            else:
+                time.sleep(0.05)
+        signal_group(signal.SIGKILL)
+    _reap(proc)
+
+
+def _reap(proc: subprocess.Popen[str]) -> None:
+    if proc.stdout is not None and not proc.stdout.closed:
+        proc.stdout.close()
+    proc.wait()
 
 
 def _run(args: argparse.Namespace) -> int:
