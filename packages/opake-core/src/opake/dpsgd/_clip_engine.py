@@ -489,6 +489,8 @@ class ClippedGradFn:
         grads = ClippedGrads(
             sums, max_norm=state.sensitivity / self.normalize_by, batch_size=aux.batch_size
         )
+        # adaptive clipping also released a noisy count: the optimizer must account for it
+        grads.count_noise_multiplier = getattr(state, "count_noise_multiplier", None)
         if self.return_aux:
             return (grads, aux), new_state
         return grads, new_state

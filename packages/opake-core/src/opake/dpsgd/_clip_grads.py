@@ -29,6 +29,9 @@ class ClippedGrads(dict[str, "torch.Tensor"]):
             examples with non-finite gradients are included but contribute zero), as a 0-d
             int64 tensor on the gradients' device (read it with ``int()`` only when a host
             sync is acceptable).
+        count_noise_multiplier: σ_b of the noisy count adaptive clipping released while
+            computing this sum (``None`` for the other clipping methods); ``DPOptimizer`` refuses
+            to account a step without it.
 
     Adding two results (``a + b``, e.g. accumulating physical batches of one logical step)
     sums the tensors and batch sizes; the sum's sensitivity is ``max(a.max_norm, b.max_norm)``
@@ -44,6 +47,7 @@ class ClippedGrads(dict[str, "torch.Tensor"]):
 
     max_norm: float
     batch_size: torch.Tensor
+    count_noise_multiplier: float | None = None
 
     def __init__(
         self,
@@ -69,11 +73,13 @@ class ClippedGrads(dict[str, "torch.Tensor"]):
                 f"({sorted(self.keys() ^ other.keys())[:5]} ...); add results of the same "
                 "grad_fn on the same parameters"
             )
-        return ClippedGrads(
+        total = ClippedGrads(
             {name: value + other[name] for name, value in self.items()},
             max_norm=max(self.max_norm, other.max_norm),
             batch_size=self.batch_size + other.batch_size.to(self.batch_size.device),
         )
+        total.count_noise_multiplier = self.count_noise_multiplier or other.count_noise_multiplier
+        return total
 
     def __repr__(self) -> str:
         return (
