@@ -1,0 +1,332 @@
+"""DPTraining: the composed DP step against a hand-written step and the per-example oracle."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from opake import accounting
+from opake.core.errors import ConfigurationError, OperationError
+from opake.core.testing import reference_clipped_grad, tiny_mlp
+from opake.dpsgd.clipping import AdaptiveClipping, clipped_grad, gradient_noise_multiplier
+from opake.dpsgd.noise import GaussianNoise
+from opake.dpsgd.optimizer import DPOptimizer
+from opake.dpsgd.sampling import PoissonSampler, padding_mask
+from opake.dpsgd.training import DPTraining, PrivacyBudgetExhausted
+from opake.functional import make_functional
+
+N, B, SIGMA, C, LR, DELTA, SEED = 64, 8.0, 1.3, 0.7, 0.2, 1e-5, 11
+FAST = {"accountant": "rdp"}
+
+
+def _data():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(N, 8, generator=gen) * torch.linspace(0.2, 5.0, N)[:, None]
+    y = torch.randint(0, 4, (N,), generator=gen)
+    return x, y
+
+
+def _loss(fmodel):
+    def loss_fn(params, x, y):  # one example
+        logits = fmodel(params, x[None])
+        return torch.nn.functional.cross_entropy(logits, y[None])
+
+    return loss_fn
+
+
+def _training(model=None, **options):
+    model = model if model is not None else tiny_mlp(seed=0)
+    fmodel, params = make_functional(model)
+    settings = {
+        "batch_args": 2,
+        "dataset_size": N,
+        "expected_batch_size": B,
+        "noise_multiplier": SIGMA,
+        "delta": DELTA,
+        "clipping_norm": C,
+        "seed": SEED,
+        **FAST,
+        **options,
+    }
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    return model, DPTraining(_loss(fmodel), opt, params, module=model, **settings)
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_one_step_equals_a_hand_written_step_and_the_oracle():
+    x, y = _data()
+    model, training = _training()
+    indices = next(training.batches())
+    assert indices == PoissonSampler(N, B / N, seed=SEED).global_batch(0).tolist()
+    start = _params(model)
+    result = training.step(x[indices], y[indices])
+
+    # hand-written: clipped_grad + DPOptimizer, same seeds
+    manual = tiny_mlp(seed=0)
+    fmodel, params = make_functional(manual)
+    grad_fn, state = clipped_grad(_loss(fmodel), clipping_norm=C, batch_argnums=(1, 2))
+    grads, _ = grad_fn(params, x[indices], y[indices], state=state)
+    opt = DPOptimizer(
+        torch.optim.SGD(manual.parameters(), lr=LR),
+        manual,
+        noise_multiplier=SIGMA,
+        expected_batch_size=B,
+        seed=SEED,
+    )
+    opt.accumulate(grads)
+    opt.step()
+    for name, value in _params(manual).items():
+        torch.testing.assert_close(_params(model)[name], value, atol=1e-6, rtol=1e-6)
+
+    # the obvious reference: per-example autograd loop, clip, sum, one noise draw, / q·N, SGD
+    total = reference_clipped_grad(
+        _loss(make_functional(tiny_mlp(seed=0))[0]),
+        (start, x[indices], y[indices]),
+        clipping_norm=C,
+        batch_argnums=(1, 2),
+    )
+    noisy = GaussianNoise(SIGMA, seed=SEED).add(
+        {n: v.float() for n, v in total.items()}, sensitivity=C
+    )
+    for name, value in start.items():
+        expected = value - LR * noisy[name] / B
+        torch.testing.assert_close(_params(model)[name], expected, atol=2e-6, rtol=1e-5)
+    assert result.step == 1
+    assert result.batch_size == len(indices)
+    assert result.report.expected_batch_size == B
+    assert result.report.noise_std == pytest.approx(SIGMA * C)
+
+
+def test_accumulated_physical_batches_equal_one_physical_batch():
+    x, y = _data()
+    model_a, one = _training()
+    model_b, split = _training()
+    for _, (a, b) in zip(range(4), zip(one.batches(), split.batches(), strict=True), strict=False):
+        assert a == b
+        one.step(x[a], y[a])
+        half = len(b) // 2
+        result = split.logical_step([(x[b[:half]], y[b[:half]]), (x[b[half:]], y[b[half:]])])
+        assert result.report.physical_batches == 2
+    for name, value in _params(model_a).items():
+        torch.testing.assert_close(_params(model_b)[name], value, atol=1e-6, rtol=1e-6)
+
+
+def test_epsilon_after_n_steps_equals_the_accountant_for_the_schedule():
+    x, y = _data()
+    _, training = _training()
+    for _, indices in zip(range(7), training.batches(), strict=False):
+        training.step(x[indices], y[indices])
+    expected = accounting.epsilon(
+        sample_rate=B / N, noise_multiplier=SIGMA, steps=7, delta=DELTA, accountant="rdp"
+    )
+    assert training.epsilon() == pytest.approx(expected, rel=1e-12)
+
+
+def test_empty_poisson_batch_still_takes_a_noisy_step():
+    x, y = _data()
+    model, training = _training()
+    before = _params(model)
+    result = training.step(x[:0], y[:0])
+    assert result.batch_size == 0
+    assert result.loss != result.loss  # nan: no example
+    assert any(not torch.equal(before[n], v) for n, v in _params(model).items())
+    assert training.accountant.steps == 1
+
+
+def test_budget_is_calibrated_spent_and_refused_before_touching_data():
+    x, y = _data()
+    calls = []
+    model = tiny_mlp(seed=0)
+    fmodel, params = make_functional(model)
+    loss = _loss(fmodel)
+
+    def counted(p, xi, yi):
+        calls.append(1)
+        return loss(p, xi, yi)
+
+    training = DPTraining(
+        counted,
+        torch.optim.SGD(model.parameters(), lr=LR),
+        params,
+        batch_args=2,
+        dataset_size=N,
+        expected_batch_size=B,
+        target_epsilon=3.0,
+        steps=5,
+        delta=DELTA,
+        seed=SEED,
+        **FAST,
+    )
+    sigma = accounting.calibrate_noise(
+        target_epsilon=3.0, delta=DELTA, sample_rate=B / N, steps=5, accountant="rdp"
+    )
+    assert training.noise_multiplier == pytest.approx(sigma)
+    assert training.steps_left == 5
+    batches = training.batches()
+    for _ in range(5):
+        indices = next(batches)
+        training.step(x[indices], y[indices])
+    assert training.exhausted
+    assert training.steps_left == 0
+    assert training.epsilon() <= 3.0
+    calls.clear()
+    with pytest.raises(PrivacyBudgetExhausted, match=r"target_epsilon = 3"):
+        training.step(x[:4], y[:4])
+    assert not calls  # no example was looked at for the refused step
+    assert training.accountant.steps == 5
+
+
+def test_noise_multiplier_with_a_budget_stops_at_the_budget():
+    _, training = _training(target_epsilon=2.0)
+    allowed = training.steps_left
+    assert allowed is not None
+    assert (
+        accounting.epsilon(
+            sample_rate=B / N, noise_multiplier=SIGMA, steps=allowed, delta=DELTA, accountant="rdp"
+        )
+        <= 2.0
+    )
+    assert (
+        accounting.epsilon(
+            sample_rate=B / N,
+            noise_multiplier=SIGMA,
+            steps=allowed + 1,
+            delta=DELTA,
+            accountant="rdp",
+        )
+        > 2.0
+    )
+
+
+def test_resume_from_state_dict_and_from_a_file_is_bitwise(tmp_path):
+    x, y = _data()
+    model_a, full = _training()
+    for _, idx in zip(range(6), full.batches(), strict=False):
+        full.step(x[idx], y[idx])
+
+    model_b, first = _training()
+    batches = first.batches()
+    for _ in range(3):
+        idx = next(batches)
+        first.step(x[idx], y[idx])
+    next(batches)  # a prefetching loader drew one batch ahead: not trained, not saved
+    state = copy.deepcopy(first.state_dict())
+    assert state["sampler"]["position"] == 3
+    first.save(tmp_path / "run.pt", model=model_b, extra={"note": "half"})
+    saved_params = _params(model_b)
+
+    for how in ("state_dict", "file"):
+        model_c, second = _training(model=tiny_mlp(seed=5))
+        if how == "state_dict":
+            model_c.load_state_dict(saved_params)
+            second.load_state_dict(state)
+        else:
+            assert second.load(tmp_path / "run.pt", model=model_c) == {"note": "half"}
+        assert second.steps == 3
+        for _, idx in zip(range(3), second.batches(), strict=False):
+            second.step(x[idx], y[idx])
+        for name, value in _params(model_a).items():
+            assert torch.equal(_params(model_c)[name], value), (how, name)
+        assert second.epsilon() == full.epsilon()
+
+
+def test_resume_refuses_other_privacy_settings(tmp_path):
+    x, y = _data()
+    _, first = _training()
+    first.step(x[:3], y[:3])
+    state = first.state_dict()
+    _, other = _training(expected_batch_size=16.0)
+    with pytest.raises(ConfigurationError, match="sample_rate"):
+        other.load_state_dict(state)
+
+
+def test_state_is_refused_mid_step_and_accumulation_can_be_dropped():
+    x, y = _data()
+    _, training = _training()
+    training.accumulate(x[:3], y[:3])
+    assert training.pending_batches == 1
+    with pytest.raises(OperationError, match="un-noised"):
+        training.state_dict()
+    training.zero_grad()
+    assert training.pending_batches == 0
+    with pytest.raises(OperationError, match="nothing accumulated"):
+        training.finish_step()
+    assert training.accountant.steps == 0
+
+
+def test_hooks_receive_every_step_and_can_be_removed():
+    x, y = _data()
+    _, training = _training()
+    seen = []
+    remove = training.add_hook(seen.append)
+    training.step(x[:5], y[:5])
+    training.step(x[5:9], y[5:9])
+    remove()
+    training.step(x[:2], y[:2])
+    assert [r.step for r in seen] == [1, 2]
+    assert seen[0].batch_size == 5
+    assert 0.0 <= seen[0].clipping_rate <= 1.0
+    assert seen[0].loss == pytest.approx(seen[0].loss_sum / 5)
+
+
+def test_fixed_shape_sampling_masks_padding_and_accounts_the_truncation():
+    x, y = _data()
+    _, training = _training(sampler="fixed", max_batch_size=24)
+    indices = next(training.batches())
+    assert len(indices) == 24
+    mask = padding_mask(indices)
+    safe = torch.as_tensor(indices).clamp_min(0)
+    result = training.step(x[safe], y[safe], example_mask=mask)
+    assert result.batch_size == int(mask.sum())
+    expected = accounting.epsilon(
+        sample_rate=B / N,
+        noise_multiplier=SIGMA,
+        steps=1,
+        delta=DELTA,
+        accountant="rdp",
+        max_batch_size=24,
+        dataset_size=N,
+    )
+    assert training.epsilon() == pytest.approx(expected, rel=1e-12)
+
+
+def test_adaptive_clipping_count_query_is_accounted():
+    x, y = _data()
+    sigma_b = 5.0
+    state = AdaptiveClipping(1.0, count_noise_multiplier=sigma_b, expected_batch_size=B, seed=2)
+    sigma_grad = gradient_noise_multiplier(SIGMA, count_noise_multiplier=sigma_b)
+    _, training = _training(clipping_norm=state, noise_multiplier=sigma_grad)
+    for _, idx in zip(range(3), training.batches(), strict=False):
+        training.step(x[idx], y[idx])
+    assert training.clip_state.step == 3  # the bound moved once per logical step
+    expected = accounting.epsilon(
+        sample_rate=B / N,
+        noise_multiplier=sigma_grad,
+        count_noise_multiplier=sigma_b,
+        steps=3,
+        delta=DELTA,
+        accountant="rdp",
+    )
+    assert training.epsilon() == pytest.approx(expected, rel=1e-12)
+
+
+def test_secure_by_default_and_bad_options_raise():
+    _, secure = _training(seed=None)
+    _, other = _training(seed=None)
+    assert secure.secure
+    assert secure.sampler.seed != other.sampler.seed
+    with pytest.raises(ConfigurationError, match="unknown keyword"):
+        _training(clip=1.0)
+    with pytest.raises(ConfigurationError, match="exactly one"):
+        _training(sample_rate=0.1)
+    with pytest.raises(ConfigurationError, match="steps="):
+        _training(noise_multiplier=None, target_epsilon=1.0)
+    with pytest.raises(ConfigurationError, match="engine"):
+        _training(engine="fast")
+    with pytest.raises(ConfigurationError, match="batch_args"):
+        _training()[1].step(torch.zeros(1, 8))
