@@ -6,7 +6,8 @@
 - :mod:`opake.dpsgd.optimizer` — the DP optimizer step around any ``torch.optim`` optimizer;
 - :mod:`opake.dpsgd.checkpoint` — atomic checkpoint and resume of the whole training state;
 - :mod:`opake.dpsgd.bookkeeping` — the book-keeping per-example engine (``method=``);
-- :mod:`opake.dpsgd.distributed` — DP-SGD across ranks (DDP, FSDP2).
+- :mod:`opake.dpsgd.distributed` — DP-SGD across ranks (DDP, FSDP2);
+- :mod:`opake.dpsgd.training` — the whole DP training step composed once (``DPTraining``).
 
 The main names of those modules are available here too (imported on first use).
 
@@ -52,6 +53,8 @@ _LAZY = {
     "load_checkpoint": "checkpoint",
     "BatchedLoss": "bookkeeping",
     "DistributedDPOptimizer": "distributed",
+    "DPTraining": "training",
+    "PrivacyBudgetExhausted": "training",
 }
 
 
@@ -77,6 +80,7 @@ __all__ = [
     "ClipState",
     "ClippedGrads",
     "DPOptimizer",
+    "DPTraining",
     "DistributedDPOptimizer",
     "EmptyBatchCollate",
     "FixedClipping",
@@ -86,6 +90,7 @@ __all__ = [
     "NoisyGrads",
     "PaddedDataset",
     "PoissonSampler",
+    "PrivacyBudgetExhausted",
     "ShuffleSampler",
     "StepReport",
     "adaptive_noise_split",
