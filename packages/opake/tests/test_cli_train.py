@@ -301,7 +301,8 @@ def test_lora_trains_only_adapters(tiny_args, tmp_path):
     assert main(tiny_args("--lora-r", "2", "--steps", "2", out=out)) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert 0 < summary["trainable_parameters"] < summary["parameters"] / 2
-    assert (out / "model" / "adapter_config.json").is_file()
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert (out / "model" / "config.json").is_file()  # merged: loads with from_pretrained
     assert any("LoRA A matrices" in note for note in summary["notes"])
     assert (out / "base_model" / "config.json").is_file()
 

@@ -1,8 +1,9 @@
-"""Models and tokenizers for ``opake train``: named configs built locally, or a local HF directory.
+"""Models and tokenizers for ``opake train``: named configs built locally, or pretrained models.
 
-Nothing is downloaded: a named config (:data:`NAMED_MODELS`) builds a small Llama-family model
-with random weights from a config; a path loads a Hugging Face model directory with
-``local_files_only=True``.
+A named config (:data:`NAMED_MODELS`) builds a small Llama-family model with random weights and
+the byte tokenizer. Anything else is resolved by :func:`opake.cli._sources.locate_model` — a local
+Hugging Face directory (or an ``opake train`` output), a GGUF file (de-quantised once), or a Hub id
+(through the Hugging Face cache) — and loads with its own tokenizer.
 
 >>> sorted(NAMED_MODELS)
 ['llama-small', 'llama-tiny']
@@ -13,9 +14,9 @@ with random weights from a config; a path loads a Hugging Face model directory w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from opake.cli._sources import locate_model
 from opake.cli._tokenizer import TOKENIZER_FILE, ByteTokenizer
 from opake.core.errors import ConfigurationError
 
@@ -56,6 +57,7 @@ class LoadedModel:
         from_directory: the weights came from a directory (not a random initialisation).
         num_parameters: all parameters.
         num_trainable: trainable parameters (the adapters alone with LoRA).
+        kind: the source's kind: ``named``, ``directory``, ``gguf`` or ``hub``.
     """
 
     model: torch.nn.Module
@@ -64,51 +66,48 @@ class LoadedModel:
     from_directory: bool
     num_parameters: int
     num_trainable: int
+    kind: str = "named"
 
 
 def resolve_model(spec: str) -> tuple[str, bool]:
-    """Check *spec* (a named config or a local directory) without loading anything.
+    """Check *spec* and find its files (a GGUF file is de-quantised once, a Hub id fetched
+    through the Hugging Face cache); nothing is built.
 
-    Returns ``(spec, is_directory)``.
+    Returns ``(source, pretrained)``: the Hugging Face directory to load and ``True``, or the
+    named config and ``False``.
 
     >>> resolve_model("llama-tiny")
     ('llama-tiny', False)
     """
-    if spec in NAMED_MODELS:
+    source = locate_model(spec)
+    if source.directory is None:
         return spec, False
-    path = Path(spec)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ConfigurationError(
-                f"--model {spec}: the directory has no config.json; expected a Hugging Face "
-                "model directory (save_pretrained output)"
-            )
-        return str(path), True
-    raise ConfigurationError(
-        f"--model {spec}: not a local directory nor a named config; expected a Hugging Face "
-        f"model directory or one of {', '.join(sorted(NAMED_MODELS))} (nothing is downloaded)"
-    )
+    return str(source.directory), True
 
 
 def load_tokenizer(spec: str) -> Any:
-    """The tokenizer for *spec*: the byte tokenizer, or a directory's own tokenizer."""
-    source, is_dir = resolve_model(spec)
-    if not is_dir:
+    """The tokenizer for *spec*: the byte tokenizer for a named config, else the model's own
+    (``opake_tokenizer.json`` of an Opake byte-level model, or the Hugging Face tokenizer)."""
+    source = locate_model(spec)
+    if source.directory is None:
         return ByteTokenizer()
-    path = Path(source)
+    path = source.directory
     if (path / TOKENIZER_FILE).is_file():
         return ByteTokenizer.from_pretrained(path)
     if any((path / name).is_file() for name in _HF_TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return ByteTokenizer()
+    raise ConfigurationError(
+        f"--model {spec}: the model has no tokenizer (no {TOKENIZER_FILE} nor tokenizer.json / "
+        "tokenizer_config.json); save its tokenizer next to it with save_pretrained"
+    )
 
 
 def load_model(
     spec: str,
     *,
-    tokenizer: Any,
+    tokenizer: Any | None,
     block_size: int,
     lora_r: int | None = None,
     lora_alpha: float | None = None,
@@ -118,19 +117,25 @@ def load_model(
 
     The model is put in training mode with dropout disabled in the config for named models
     (per-example ``vmap`` needs no randomness then). With *lora_r* only the adapters are
-    trainable.
+    trainable. *tokenizer* ``None``: token ids are not text (``opake tune``'s random tokens), so
+    the vocabulary is not checked against a tokenizer.
     """
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    source, is_dir = resolve_model(spec)
-    vocab = _vocab_size(tokenizer)
+    located = locate_model(spec)
+    is_dir = located.directory is not None
+    source = str(located.directory) if located.kind == "directory" else spec
+    vocab = _vocab_size(tokenizer if tokenizer is not None else ByteTokenizer())
     model: Any
-    if is_dir:
+    if located.directory is not None:
         model = AutoModelForCausalLM.from_pretrained(
-            source, local_files_only=True, attn_implementation="eager", dtype=torch.float32
+            str(located.directory),
+            local_files_only=True,
+            attn_implementation="eager",
+            dtype=torch.float32,
         )
-        if model.config.vocab_size < vocab:
+        if tokenizer is not None and model.config.vocab_size < vocab:
             raise ConfigurationError(
                 f"--model {spec}: its vocabulary has {model.config.vocab_size} entries but the "
                 f"tokenizer produces ids up to {vocab - 1}; use the model's own tokenizer"
@@ -164,7 +169,7 @@ def load_model(
     model.train()
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return LoadedModel(model, tokenizer, source, is_dir, total, trainable)
+    return LoadedModel(model, tokenizer, source, is_dir, total, trainable, located.kind)
 
 
 def _vocab_size(tokenizer: Any) -> int:

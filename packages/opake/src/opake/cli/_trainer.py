@@ -818,21 +818,9 @@ def _read_settings(path: Path) -> Any:
 
 
 def _save_model(plan: RunPlan, loaded: Any, model: Any) -> dict[str, str]:
-    s = plan.settings
-    saved = {}
-    target = plan.out / "model"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model.save_pretrained(target)
-        if s.lora_r is not None and not loaded.from_directory:
-            # the base weights were initialised here: keep them next to the adapter
-            base = plan.out / "base_model"
-            model.get_base_model().save_pretrained(base)
-            plan.tokenizer.save_pretrained(base)
-            saved["base_model"] = str(base)
-    plan.tokenizer.save_pretrained(target)
-    saved["model"] = str(target)
-    return saved
+    from opake.cli._saving import save_run_model
+
+    return save_run_model(plan.out, loaded, model, plan.tokenizer)
 
 
 def _summary(

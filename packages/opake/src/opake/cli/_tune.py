@@ -3,7 +3,8 @@
 Runs :func:`opake.profiling.tune_microbatch` on the DP-SGD step ``opake train`` runs
 (``clipped_grad`` over a causal LM, per-example ``vmap(grad)``), with random tokens of the
 requested shape — memory and time do not depend on the token values, and no data is read. The
-model is a named config built locally (default ``llama-tiny``) or a local Hugging Face directory.
+model is a named config built locally (default ``llama-tiny``) or a pretrained model: a local
+Hugging Face directory, a GGUF file or a Hub id, as for ``opake train``.
 
 >>> parser = build_parser()
 >>> args = parser.parse_args(["--batch-size", "4", "--budget-gb", "2"])
@@ -35,8 +36,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"a named config built locally (default {DEFAULT_MODEL}; llama-small) or a local "
-        "Hugging Face model directory; nothing is downloaded",
+        help=f"a named config built locally (default {DEFAULT_MODEL}; llama-small), a local "
+        "Hugging Face model directory, a .gguf file, or a Hub id (org/name)",
     )
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq-len", type=int, default=16, help="tokens per sequence (default 16)")
@@ -152,7 +153,7 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
     candidates = _candidates(args.candidates, args.batch_size)
     import torch
 
-    from opake.cli._models import load_model, load_tokenizer, resolve_model
+    from opake.cli._models import load_model, resolve_model
     from opake.dpsgd.clipping import clipped_grad
     from opake.functional import make_functional
     from opake.profiling import NoMicrobatchFitsError, tune_microbatch
@@ -171,13 +172,12 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigurationError(
                 f"--seq-len {args.seq_len}: the model takes at most {limit} positions"
             )
-    tokenizer = load_tokenizer(args.model)
     with warnings.catch_warnings():
         # peft and transformers deprecate each other's helpers; not the user's business
         warnings.simplefilter("ignore", FutureWarning)
         loaded = load_model(
             args.model,
-            tokenizer=tokenizer,
+            tokenizer=None,  # random token ids: no tokenizer needed
             block_size=args.seq_len,
             lora_r=args.lora_r,
             seed=args.seed,
