@@ -4,6 +4,7 @@ timeouts and arguments, progress output in a log file, and one-line error messag
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -90,9 +91,11 @@ def test_unreachable_epsilon_names_no_truncation(capsys):
     assert "truncation" not in err
 
 
-def test_progress_in_a_log_file_is_lines_not_carriage_returns(tiny_args, tmp_path):
+def test_progress_in_a_log_file_and_a_lora_run_as_the_next_model(tiny_args, tmp_path):
+    """A log got hundreds of carriage-return bar updates; a LoRA run's model/ was an adapter
+    alone, which --model refused ("no config.json")."""
     log = tmp_path / "train.log"
-    argv = [a for a in tiny_args("--steps", "3") if a != "--no-progress"]
+    argv = [a for a in tiny_args("--steps", "3", "--lora-r", "2") if a != "--no-progress"]
     with log.open("w") as handle:
         proc = subprocess.run(
             [sys.executable, "-m", "opake.cli", *argv],
@@ -108,6 +111,14 @@ def test_progress_in_a_log_file_is_lines_not_carriage_returns(tiny_args, tmp_pat
     steps = [line for line in text.splitlines() if line.startswith("opake train: step ")]
     assert [line.split()[3] for line in steps] == ["1/3", "2/3", "3/3"]
     assert all("loss" in line and "ε" in line for line in steps)
+    # the LoRA run's merged model is the next run's --model (here the run's folder: its model/)
+    # and starts where the trained model ended: the same validation loss
+    run, again = tmp_path / "run", tmp_path / "again"
+    assert main(tiny_args("--model", str(run), "--steps", "1", out=again)) == 0
+    first = json.loads((run / "summary.json").read_text())
+    second = json.loads((again / "summary.json").read_text())
+    assert second["model_source"] == str(run / "model")
+    assert second["initial_val_loss"] == pytest.approx(first["val_loss"], rel=1e-5)
 
 
 def test_line_progress_prints_about_twenty_lines():
