@@ -45,6 +45,12 @@ class _DenseImplicit:
             a = torch.nn.functional.one_hot(a, self.shape[0]).float()
         return torch.einsum("brc,bsr,bsc->b", self.g, a, b.float())
 
+    def abs_norms(self):
+        return self.g.double().square().sum((1, 2)).sqrt()
+
+    def example_rows(self, index, start, stop):
+        return self.g[index, start:stop].double()
+
 
 class _Toy(torch.nn.Module):
     """Embedding → tanh(Linear) → a head read *implicitly* (never called as a module)."""

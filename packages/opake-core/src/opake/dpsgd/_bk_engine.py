@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, OperationError
+from opake.dpsgd._bk_certify import bounds, exact_add, exact_sq_norm, full_precision
 from opake.dpsgd._bk_loss import BatchedLoss
 from opake.dpsgd._bk_rules import (
     Dense,
@@ -25,6 +26,7 @@ from opake.dpsgd._bk_rules import (
     ImplicitGrad,
     OuterSum,
     Piece,
+    abs_norm,
     inner,
     sq_norm,
     weighted_sum,
@@ -376,12 +378,19 @@ def _first_input(use: _Use) -> torch.Tensor:
 
 @dataclass
 class BookkeepingChunk:
-    """What one microbatch leaves: losses, per-leaf squared norms and the pieces for the sum."""
+    """What one microbatch leaves: losses, per-leaf squared norms and the pieces for the sum.
+
+    ``leaf_sq`` are the computed squared norms (reported); ``clip_sq`` bound the squared norm
+    of what each example adds to each leaf (clip with these, see :mod:`._bk_certify`);
+    ``exact`` marks the (example, leaf) pairs that take the exact route.
+    """
 
     loss: torch.Tensor
     leaf_sq: torch.Tensor  # [m, leaves] float64
     aux: Any
     pieces: dict[str, list[Piece]] = field(default_factory=dict)
+    clip_sq: torch.Tensor | None = None  # [m, leaves] float64; None: leaf_sq
+    exact: torch.Tensor | None = None  # [m, leaves] bool; None: no exact route
 
     def weighted(
         self,
@@ -394,13 +403,26 @@ class BookkeepingChunk:
         import torch
 
         out: dict[str, torch.Tensor] = {}
-        mask = None if bool(keep.all()) else keep  # one host sync; skips the masking copies
-        for j, name in enumerate(names):
-            shape = like[name].shape
-            total = torch.zeros(shape, dtype=torch.float32, device=leaf_factor.device)
-            for piece in self.pieces.get(name, ()):
-                total += weighted_sum(piece, leaf_factor[:, j], mask).reshape(shape)
-            out[name] = total
+        exact = self.exact
+        routed: list[list[int]] = [[] for _ in names]
+        if exact is not None:
+            for i, j in (exact & keep[:, None]).nonzero().tolist():
+                routed[j].append(i)
+        everything = bool(keep.all())  # one host sync; skips the masking copies
+        with full_precision():
+            for j, name in enumerate(names):
+                shape = like[name].shape
+                total = torch.zeros(shape, dtype=torch.float32, device=leaf_factor.device)
+                own = self.pieces.get(name, ())
+                mask = None if everything and not routed[j] else keep
+                if routed[j]:
+                    assert exact is not None
+                    mask = keep & ~exact[:, j]
+                for piece in own:
+                    total += weighted_sum(piece, leaf_factor[:, j], mask).reshape(shape)
+                for i in routed[j]:
+                    exact_add(own, i, leaf_factor[i, j], total)
+                out[name] = total
         return out
 
 
@@ -696,31 +718,46 @@ class BookkeepingRunner:
         """Forward + backward on one microbatch; norms per leaf and the pieces of the sum."""
         import torch
 
-        names = tuple(args[self.argnums])
+        diff = args[self.argnums]
+        names = tuple(diff)
         losses, aux, uses = self._forward_backward(args, batch)
         pieces: dict[str, list[Piece]] = {}
         for use in uses:
             for name, piece in self._pieces(use, batch):
                 pieces.setdefault(name, []).append(piece)
         device = losses.device
-        columns = []
-        for name in names:
-            own = pieces.get(name, [])
-            if not own:
-                columns.append(torch.zeros(batch, dtype=torch.float64, device=device))
-                continue
-            total = sq_norm(own[0]).double()
-            for k in range(1, len(own)):
-                total = total + sq_norm(own[k]).double()
-                for j in range(k):
-                    total = total + 2.0 * inner(own[j], own[k]).double()
-            columns.append(total.clamp(min=0.0))
-        leaf_sq = (
-            torch.stack(columns, dim=1)
-            if columns
-            else torch.zeros(batch, 0, dtype=torch.float64, device=device)
-        )
-        return BookkeepingChunk(losses, leaf_sq, aux, pieces)
+        columns, spans = [], []
+        with full_precision():
+            for name in names:
+                own = pieces.get(name, [])
+                if not own:
+                    zeros = torch.zeros(batch, dtype=torch.float64, device=device)
+                    columns.append(zeros)
+                    spans.append(zeros)
+                    continue
+                total = sq_norm(own[0]).double()
+                span = abs_norm(own[0])
+                for k in range(1, len(own)):
+                    total = total + sq_norm(own[k]).double()
+                    span = span + abs_norm(own[k])
+                    for j in range(k):
+                        total = total + 2.0 * inner(own[j], own[k]).double()
+                columns.append(total.clamp(min=0.0))
+                spans.append(span)
+        if not columns:
+            empty = torch.zeros(batch, 0, dtype=torch.float64, device=device)
+            return BookkeepingChunk(losses, empty, aux, pieces, empty, None)
+        leaf_sq = torch.stack(columns, dim=1)
+        clip_sq, exact = bounds(leaf_sq, torch.stack(spans, dim=1))
+        if bool(exact.any()):  # strong cancellation: measure those examples exactly
+            with full_precision():
+                for i, j in exact.nonzero().tolist():
+                    value = exact_sq_norm(pieces[names[j]], i, tuple(diff[names[j]].shape))
+                    leaf_sq[i, j] = value
+                    clip_sq[i, j] = value
+        else:
+            exact = None
+        return BookkeepingChunk(losses, leaf_sq, aux, pieces, clip_sq, exact)
 
     def run_checked(
         self,

@@ -37,6 +37,8 @@ __all__ = [
     "Implicit",
     "ImplicitGrad",
     "OuterSum",
+    "abs_norm",
+    "example_rows",
     "ghost_is_cheaper",
     "inner",
     "sq_norm",
@@ -115,6 +117,17 @@ class ImplicitGrad(Protocol):
         ``[B, S, C]``."""
         ...
 
+    def abs_norms(self) -> torch.Tensor:
+        """``Σ_t ‖d_{i,t}‖ ‖h_{i,t}‖`` ``[B]`` (fp64) when ``G_i = Σ_t d_{i,t} h_{i,t}ᵀ``: an
+        upper bound of ``‖G_i‖`` that no cancellation shrinks (the scale of the rounding error
+        of every Gram-based result; see :mod:`opake.dpsgd._bk_certify`)."""
+        ...
+
+    def example_rows(self, index: int, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of example ``index``'s gradient ``G_index``, fp64 ``[rows, C]``,
+        computed the same way on every call (the exact route of the certified clipping)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Implicit:
@@ -189,7 +202,9 @@ def _inner_outer(u: OuterSum, v: OuterSum) -> torch.Tensor:
     import torch
 
     gram_b = torch.bmm(_f32(u.b), _f32(v.b).transpose(1, 2))
-    return gram_b.mul_(_gram_a(u, v)).sum(dim=(1, 2))  # in place: two T × T matrices at most
+    # in place (two T × T matrices at most); the T² products summed in fp64, so that the only
+    # rounding left is the Gram entries' (what the certified bound of _bk_certify covers)
+    return gram_b.mul_(_gram_a(u, v)).sum(dim=(1, 2), dtype=torch.float64)
 
 
 def _inner_dense_outer(m: torch.Tensor, v: OuterSum) -> torch.Tensor:
@@ -203,7 +218,7 @@ def _inner_dense_outer(m: torch.Tensor, v: OuterSum) -> torch.Tensor:
 
 
 def inner(u: Piece, v: Piece) -> torch.Tensor:
-    """Per-example ``⟨G_i, G'_i⟩`` ``[B]`` (fp32) of two pieces of the same parameter.
+    """Per-example ``⟨G_i, G'_i⟩`` ``[B]`` (fp32 or fp64) of two pieces of the same parameter.
 
     >>> import torch
     >>> u = OuterSum(torch.tensor([[1, 2]]), torch.ones(1, 2, 2), rows=3)  # embedding
@@ -240,7 +255,8 @@ def _inner_implicit(u: Piece, v: Piece) -> torch.Tensor:
 
 
 def sq_norm(piece: Piece) -> torch.Tensor:
-    """Per-example squared Frobenius norm ``[B]`` (fp32), by the cheaper route for an OuterSum."""
+    """Per-example squared Frobenius norm ``[B]`` (fp32 or fp64), by the cheaper route for an
+    OuterSum."""
     import torch
 
     if isinstance(piece, Implicit):
@@ -292,3 +308,62 @@ def weighted_sum(piece: Piece, weights: torch.Tensor, keep: torch.Tensor | None)
     if keep is not None:
         a = torch.where(keep[:, None, None], a, 0.0)
     return a.reshape(-1, a.shape[-1]).T @ b.reshape(-1, cols)
+
+
+def _token_norms(x: torch.Tensor) -> torch.Tensor:
+    """``‖x_{i,t}‖`` ``[B, T]`` in fp64 (fp32 first; recomputed in fp64 where fp32 overflows)."""
+    import torch
+
+    norms = torch.linalg.vector_norm(_f32(x), dim=-1)
+    if not bool(torch.isfinite(norms).all()):
+        return torch.linalg.vector_norm(x.double(), dim=-1)
+    return norms.double()
+
+
+def abs_norm(piece: Piece) -> torch.Tensor:
+    """Per-example ``Σ_t ‖a_t‖ ‖b_t‖`` ``[B]`` (fp64): an upper bound of ``‖G_i‖`` (triangle
+    inequality) that cancellation cannot shrink, and the scale of every rounding error in the
+    Gram-based results of a piece (``‖g_i‖`` for a :class:`Dense`).
+
+    >>> import torch
+    >>> a = torch.tensor([[[1.0], [-1.0]]])  # two tokens whose gradients cancel exactly
+    >>> piece = OuterSum(a, torch.ones(1, 2, 2))
+    >>> sq_norm(piece).tolist(), [round(v, 4) for v in abs_norm(piece).tolist()]
+    ([0.0], [2.8284])
+    """
+    if isinstance(piece, Implicit):
+        return piece.op.abs_norms().double()
+    if isinstance(piece, Dense):
+        g = _f32(piece.g).reshape(piece.g.shape[0], -1)
+        return _token_norms(g[:, None, :])[:, 0]
+    b = _token_norms(piece.b)
+    if piece.indexed:
+        return b.sum(dim=1)
+    return (_token_norms(piece.a) * b).sum(dim=1)
+
+
+def example_rows(piece: Piece, index: int, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of example ``index``'s gradient as fp64 ``[rows, C]``.
+
+    The parameter is viewed as ``[R, C]`` (a vector as ``[R, 1]``). Products of fp32 numbers
+    are exact in fp64, so only the sum over tokens rounds, at fp64 precision.
+
+    >>> import torch
+    >>> piece = OuterSum(torch.tensor([[0, 2, 0]]), torch.ones(1, 3, 2), rows=3)
+    >>> example_rows(piece, 0, 0, 3).tolist()
+    [[2.0, 2.0], [0.0, 0.0], [1.0, 1.0]]
+    """
+    import torch
+
+    if isinstance(piece, Implicit):
+        return piece.op.example_rows(index, start, stop).double()
+    if isinstance(piece, Dense):
+        g = piece.g[index]
+        return g.reshape(g.shape[0] if g.dim() else 1, -1)[start:stop].double()
+    b = piece.b[index].double()
+    if not piece.indexed:
+        return piece.a[index, :, start:stop].double().T @ b
+    ids = piece.a[index]
+    inside = (ids >= start) & (ids < stop)
+    out = torch.zeros(stop - start, b.shape[1], dtype=torch.float64, device=b.device)
+    return out.index_add_(0, ids[inside] - start, b[inside])

@@ -556,6 +556,8 @@ class ClippedGradFn:
                     chunk_args, m, self.loss_fn, check=self.randomness == "error"
                 )
                 loss, leaf_sq = chunk.loss, chunk.leaf_sq
+                # clip with bounds that rounding cannot shrink (see _bk_certify)
+                bound_sq = leaf_sq if chunk.clip_sq is None else chunk.clip_sq
                 if self.has_aux:
                     aux_parts.append(chunk.aux)
             else:
@@ -586,8 +588,10 @@ class ClippedGradFn:
                     ],
                     dim=1,
                 )
+                bound_sq = leaf_sq  # the norms of the very tensors that are summed
             total = leaf_sq.sum(dim=1).sqrt()
-            finite = torch.isfinite(total)
+            bound = bound_sq.sum(dim=1).sqrt()
+            finite = torch.isfinite(total) & torch.isfinite(bound)
             is_real = (
                 torch.ones(m, dtype=torch.bool, device=device)
                 if example_mask is None
@@ -598,15 +602,13 @@ class ClippedGradFn:
                 assert groups is not None
                 index = torch.tensor(groups, device=device)
                 k = len(state.clipping_norms)
-                per_group = (
-                    torch.zeros(m, k, dtype=torch.float64, device=device)
-                    .index_add(1, index, leaf_sq)
-                    .sqrt()
-                )
+                empty = torch.zeros(m, k, dtype=torch.float64, device=device)
+                per_group = empty.index_add(1, index, leaf_sq).sqrt()
+                group_bound = empty.index_add(1, index, bound_sq).sqrt()
                 bounds = torch.tensor(
                     list(state.clipping_norms.values()), dtype=torch.float64, device=device
                 )
-                factor = (bounds / (per_group + _EPS)).clamp(max=1.0)
+                factor = (bounds / (group_bound + _EPS)).clamp(max=1.0)
                 factor = torch.where(contributes[:, None], factor, 0.0)
                 after = (per_group * factor).square().sum(dim=1).sqrt()
                 shrunk = (factor < 1.0).any(dim=1)
@@ -614,15 +616,15 @@ class ClippedGradFn:
                 group_norms.append(per_group.to(f32))
             else:
                 if isinstance(state, AutoSClipping):
-                    factor = state.clipping_norm / (total + state.stability)
+                    factor = state.clipping_norm / (bound + state.stability)
                 else:
-                    factor = (state.clipping_norm / (total + _EPS)).clamp(max=1.0)
+                    factor = (state.clipping_norm / (bound + _EPS)).clamp(max=1.0)
                 factor = torch.where(contributes, factor, 0.0)
                 after = total * factor
                 shrunk = factor < 1.0
                 leaf_factor = _fp32_toward_zero(factor)[:, None].expand(m, len(names))
                 if isinstance(state, AdaptiveClipping):
-                    below = (total <= state.clipping_norm) & finite
+                    below = (bound <= state.clipping_norm) & finite
                     weight = torch.where(is_real, below.double() - 0.5, 0.0)
                     centred = centred + weight.sum()
             after = torch.where(contributes, after, 0.0)

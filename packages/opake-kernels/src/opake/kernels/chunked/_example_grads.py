@@ -106,6 +106,7 @@ class LinearCEExampleGrads:
         self._lse: Tensor | None = lse  # per-token log-sum-exps, when the forward kept them
         self._norms: tuple[Tensor, Tensor | None] | None = None
         self._bias_grads: Tensor | None = None
+        self._token_sq: Tensor | None = None  # Σ_v d_{i,t,v}² [B, T], from the norms' pass
 
     @property
     def batch(self) -> int:
@@ -200,6 +201,8 @@ class LinearCEExampleGrads:
         if self.bias is not None:
             gb = torch.zeros(batch, self.shape[0], dtype=_F32, device=dev)
             self._bias_grads = gb
+        token_sq = torch.zeros(batch, steps, dtype=_F32, device=dev)
+        self._token_sq = token_sq
         if batch == 0 or steps == 0:
             return w_sq, None if gb is None else gb.square().sum(1)
         ghost = self.route == "ghost"
@@ -208,6 +211,7 @@ class LinearCEExampleGrads:
             gram_d = torch.zeros(e1 - e0, steps, steps, dtype=_F32, device=dev) if ghost else None
             gh = None if hidden_grad is None else hidden_grad[e0:e1].view(-1, hsize)
             for v0, v1, d in self._dlogit_tiles(e0, e1, self.token_grads):
+                token_sq[e0:e1] += d.square().sum(-1)
                 if gh is not None:
                     w = self.weight[v0:v1]
                     gh.addmm_(d.view(-1, v1 - v0), w if w.dtype == _F32 else w.float())
@@ -220,8 +224,41 @@ class LinearCEExampleGrads:
                         w_sq[e0 + j] += torch.mm(d[j].t(), hf[j]).square().sum()
             if gram_d is not None:
                 gram_h = torch.bmm(hf, hf.transpose(1, 2))
-                w_sq[e0:e1] = (gram_d * gram_h).sum(dim=(1, 2)).clamp_min(0.0)
+                # the T² products summed in fp64: only the Gram entries round (the bound of
+                # abs_norms covers them)
+                ghost_sq = gram_d.mul_(gram_h).sum(dim=(1, 2), dtype=torch.float64)
+                w_sq[e0:e1] = ghost_sq.clamp_min(0.0).to(_F32)
         return w_sq, None if gb is None else gb.square().sum(1)
+
+    # ------------------------------------------------------------------ certification
+    def abs_norms(self) -> Tensor:
+        """``Σ_t ‖d_{i,t}‖ ‖h_{i,t}‖`` per example ``[B]`` (fp64): an upper bound of ``‖G_i‖``
+        that cancellation between tokens cannot shrink, and the scale of the rounding error of
+        the Gram norm (what the book-keeping engine's certified clipping needs)."""
+        self.sq_norms()
+        assert self._token_sq is not None
+        h = self.hidden.to(_F32)
+        h_norm = torch.linalg.vector_norm(h, dim=-1)
+        if not bool(torch.isfinite(h_norm).all()):
+            h_norm = torch.linalg.vector_norm(self.hidden.double(), dim=-1)
+        return (self._token_sq.double().sqrt() * h_norm.double()).sum(dim=1)
+
+    def example_rows(self, index: int, start: int, stop: int) -> Tensor:
+        """Rows ``start:stop`` (vocabulary entries) of example ``index``'s weight gradient,
+        fp64 ``[stop - start, H]``: ``d`` recomputed for that slice, then ``dᵀ h`` in fp64."""
+        with torch.no_grad():
+            steps = self.hidden.shape[1]
+            vocab = self.weight.shape[0]
+            h = self.hidden[index]
+            lse = self._lse_all()[index * steps : (index + 1) * steps]
+            z = h.to(self.weight.dtype) @ self.weight[start:stop].t()
+            if self.bias is not None:
+                z = z + self.bias[start:stop]
+            z = transform_logits_(z.to(_F32).contiguous(), self.spec)
+            scratch = torch.empty_like(z) if self.spec.softcap is not None else None
+            labels, grads = self.labels[index], self.token_grads[index]
+            d = _cores._dlogits_(z, labels, lse, grads, start, vocab, self.spec, scratch)
+            return d.double().t() @ h.double()
 
     # ------------------------------------------------------------------ clipped sum
     def weighted_sum(
@@ -318,7 +355,7 @@ class LinearCEExampleGrads:
         with torch.no_grad():
             proj = self.project(a)  # [B, T, S]
             gram = torch.bmm(self.hidden.to(_F32), b.to(_F32).transpose(1, 2))
-            return (proj * gram).sum(dim=(1, 2))
+            return (proj * gram).sum(dim=(1, 2), dtype=torch.float64)
 
 
 def _prepare(
