@@ -516,8 +516,11 @@ class DPTraining:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def accumulate(self, *batch: Any, example_mask: torch.Tensor | None = None) -> None:
-        """Clip and sum one physical batch into the pending logical step (no noise yet)."""
+    def accumulate(self, *batch: Any, example_mask: torch.Tensor | None = None) -> Any:
+        """Clip and sum one physical batch into the pending logical step (no noise yet).
+
+        Returns the batch's ``ClipAux`` (per-example losses and norms: **not private**).
+        """
         if len(batch) != self._batch_args:
             raise ConfigurationError(
                 f"accumulate() got {len(batch)} batched argument(s); this training was built "
@@ -537,6 +540,7 @@ class DPTraining:
             self.zero_grad()
             raise
         self._pending_aux.append((aux, example_mask))
+        return aux
 
     def finish_step(self) -> StepResult:
         """Noise the accumulated sum once, update, account, run the hooks."""
@@ -691,12 +695,16 @@ class DPTraining:
         model: Any = None,
         extra: Mapping[str, Any] | None = None,
         rng: bool = True,
+        collective: bool = True,
     ) -> Path:
         """Write the training state (and ``model``, if given) atomically to ``path``.
 
         Every rank calls it under ``torch.distributed``; rank 0 writes (see
-        ``save_checkpoint_distributed``). ``extra``: plain values returned by :meth:`load`.
+        ``save_checkpoint_distributed``). With ``collective=False`` this process writes alone
+        (no collective: call it on one rank only; the state is the same on every rank).
+        ``extra``: plain values returned by :meth:`load`.
         """
+        from opake.dpsgd.checkpoint import save_checkpoint
         from opake.dpsgd.distributed import save_checkpoint_distributed
 
         if self._pending_aux:
@@ -710,40 +718,51 @@ class DPTraining:
         payload[_CONFIG_KEY] = self._config()
         position = self._sampler.position
         self._sampler.seek(self.steps)  # a prefetching loader may have drawn ahead
+        common = {
+            "step": self.steps,
+            "model": model,
+            "optimizer": self._optimizer,
+            "accountant": self._accountant,
+            "sampler": self._sampler,
+            "clip_state": self._clip_state,
+            "extra": payload,
+            "rng": rng,
+        }
         try:
-            return save_checkpoint_distributed(
-                path,
-                step=self.steps,
-                model=model,
-                optimizer=self._optimizer,
-                accountant=self._accountant,
-                sampler=self._sampler,
-                clip_state=self._clip_state,
-                extra=payload,
-                rng=rng,
-                group=self._context.group,
-            )
+            if not collective:
+                return save_checkpoint(path, **common)
+            return save_checkpoint_distributed(path, group=self._context.group, **common)
         finally:
             self._sampler.seek(position)
 
     def load(
-        self, path: str | os.PathLike[str], *, model: Any = None, rng: bool = True
+        self,
+        path: str | os.PathLike[str],
+        *,
+        model: Any = None,
+        rng: bool = True,
+        collective: bool = True,
     ) -> dict[str, Any]:
-        """Restore what :meth:`save` wrote (every rank); returns the saved ``extra``."""
-        from opake.dpsgd.checkpoint import CheckpointError
+        """Restore what :meth:`save` wrote (every rank); returns the saved ``extra``.
+
+        ``collective=False`` reads without collectives (each rank may call it on its own).
+        """
+        from opake.dpsgd.checkpoint import CheckpointError, load_checkpoint
         from opake.dpsgd.distributed import load_checkpoint_distributed
 
-        ckpt = load_checkpoint_distributed(
-            path,
-            model=model,
-            optimizer=self._optimizer,
-            accountant=self._accountant,
-            sampler=self._sampler,
-            clip_state=self._clip_state,
-            rng=rng,
-            strict=model is not None,
-            group=self._context.group,
-        )
+        common = {
+            "model": model,
+            "optimizer": self._optimizer,
+            "accountant": self._accountant,
+            "sampler": self._sampler,
+            "clip_state": self._clip_state,
+            "rng": rng,
+            "strict": model is not None,
+        }
+        if collective:
+            ckpt = load_checkpoint_distributed(path, group=self._context.group, **common)
+        else:
+            ckpt = load_checkpoint(path, **common)
         extra = dict(ckpt.extra)
         config = extra.pop(_CONFIG_KEY, None)
         if config is None:
