@@ -1,0 +1,206 @@
+"""Collation and batch sampling for DP training with the Hugging Face Trainer.
+
+- :class:`DPDataCollator` pads each example on its own (right padding; labels ``-100`` on
+  padding) and turns the 2-D attention mask into something both per-example engines accept:
+  nothing at all for a right-padded causal LM (the padding comes after every real token and
+  carries no label, so it cannot influence them), a 4-D float additive mask otherwise
+  (0 = attend, the dtype's minimum = masked; a 2-D mask fails under ``vmap`` and a 4-D bool
+  mask is misread by eager attention).
+- :class:`PoissonBatches` is the ``batch_sampler``: each logical step's Poisson batch (this
+  rank's shard) split into ``gradient_accumulation_steps`` physical batches, empty ones included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from opake.core.errors import ConfigurationError, InputTypeError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DPDataCollator", "PoissonBatches", "engine_mask"]
+
+_PAD_ZERO = ("attention_mask", "token_type_ids", "special_tokens_mask")
+
+
+def _pad(rows: list[Any], value: int) -> torch.Tensor:
+    import torch
+
+    tensors = [torch.as_tensor(r) for r in rows]
+    if all(t.dim() == 0 for t in tensors):
+        return torch.stack(tensors)
+    length = max(t.shape[0] for t in tensors)
+    out = torch.full((len(tensors), length, *tensors[0].shape[1:]), value, dtype=tensors[0].dtype)
+    for i, t in enumerate(tensors):
+        out[i, : t.shape[0]] = t
+    return out
+
+
+def engine_mask(mask: torch.Tensor, *, causal: bool, dtype: Any = None) -> torch.Tensor | None:
+    """The mask to pass instead of a 2-D ``attention_mask`` (``None``: pass none).
+
+    Right-padded causal LM: ``None`` (exact, see the module docstring). Otherwise a float
+    additive mask: ``[B, 1, 1, T]`` for bidirectional models, ``[B, 1, T, T]`` with the causal
+    triangle for causal ones (left padding).
+
+    >>> import torch
+    >>> engine_mask(torch.tensor([[1, 1, 0]]), causal=True) is None
+    True
+    >>> engine_mask(torch.tensor([[1, 1, 0]]), causal=False)[0, 0, 0].tolist()[:2]
+    [0.0, 0.0]
+    """
+    import torch
+
+    if mask.dim() != 2:
+        return mask  # already 4-D (the caller's own): passed through
+    keep = mask.bool()
+    right_padded = bool((keep[:, 1:] <= keep[:, :-1]).all()) if keep.shape[1] > 1 else True
+    if causal and right_padded:
+        return None
+    dtype = dtype or torch.float32
+    low = torch.finfo(dtype).min
+    if not causal:
+        additive = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, low)
+        return additive[:, None, None, :]
+    length = keep.shape[1]
+    triangle = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = triangle[None] & keep[:, None, :]
+    additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, low)
+    return additive[:, None]
+
+
+class DPDataCollator:
+    """Pad a list of examples into a batch that no example can influence through another.
+
+    Args:
+        pad_token_id: id used to pad ``input_ids`` (labels are padded with -100).
+        causal: the model is a causal LM: ``labels`` default to ``input_ids`` and the shift
+            happens in the loss.
+        base: an optional collator run first (e.g. the Trainer's ``data_collator``); its output
+            is then made DP-safe (labels -100 on padding, the engine mask).
+
+    Example:
+        >>> collate = DPDataCollator(pad_token_id=0, causal=True)
+        >>> batch = collate([{"input_ids": [5, 6, 7]}, {"input_ids": [8]}])
+        >>> batch["labels"].tolist(), "attention_mask" in batch
+        ([[5, 6, 7], [8, -100, -100]], False)
+    """
+
+    def __init__(
+        self,
+        *,
+        pad_token_id: int = 0,
+        causal: bool,
+        base: Callable[[list[Any]], Any] | None = None,
+    ) -> None:
+        if base is not None and not callable(base):
+            raise InputTypeError(f"base={base!r}: expected a collator (a callable)")
+        self.pad_token_id = int(pad_token_id)
+        self.causal = bool(causal)
+        self.base = base
+
+    def _collate(self, features: list[Any]) -> dict[str, Any]:
+        if self.base is not None:
+            batch = self.base(features)
+            if not isinstance(batch, Mapping):
+                raise InputTypeError(
+                    f"the data collator returned {type(batch).__name__}; DPTrainer needs a dict "
+                    "of tensors (input_ids, labels, ...)"
+                )
+            return dict(batch)
+        if not all(isinstance(f, Mapping) for f in features):
+            raise InputTypeError("DPDataCollator: every example must be a dict (input_ids, ...)")
+        batch = {}
+        for key in features[0]:
+            rows = [f[key] for f in features]
+            value = -100 if key == "labels" else 0 if key in _PAD_ZERO else self.pad_token_id
+            if key == "input_ids" or key in _PAD_ZERO or key == "labels":
+                batch[key] = _pad(rows, value)
+            else:
+                batch[key] = _pad(rows, 0)
+        if "attention_mask" not in batch and "input_ids" in batch:
+            import torch
+
+            lengths = [len(f["input_ids"]) for f in features]
+            width = batch["input_ids"].shape[1]
+            batch["attention_mask"] = (
+                torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+            ).long()
+        return batch
+
+    def __call__(self, features: list[Any]) -> dict[str, Any]:
+        """Collate ``features`` (a list of examples) into a DP-safe batch dict."""
+        import torch
+
+        batch = self._collate(features)
+        for alias in ("label", "label_ids"):
+            if alias in batch and "labels" not in batch:
+                batch["labels"] = batch.pop(alias)
+        if "input_ids" not in batch:
+            raise ConfigurationError(
+                f"DPDataCollator: the batch has no input_ids (keys {sorted(batch)})"
+            )
+        mask = batch.pop("attention_mask", None)
+        if self.causal:
+            labels = batch.get("labels")
+            if labels is None:
+                labels = batch["input_ids"].clone()
+            else:
+                labels = torch.as_tensor(labels).clone()
+            if mask is not None and mask.dim() == 2:
+                labels = labels.masked_fill(~mask.bool(), -100)  # padding is never a target
+            batch["labels"] = labels
+        if mask is not None:
+            converted = engine_mask(torch.as_tensor(mask), causal=self.causal)
+            if converted is not None:
+                batch["attention_mask"] = converted
+        return batch
+
+
+class PoissonBatches:
+    """``batch_sampler`` of the training ``DataLoader``: logical Poisson batches in chunks.
+
+    ``sampler()`` returns the DP sampler when iteration starts (it is built with the
+    optimizer, after the loader). Each logical step's indices (this rank's shard, sorted) are
+    split into ``chunks`` contiguous physical batches whose sizes differ by at most one; a
+    physical batch may be empty. One epoch is ``steps_per_epoch`` logical steps. The sampler's
+    position is the only state: a resumed run continues from the restored position.
+    """
+
+    def __init__(self, sampler: Callable[[], Any], *, chunks: int, steps_per_epoch: int) -> None:
+        self._sampler = sampler
+        self.chunks = int(chunks)
+        self.steps_per_epoch = int(steps_per_epoch)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.chunks
+
+    def __iter__(self) -> Iterator[list[int]]:
+        sampler = self._sampler()
+        stream: Iterator[list[int]] = iter(())
+        for _ in range(self.steps_per_epoch):
+            indices = next(stream, None)
+            if indices is None:
+                stream = iter(sampler)
+                indices = next(stream)
+            yield from split(indices, self.chunks)
+
+
+def split(indices: Sequence[int], chunks: int) -> list[list[int]]:
+    """``chunks`` contiguous parts of ``indices`` with sizes differing by at most one.
+
+    >>> split([1, 4, 6, 9, 12], 2)
+    [[1, 4, 6], [9, 12]]
+    >>> split([3], 3)
+    [[3], [], []]
+    """
+    size, extra = divmod(len(indices), chunks)
+    out = []
+    start = 0
+    for k in range(chunks):
+        end = start + size + (1 if k < extra else 0)
+        out.append(list(indices[start:end]))
+        start = end
+    return out

@@ -1,0 +1,449 @@
+"""``DPTrainer``: the Hugging Face ``Trainer`` with the DP-SGD step of ``opake.dpsgd.training``.
+
+How the Trainer's loop maps onto DP-SGD:
+
+- the training ``DataLoader`` draws Poisson batches (:class:`~opake.transformers._collate.
+  PoissonBatches`): one logical batch per optimizer step, split into
+  ``gradient_accumulation_steps`` physical batches per rank (empty ones included);
+- :meth:`DPTrainer.training_step` clips and sums each physical batch
+  (:meth:`DPTraining.accumulate`) instead of ``loss.backward()``;
+- the Trainer's ``optimizer.step()`` is :meth:`DPTraining.finish_step`: noise once, division by
+  the expected batch size, the Trainer-built optimizer's update, one accountant step;
+- ε, δ, σ and q join every ``log`` call; the DP state joins every ``save_model`` (and so every
+  checkpoint) and is restored by ``train(resume_from_checkpoint=...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from opake.core.errors import ConfigurationError, InputTypeError, OperationError
+from opake.transformers._args import DPTrainingArguments
+from opake.transformers._collate import DPDataCollator, PoissonBatches
+from opake.transformers._losses import detect_task, per_example_losses
+
+if TYPE_CHECKING:
+    from opake.dpsgd.training import DPTraining
+
+__all__ = ["DP_STATE_FILE", "EXAMPLE_MASK_KEY", "DPTrainer"]
+
+logger = logging.getLogger("opake.transformers")
+
+#: the DP state (optimizer, noise generator, sampler position, accountant) beside the weights
+DP_STATE_FILE = "opake_dp_state.pt"
+#: key of the padding mask in a fixed-shape batch (removed before the model sees the batch)
+EXAMPLE_MASK_KEY = "opake_example_mask"
+#: PLD discretisation: pessimistic (ε stays an upper bound) and fast enough for every step
+_PLD_OPTIONS = {"value_discretization_interval": 1e-3}
+
+
+class _DPStep(torch.optim.Optimizer):
+    """What the Trainer steps: the DP step around the optimizer the Trainer built.
+
+    It shares the inner optimizer's parameter groups (the Trainer's LR scheduler sets their
+    ``lr``) and state; ``step()`` runs :meth:`DPTraining.finish_step`, which noises the
+    accumulated clipped sum once and steps the inner optimizer.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, trainer: DPTrainer) -> None:
+        super().__init__(inner.param_groups, inner.defaults)
+        self.state = inner.state
+        self.inner = inner
+        self._trainer = trainer
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ConfigurationError("DPTrainer's optimizer step takes no closure")
+        self._trainer._finish_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+
+class _PrivacyBudget(TrainerCallback):
+    """Stops training when the next step would exceed ``target_epsilon``."""
+
+    def __init__(self, trainer: DPTrainer) -> None:
+        self._trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        dp = self._trainer._dp
+        if dp is not None and dp.exhausted and state.global_step < state.max_steps:
+            message = (
+                f"privacy budget spent: ε = {dp.epsilon():.4g} (δ = {dp.delta:.3g}) after "
+                f"{dp.steps} DP steps; one more would exceed target_epsilon = "
+                f"{dp.target_epsilon:g}. Training stops at step {state.global_step} of "
+                f"{state.max_steps}"
+            )
+            logger.warning(message)
+            self._trainer.privacy_stop_message = message
+            control.should_training_stop = True
+        return control
+
+
+_REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("fp16", lambda a: bool(a.fp16), "fp16 needs a per-example loss scale; use bf16=True"),
+    (
+        "max_grad_norm",
+        lambda a: bool(a.max_grad_norm),
+        (
+            "it would clip the noisy average, not each example; per_sample_max_grad_norm is "
+            "the DP clipping (set max_grad_norm=0)"
+        ),
+    ),
+    (
+        "auto_find_batch_size",
+        lambda a: bool(a.auto_find_batch_size),
+        "changing the batch size mid-run changes the sampling rate the accounting assumes",
+    ),
+    (
+        "dataloader_drop_last",
+        lambda a: bool(a.dataloader_drop_last),
+        "DP batches are Poisson samples; dropping examples would change the sampling",
+    ),
+    (
+        "train_sampling_strategy",
+        lambda a: getattr(a, "train_sampling_strategy", "random") != "random",
+        "DPTrainer always draws Poisson batches (the only sampling ε is computed for)",
+    ),
+    (
+        "group_by_length",
+        lambda a: bool(getattr(a, "group_by_length", False)),
+        "DPTrainer always draws Poisson batches (the only sampling ε is computed for)",
+    ),
+    ("deepspeed", lambda a: bool(a.deepspeed), "not supported with per-example clipping"),
+    ("fsdp", lambda a: bool(a.fsdp), "not supported here; use DDP (torchrun)"),
+    ("torch_compile", lambda a: bool(a.torch_compile), "not supported with per-example clipping"),
+    (
+        "neftune_noise_alpha",
+        lambda a: a.neftune_noise_alpha is not None,
+        "its embedding noise hook is not supported under per-example gradients",
+    ),
+    ("n_gpu", lambda a: a.n_gpu > 1, "DataParallel is not supported; launch one process per GPU"),
+)
+
+
+def _checkpointing_kwargs(args: Any) -> None:
+    """Non-reentrant activation checkpointing works (book-keeping); the reentrant path runs
+    layers under ``no_grad`` and is refused. Unset ``use_reentrant`` is set to ``False``."""
+    for flag, kwargs_name in (
+        ("activation_checkpointing", "activation_checkpointing_kwargs"),
+        ("gradient_checkpointing", "gradient_checkpointing_kwargs"),
+    ):
+        if not getattr(args, flag, None):
+            continue
+        options = dict(getattr(args, kwargs_name, None) or {})
+        if options.get("use_reentrant", False):
+            raise ConfigurationError(
+                f"{kwargs_name}={{'use_reentrant': True}}: the reentrant checkpointing path "
+                "recomputes layers under no_grad, which per-example clipping cannot see "
+                "through; drop use_reentrant (DPTrainer sets it to False)"
+            )
+        options["use_reentrant"] = False
+        setattr(args, kwargs_name, options)
+
+
+class DPTrainer(Trainer):
+    """``transformers.Trainer`` that trains with DP-SGD (see :mod:`opake.transformers`).
+
+    Takes every ``Trainer`` argument, with ``args`` a
+    :class:`~opake.transformers.DPTrainingArguments`, plus:
+
+    Args:
+        per_example_loss: ``fn(outputs, batch) -> [B]`` for models other than causal LMs and
+            sequence classifiers (each entry from its own example only). Default: built in.
+        **kwargs: the ``Trainer`` arguments (``model``, ``args``, ``train_dataset``, ...).
+
+    Trainer features that would break DP without saying so are refused at construction
+    (``ConfigurationError``): fp16, ``max_grad_norm``, ``auto_find_batch_size``,
+    ``dataloader_drop_last``, non-random ``train_sampling_strategy``/``group_by_length``,
+    DeepSpeed, FSDP, ``torch_compile``, NEFTune, DataParallel, reentrant activation
+    checkpointing, ``compute_loss_func`` and an iterable training set.
+    ``label_smoothing_factor`` is applied within each example; the Trainer's token-count
+    normalisation across the batch (``num_items_in_batch``) is never used.
+
+    Attributes:
+        privacy_stop_message: why training stopped early (the budget), or ``None``.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        per_example_loss: Callable[[Any, Mapping[str, Any]], torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if args:
+            raise ConfigurationError(
+                "DPTrainer takes keyword arguments only (model=..., args=..., train_dataset=...)"
+            )
+        training_args = kwargs.get("args")
+        if not isinstance(training_args, DPTrainingArguments):
+            raise InputTypeError(
+                f"DPTrainer(args={type(training_args).__name__}): expected DPTrainingArguments "
+                "(TrainingArguments plus target_epsilon / noise_multiplier, target_delta, "
+                "per_sample_max_grad_norm, ...)"
+            )
+        if kwargs.get("compute_loss_func") is not None:
+            raise ConfigurationError(
+                "compute_loss_func computes one loss for a whole batch; DP needs each "
+                "example's loss: pass per_example_loss=fn(outputs, batch) -> [B] instead"
+            )
+        if per_example_loss is not None and not callable(per_example_loss):
+            raise InputTypeError(f"per_example_loss={per_example_loss!r}: expected a callable")
+        for name, refused, why in _REFUSED:
+            if refused(training_args):
+                raise ConfigurationError(
+                    f"DPTrainer: {name}={getattr(training_args, name)!r}: {why}"
+                )
+        _checkpointing_kwargs(training_args)
+        self._user_collator = kwargs.pop("data_collator", None)
+        super().__init__(**kwargs)
+        dataset = self.train_dataset
+        if dataset is not None and (
+            isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__")
+        ):
+            raise ConfigurationError(
+                "DPTrainer needs a map-style train_dataset with a length: Poisson sampling "
+                "draws each example independently, which an iterable dataset cannot do"
+            )
+        self._per_example_loss = per_example_loss
+        self._task = "custom" if per_example_loss is not None else detect_task(self.model)
+        self._dp: DPTraining | None = None
+        self.privacy_stop_message: str | None = None
+        self.add_callback(_PrivacyBudget(self))
+
+    # -- the privacy parameters ---------------------------------------------------------------
+
+    @property
+    def dp_training(self) -> DPTraining:
+        """The DP step composition (built when training starts)."""
+        if self._dp is None:
+            raise OperationError(
+                "the DP step is built when training starts (create_optimizer); call train()"
+            )
+        return self._dp
+
+    def _dataset_size(self) -> int:
+        if self.train_dataset is None:
+            raise ConfigurationError("DPTrainer: training requires a train_dataset")
+        return len(self.train_dataset)  # type: ignore[arg-type]
+
+    def _expected_batch_size(self) -> int:
+        a = self.args
+        return a.per_device_train_batch_size * a.gradient_accumulation_steps * a.world_size
+
+    def _steps_per_epoch(self) -> int:
+        n = self._dataset_size()
+        expected = self._expected_batch_size()
+        if expected > n:
+            raise ConfigurationError(
+                f"expected logical batch {expected} (per_device_train_batch_size × "
+                f"gradient_accumulation_steps × world size) exceeds the {n} training examples"
+            )
+        return max(1, round(n / expected))
+
+    def _planned_steps(self) -> int:
+        a = self.args
+        if a.max_steps and a.max_steps > 0:
+            return int(a.max_steps)
+        return max(1, math.ceil(a.num_train_epochs * self._steps_per_epoch()))
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        """Poisson batches in physical chunks, collated without mixing examples."""
+        from opake.dpsgd.sampling import EmptyBatchCollate, PaddedDataset
+
+        dataset: Any = self.train_dataset
+        if dataset is None:
+            raise ConfigurationError("DPTrainer: training requires a train_dataset")
+        base = self._user_collator
+        try:
+            import datasets
+
+            if isinstance(dataset, datasets.Dataset):
+                dataset = self._remove_unused_columns(dataset, description="training")
+        except ImportError:
+            pass
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        collator = DPDataCollator(
+            pad_token_id=pad if pad is not None else 0,
+            causal=self._task == "causal_lm",
+            base=base,
+        )
+        chunks = PoissonBatches(
+            lambda: self.dp_training.sampler,
+            chunks=self.args.gradient_accumulation_steps,
+            steps_per_epoch=self._steps_per_epoch(),
+        )
+        if self.args.dp_sampler == "fixed":
+            padded = PaddedDataset(dataset)
+
+            def collate(items: list[Any]) -> dict[str, Any]:
+                batch = collator([example for example, _ in items])
+                batch[EXAMPLE_MASK_KEY] = torch.tensor([real for _, real in items])
+                return batch
+
+            return torch.utils.data.DataLoader(
+                padded,
+                batch_sampler=chunks,
+                collate_fn=EmptyBatchCollate(padded, collate_fn=collate),
+                num_workers=self.args.dataloader_num_workers,
+                pin_memory=self.args.dataloader_pin_memory,
+            )
+        return torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=chunks,
+            collate_fn=EmptyBatchCollate(dataset, collate_fn=collator),
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+
+    # -- the DP step --------------------------------------------------------------------------
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """Build the Trainer's optimizer, then the DP step around it."""
+        if isinstance(self.optimizer, _DPStep):
+            return self.optimizer
+        inner = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        self._dp = self._build_training(inner)
+        self.optimizer = _DPStep(inner, self)
+        return self.optimizer
+
+    def _autocast(self) -> Callable[[], Any] | None:
+        if not self.args.bf16:
+            return None
+        device = self.args.device.type
+        return lambda: torch.autocast(device, dtype=torch.bfloat16)
+
+    def _build_training(self, inner: torch.optim.Optimizer) -> DPTraining:
+        from opake.dpsgd.bookkeeping import BatchedLoss
+        from opake.dpsgd.clipping import AutoSClipping
+        from opake.dpsgd.training import DPTraining
+        from opake.functional import make_functional
+
+        a = self.args
+        model = self.model
+        n = self._dataset_size()
+        fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
+        task = "causal_lm" if self._task == "custom" else self._task
+        losses = per_example_losses(
+            fmodel,
+            model,
+            task=task,
+            label_smoothing=float(a.label_smoothing_factor or 0.0),
+            custom=self._per_example_loss,
+            autocast=self._autocast(),
+        )
+        clip: Any = a.per_sample_max_grad_norm
+        if a.clipping == "automatic":
+            clip = AutoSClipping(clipping_norm=a.per_sample_max_grad_norm)
+        delta = a.target_delta if a.target_delta is not None else 1.0 / n**2
+        training = DPTraining(
+            BatchedLoss(losses, fmodel),
+            inner,
+            trainable,
+            args=(frozen,),
+            module=model,
+            dataset_size=n,
+            expected_batch_size=float(self._expected_batch_size()),
+            noise_multiplier=a.noise_multiplier,
+            target_epsilon=a.target_epsilon,
+            steps=self._planned_steps(),
+            delta=delta,
+            clipping_norm=clip,
+            engine=a.engine,
+            microbatch_size=a.microbatch_size,
+            randomness="different",
+            accountant=a.accountant,
+            accountant_options=dict(_PLD_OPTIONS) if a.accountant == "pld" else None,
+            sampler=a.dp_sampler,
+            steps_per_epoch=self._steps_per_epoch(),
+            seed=a.seed if a.reproducible else None,
+        )
+        logger.info(
+            "DP-SGD: σ = %.4g, q = %.4g (expected batch %g of %d), δ = %.3g, C = %g, %s",
+            training.noise_multiplier,
+            training.sample_rate,
+            training.expected_batch_size,
+            n,
+            delta,
+            a.per_sample_max_grad_norm,
+            "seeded (reproducible)" if a.reproducible else "secure randomness",
+        )
+        return training
+
+    def training_step(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        num_items_in_batch: Any = None,
+    ) -> torch.Tensor:
+        """Clip and sum one physical batch (no backward, no noise yet).
+
+        Returns this physical batch's loss sum divided by the expected per-rank batch, so the
+        Trainer's logged ``loss`` estimates the mean example loss (a diagnostic: not private).
+        """
+        dp = self.dp_training
+        device = self.args.device
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        mask = batch.pop(EXAMPLE_MASK_KEY, None)
+        aux = dp.accumulate(batch, example_mask=mask)
+        losses = aux.loss_values.detach().float()
+        if mask is not None:
+            losses = losses[mask.to(losses.device)]
+        total = losses.sum() if losses.numel() else torch.zeros((), device=losses.device)
+        return (total / (dp.expected_batch_size / dp.world_size)).to(device)
+
+    def _finish_step(self) -> None:
+        self.dp_training.finish_step()
+
+    # -- logging ------------------------------------------------------------------------------
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Add ``epsilon``, ``delta``, ``noise_multiplier``, ``sample_rate`` to every log."""
+        if self._dp is not None:
+            logs = dict(logs)
+            logs.pop("grad_norm", None)  # measured before the DP step wrote any gradient
+            logs["epsilon"] = self._dp.epsilon()
+            logs["delta"] = self._dp.delta
+            logs["noise_multiplier"] = self._dp.noise_multiplier
+            logs["sample_rate"] = self._dp.sample_rate
+        super().log(logs, *args, **kwargs)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save the model and, once training has started, the DP state beside it."""
+        super().save_model(output_dir, _internal_call=_internal_call)
+        if self._dp is not None and self.args.should_save and not self._dp.pending_batches:
+            target = Path(output_dir if output_dir is not None else self.args.output_dir)
+            target.mkdir(parents=True, exist_ok=True)
+            self._dp.save(target / DP_STATE_FILE, rng=False, collective=False)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = Path(checkpoint) / DP_STATE_FILE
+        if not path.is_file():
+            raise ConfigurationError(
+                f"resume_from_checkpoint={os.fspath(checkpoint)!r} holds no {DP_STATE_FILE}: "
+                "without the accountant's history the resumed run would forget the privacy "
+                "already spent; resume from a checkpoint written by DPTrainer"
+            )
+        self.dp_training.load(path, rng=False, collective=False)
