@@ -1,21 +1,41 @@
-"""Every Python example in docs/ runs, so the documentation cannot rot.
+"""Every Python example in docs/ and README.md runs as shown, by itself, so the docs cannot rot.
 
-Each page's ```python blocks run in order in one fresh interpreter (later blocks see what earlier
-ones defined), in a temporary working directory. A block that cannot run as written — a sketch
-that needs a GPU, a download, or a placeholder name — is marked **explicitly** on the line
-before its fence::
+The rules a page follows (what a reader who copies a block gets):
 
-    <!-- docs-test: skip (the reason) -->
+* A ```` ```python ```` block is a **complete program**. The test runs each block alone, exactly
+  as shown, as ``example.py`` in its own empty temporary directory — a fresh namespace with
+  nothing but what the block defines or imports: no prelude, no name from an earlier block of
+  the page. Build the tiny model and batch the example needs in the block itself.
+* A longer setup may sit in a visible, collapsible admonition right before the block::
 
-Pages whose authors have not marked such a block yet are listed in :data:`SKIP` with the reason;
-an entry that no longer matches a block fails the test, so the list cannot go stale.
+      ??? example "Setup: a tiny model and a batch"
+
+          ```python
+          ...
+          ```
+
+  The test runs that setup followed by the block, as a reader who opens it and pastes both
+  would; a setup belongs to the next ```` ```python ```` block of the page only.
+* A fragment that truly cannot run by itself — a signature, code that only runs inside a
+  ``torchrun`` worker — carries a visible title starting with "Excerpt", which the page shows
+  above the block: ```` ```python title="Excerpt: runs in every torchrun worker" ````. The test
+  checks that it parses, never runs it.
+
+There is no hidden skip list and no hidden mark: an HTML comment ``<!-- docs-test ... -->`` fails
+the test. :func:`undefined_names` finds, without running anything, a name a block uses but
+never defines (what a fresh interpreter reports as ``NameError``); running the blocks
+(:data:`tests/_docs_runner.py`) finds everything else.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
+import json
 import os
 import re
 import subprocess
+import symtable
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -25,108 +45,52 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-SKIP_MARK = re.compile(r"<!--\s*docs-test:\s*skip\b.*?-->")
+RUNNER = Path(__file__).resolve().parent / "_docs_runner.py"
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)\s*(?P<info>[^\n`]*)$")
-
-#: (page, start of the block's first line) -> why it does not run as written
-SKIP: dict[tuple[str, str], str] = {
-    ("design/fsdp2.md", "from torch.distributed.device_mesh import init_device_mesh"): (
-        "sketch with elided arguments (`...`); needs a torch.distributed process group"
-    ),
-    ("guide/model-families.md", "# opake/models/granite.py (complete)"): (
-        "excerpt of a family module with an elided config entry (`...`)"
-    ),
-    ("guide/model-families.md", "# tests/test_conformance.py of the plugin"): (
-        "a plugin's pytest module; tests/test_example_plugin_conformance.py runs it with the "
-        "example plugin installed"
-    ),
-    (
-        "guide/model-patches.md",
-        "def apply(model: PreTrainedModel, options: PatchOptions) -> FamilyPatch: ...",
-    ): ("a signature, not code"),
-    ("guide/distributed.md", "fmodel, params = make_functional(unwrap_ddp(ddp_model))"): (
-        "fragment: needs a DDP-wrapped model in a torch.distributed process group"
-    ),
-    ("guide/distributed.md", "from opake.profiling import step_perf"): (
-        "fragment: runs inside a torchrun worker (ctx, gather_metrics)"
-    ),
-}
-
-_TINY_LLAMA = """
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-torch.manual_seed(0)
-model = LlamaForCausalLM(LlamaConfig(
-    vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-    attn_implementation="eager",
-))
-input_ids = torch.randint(0, 64, (4, 8))
-labels = input_ids.clone()
-"""
-
-#: page -> code run before the page's examples: the placeholders the text calls "your model",
-#: "your batch", ... (never an Opake import the page forgot: that would hide a broken example)
-PRELUDE: dict[str, str] = {
-    "guide/clipping.md": _TINY_LLAMA,
-    "guide/model-patches.md": _TINY_LLAMA,
-    "guide/bookkeeping.md": _TINY_LLAMA
-    + """
-ids = input_ids
-mask4d = torch.ones(4, 8, dtype=torch.long)
-""",
-    "guide/checkpointing.md": _TINY_LLAMA
-    + """
-block1 = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh())
-block2 = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh())
-batch_x = torch.randn(5, 6)
-from opake.dpsgd.clipping import clipped_grad
-from opake.functional import make_functional
-""",
-    "guide/privacy.md": "N, q, T = 60_000, 256 / 60_000, 2_000\n",
-    "guide/profiling.md": """
-import torch
-
-device = "cpu"
-dataloader = [{"input_ids": torch.zeros(4, 8)} for _ in range(3)]
-def train_step(batch):
-    return batch["input_ids"].sum()
-params = {"w": torch.zeros(3)}
-batch_x, batch_y = torch.randn(8, 3), torch.randn(8)
-def loss_fn(params, x, y):
-    return (params["w"] @ x - y) ** 2
-""",
-}
+TITLE = re.compile(r"""\btitle=(?:"(?P<dq>[^"]*)"|'(?P<sq>[^']*)')""")
+SETUP = re.compile(r"""^\s*\?\?\?\+?\s+example\s+["']Setup\b""", re.IGNORECASE)
+HIDDEN_MARK = re.compile(r"<!--\s*docs-test\b")
+_MODULE_NAMES = {"__name__", "__file__", "__doc__", "__builtins__", "__spec__", "__loader__"}
 
 
 @dataclass(frozen=True)
-class Block:
+class Example:
+    """One ```python block of a page, with the visible setup that precedes it."""
+
     page: str
     line: int
-    code: str
-    skip: str | None
+    code: str  # the block's text, as the page shows it
+    title: str = ""
+    setup: str = ""  # the code of a "Setup" admonition right before it
+    is_setup: bool = False
 
     @property
-    def first_line(self) -> str:
-        return next((ln.strip() for ln in self.code.splitlines() if ln.strip()), "")
+    def is_excerpt(self) -> bool:
+        return self.title.lower().startswith("excerpt")
+
+    @property
+    def program(self) -> str:
+        """What a reader pastes into a fresh ``python``: the setup (if any), then the block."""
+        return self.setup + self.code
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
 
 
-def python_blocks(text: str, page: str) -> list[Block]:
-    """The ```python blocks of a Markdown page, with their explicit skip marks."""
+def python_blocks(text: str, page: str) -> list[Example]:
+    """The ```python blocks of a Markdown page; each setup block is attached to the next block."""
     lines = text.splitlines()
-    blocks = []
+    blocks: list[Example] = []
+    setup = ""
     i = 0
-    previous = ""  # last non-blank line before the current one
     while i < len(lines):
         match = FENCE.match(lines[i])
         if not match:
-            if lines[i].strip():
-                previous = lines[i].strip()
             i += 1
             continue
-        fence, indent = match["fence"], match["indent"]
-        language = (match["info"].split() or [""])[0].lower()
+        fence, indent, info = match["fence"], match["indent"], match["info"]
+        language = (info.split() or [""])[0].lower()
         start = i
         body = []
         i += 1
@@ -134,36 +98,110 @@ def python_blocks(text: str, page: str) -> list[Block]:
             body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
             i += 1
         i += 1
-        if language in ("python", "py"):
-            mark = SKIP_MARK.search(previous)
-            blocks.append(
-                Block(page, start + 1, "\n".join(body) + "\n", mark.group(0) if mark else None)
-            )
-        previous = ""
+        if language not in ("python", "py"):
+            continue
+        code = "\n".join(body) + "\n"
+        title_match = TITLE.search(info)
+        title = (title_match["dq"] or title_match["sq"] or "") if title_match else ""
+        if indent and _in_setup_admonition(lines, start, len(indent)):
+            setup += code
+            blocks.append(Example(page, start + 1, code, title, is_setup=True))
+            continue
+        blocks.append(Example(page, start + 1, code, title, setup))
+        setup = ""
+    if setup:
+        raise ValueError(f"{page}: a 'Setup' admonition with no ```python block after it")
     return blocks
 
 
-def _pages() -> list[Path]:
-    return sorted(DOCS.rglob("*.md"))
+def _in_setup_admonition(lines: list[str], fence_line: int, indent: int) -> bool:
+    """Whether the nearest less-indented line above the fence opens a ``??? example "Setup"``."""
+    for line in reversed(lines[:fence_line]):
+        if line.strip() and len(line) - len(line.lstrip()) < indent:
+            return bool(SETUP.match(line))
+    return False
 
 
-def _page_blocks(path: Path) -> list[Block]:
-    page = path.relative_to(DOCS).as_posix()
-    blocks = python_blocks(path.read_text(encoding="utf-8"), page)
-    return [Block(b.page, b.line, b.code, b.skip or _listed_skip(b)) for b in blocks]
+def undefined_names(source: str) -> set[str]:
+    """Names the code reads at module level (directly or from a function) but never binds.
+
+    What ``NameError`` would report in a fresh interpreter, found without running the code
+    (the order of definitions is left to the run). Empty for code with ``import *``.
+
+    >>> sorted(undefined_names("import torch\\nx = torch.ones(2)\\nprint(model(x), len(x))"))
+    ['model']
+    """
+    tree = ast.parse(source)
+    if any(
+        isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names)
+        for node in ast.walk(tree)
+    ):
+        return set()
+    module = symtable.symtable(source, "<example>", "exec")
+    defined = set(dir(builtins)) | _MODULE_NAMES
+    used: set[str] = set()
+    for symbol in module.get_symbols():
+        if symbol.is_assigned() or symbol.is_imported():
+            defined.add(symbol.get_name())
+        elif symbol.is_referenced():
+            used.add(symbol.get_name())
+    tables = list(module.get_children())
+    while tables:
+        table = tables.pop()
+        tables.extend(table.get_children())
+        for symbol in table.get_symbols():
+            if symbol.is_declared_global() and symbol.is_assigned():
+                defined.add(symbol.get_name())
+            elif symbol.is_global() and symbol.is_referenced():
+                used.add(symbol.get_name())
+    return used - defined
 
 
-def _listed_skip(block: Block) -> str | None:
-    for (page, start), reason in SKIP.items():
-        if page == block.page and block.first_line.startswith(start):
-            return reason
-    return None
+def _page_files() -> list[Path]:
+    return [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
 
 
-PAGES_WITH_CODE = [p for p in _pages() if any(b.skip is None for b in _page_blocks(p))]
+def _page_name(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
 
 
-def test_the_parser_finds_blocks_and_marks():
+def _examples() -> list[Example]:
+    return [
+        block
+        for path in _page_files()
+        for block in python_blocks(path.read_text(encoding="utf-8"), _page_name(path))
+    ]
+
+
+EXAMPLES = _examples()
+RUNNABLE = [e for e in EXAMPLES if not e.is_setup and not e.is_excerpt]
+EXCERPTS = [e for e in EXAMPLES if e.is_excerpt]
+
+
+def run_programs(programs: dict[str, str], workdir: Path) -> dict[str, dict]:
+    """Run each program alone (tests/_docs_runner.py): id -> {"rc", "output", "seconds"}."""
+    jobs = workdir / "jobs.json"
+    results = workdir / "results.json"
+    jobs.write_text(json.dumps([{"id": k, "code": v} for k, v in programs.items()]), "utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPAKE_")}
+    env.setdefault("MPLBACKEND", "Agg")
+    env["PYTHONWARNINGS"] = "ignore::FutureWarning,ignore::DeprecationWarning"
+    subprocess.run(
+        [sys.executable, str(RUNNER), str(jobs), str(results)],
+        cwd=workdir,
+        env=env,
+        timeout=3600,
+        check=True,
+    )
+    return json.loads(results.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def example_results(tmp_path_factory) -> dict[str, dict]:
+    return run_programs({e.id: e.program for e in RUNNABLE}, tmp_path_factory.mktemp("docs"))
+
+
+def test_the_parser_finds_blocks_setups_and_excerpts():
     text = textwrap.dedent(
         """\
         Intro.
@@ -172,73 +210,128 @@ def test_the_parser_finds_blocks_and_marks():
         x = 1
         ```
 
-        <!-- docs-test: skip (needs a GPU) -->
-
-        ```python
-        y = torch.cuda.current_device()
+        ```python title="Excerpt: a signature"
+        def f(x: Model) -> None: ...
         ```
 
         ```bash
         opake info
         ```
 
+        ??? example "Setup: a tiny model"
+
+            ```python
+            model = 2
+            ```
+
         - a list item:
 
             ```python
-            z = x + 1
+            z = model + 1
             ```
+
+        ```python
+        w = 3
+        ```
         """
     )
     blocks = python_blocks(text, "page.md")
     assert [b.code for b in blocks] == [
         "x = 1\n",
-        "y = torch.cuda.current_device()\n",
-        "z = x + 1\n",
+        "def f(x: Model) -> None: ...\n",
+        "model = 2\n",
+        "z = model + 1\n",
+        "w = 3\n",
     ]
-    assert [b.skip is not None for b in blocks] == [False, True, False]
+    assert [b.is_excerpt for b in blocks] == [False, True, False, False, False]
+    assert [b.is_setup for b in blocks] == [False, False, True, False, False]
+    assert blocks[3].program == "model = 2\nz = model + 1\n"
+    assert blocks[4].program == "w = 3\n"  # a setup belongs to the next block only
 
 
-def test_every_skip_entry_matches_a_block():
-    blocks = [
-        b
-        for p in _pages()
-        for b in python_blocks(p.read_text(encoding="utf-8"), p.relative_to(DOCS).as_posix())
+def test_a_setup_with_no_block_after_it_is_an_error():
+    text = '??? example "Setup"\n\n    ```python\n    x = 1\n    ```\n'
+    with pytest.raises(ValueError, match="Setup"):
+        python_blocks(text, "page.md")
+
+
+def test_undefined_names_finds_what_a_fresh_interpreter_would_not_know():
+    assert undefined_names("grads = grad_fn(params, batch_x)") == {"grad_fn", "params", "batch_x"}
+    assert undefined_names("def f(a):\n    return a + model\n") == {"model"}
+    assert undefined_names("class C:\n    y = torch.ones(1)\n") == {"torch"}
+    assert undefined_names("[b for b in batches]") == {"batches"}
+    defined = """
+import torch
+from torch import nn as tnn
+def f(x, *args, k=1, **kw):
+    global G
+    G = x
+    return [y + k for y in args], len(kw), tnn
+with open(__file__) as fh:
+    first = fh.readline()
+for i in range(2):
+    pass
+try:
+    pass
+except ValueError as err:
+    print(err)
+print(f(1), G, i, first, (n := 3), n, torch)
+"""
+    assert undefined_names(defined) == set()
+
+
+def test_no_hidden_marks():
+    """A block that cannot run is titled "Excerpt ..." on the page, never marked invisibly."""
+    marked = [
+        _page_name(p) for p in _page_files() if HIDDEN_MARK.search(p.read_text(encoding="utf-8"))
     ]
-    stale = sorted(
-        (page, start)
-        for page, start in SKIP
-        if not any(b.page == page and b.first_line.startswith(start) for b in blocks)
+    assert not marked, (
+        f"'<!-- docs-test ... -->' is not honoured (pages: {marked}): make the block complete, "
+        "give it a visible '??? example \"Setup\"' admonition, or title it "
+        '```python title="Excerpt: why it cannot run alone"'
     )
-    assert not stale, f"SKIP entries that match no block any more: {stale}"
+
+
+@pytest.mark.parametrize("example", EXCERPTS, ids=lambda e: e.id)
+def test_excerpt_parses(example):
+    ast.parse(example.code, f"{example.page}, line {example.line}")
+
+
+@pytest.mark.parametrize("example", RUNNABLE, ids=lambda e: e.id)
+def test_example_uses_only_names_it_defines(example):
+    missing = undefined_names(example.program)
+    assert not missing, (
+        f"{example.id}: the example uses {sorted(missing)} without defining them; pasted "
+        "into a fresh python it fails with NameError. Define them in the block (or in a "
+        "'??? example \"Setup\"' admonition right before it)."
+    )
+
+
+def test_the_runner_runs_each_program_alone(tmp_path):
+    """No prelude and nothing shared: a name from another program is a NameError."""
+    results = run_programs(
+        {
+            "defines": "import torch\nmodel = torch.nn.Linear(2, 3)\nprint(model.out_features)",
+            "uses": "print(model)",
+            "syntax": "f(a=1, ...)",
+            "exits": "import sys\nsys.exit(3)",
+        },
+        tmp_path,
+    )
+    assert [results[k]["rc"] for k in ("defines", "uses", "syntax", "exits")] == [0, 1, 1, 3]
+    assert results["defines"]["output"].strip() == "3"
+    assert "NameError: name 'model' is not defined" in results["uses"]["output"]
+    assert "SyntaxError" in results["syntax"]["output"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", PAGES_WITH_CODE, ids=lambda p: p.relative_to(DOCS).as_posix())
-def test_page_examples_run(path, tmp_path):
-    blocks = [b for b in _page_blocks(path) if b.skip is None]
-    page = path.relative_to(DOCS).as_posix()
-    script = [f"# --- prelude of {page} (tests/test_docs_examples.py)\n", PRELUDE.get(page, "")]
-    for block in blocks:
-        script.append(f"# --- {block.page}:{block.line}\n")
-        script.append(block.code)
-    source = tmp_path / "page_examples.py"
-    source.write_text("".join(script), encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OPAKE_")}
-    env.setdefault("MPLBACKEND", "Agg")
-    env["PYTHONWARNINGS"] = "ignore::FutureWarning,ignore::DeprecationWarning"
-    proc = subprocess.run(
-        [sys.executable, str(source)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, (
-        f"an example in docs/{path.relative_to(DOCS).as_posix()} failed (blocks start at lines "
-        f"{[b.line for b in blocks]}; mark a block that cannot run with "
-        f"'<!-- docs-test: skip (reason) -->'):\n{proc.stderr[-4000:]}"
+@pytest.mark.parametrize("example", RUNNABLE, ids=lambda e: e.id)
+def test_example_runs_alone(example, example_results):
+    result = example_results[example.id]
+    assert result["rc"] == 0, (
+        f"the example at {example.id} fails when run alone in a fresh interpreter (exit "
+        f"{result['rc']}); make it complete, or title a fragment "
+        f'```python title="Excerpt: why"```:\n{result["output"]}'
     )
 
 

@@ -1,0 +1,141 @@
+"""Run documentation examples, each by itself, as a reader pasting it into a fresh ``python`` would.
+
+    python tests/_docs_runner.py JOBS.json RESULTS.json
+
+``JOBS.json`` is a list of ``{"id": ..., "code": ...}``. Each example is written to
+``example.py`` in its own empty temporary directory and run there as ``__main__``
+(``runpy.run_path``): a new namespace holding nothing but what the example itself defines or
+imports — no prelude, no name from another example. ``RESULTS.json`` maps each id to
+``{"rc": ..., "output": ..., "seconds": ...}``.
+
+To save the ~3 s of CPU that ``import torch`` costs per example, the examples run in processes
+forked from this one after it has imported ``torch`` (the module only: ``sys.modules``, never a
+name in the example's namespace). Set ``DOCS_TEST_FRESH_INTERPRETER=1`` (or run where ``fork``
+is missing) to start a new interpreter for every example instead. ``DOCS_TEST_JOBS`` examples
+run at a time (default: 2, or 1 on a single core); ``DOCS_TEST_TIMEOUT`` bounds each (300 s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_OUTPUT_TAIL = 6000
+
+
+def _child(path: Path) -> None:
+    """In the forked process: become a fresh ``python example.py`` as far as names go."""
+    import runpy
+    import traceback
+
+    os.setsid()  # its own process group: a timeout kills whatever it started too
+    os.chdir(path.parent)
+    log = os.open(path.parent / "output.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.argv = [str(path)]
+    sys.path[0] = str(path.parent)
+    code = 0
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # report anything the example raised, as python would
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _start(path: Path, fresh: bool) -> int | subprocess.Popen:
+    if fresh:
+        with open(path.parent / "output.txt", "wb") as log:
+            return subprocess.Popen(
+                [sys.executable, path.name],
+                cwd=path.parent,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child never returns
+        try:
+            _child(path)
+        finally:
+            os._exit(1)
+    return pid
+
+
+def _poll(handle: int | subprocess.Popen) -> int | None:
+    if isinstance(handle, subprocess.Popen):
+        return handle.poll()
+    pid, status = os.waitpid(handle, os.WNOHANG)
+    return None if pid == 0 else os.waitstatus_to_exitcode(status)
+
+
+def _kill(handle: int | subprocess.Popen) -> None:
+    pid = handle.pid if isinstance(handle, subprocess.Popen) else handle
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    if isinstance(handle, subprocess.Popen):
+        handle.wait()
+    else:
+        os.waitpid(pid, 0)
+
+
+def run_examples(jobs: list[dict[str, str]], workdir: Path) -> dict[str, dict[str, object]]:
+    fresh = bool(os.environ.get("DOCS_TEST_FRESH_INTERPRETER")) or not hasattr(os, "fork")
+    if not fresh:
+        import torch  # noqa: F401 - the module only, shared by the forked examples
+
+    parallel = int(os.environ.get("DOCS_TEST_JOBS", "0")) or min(2, os.cpu_count() or 1)
+    timeout = float(os.environ.get("DOCS_TEST_TIMEOUT", "300"))
+    pending = list(enumerate(jobs))
+    running: dict[str, tuple[int | subprocess.Popen, Path, float]] = {}
+    results: dict[str, dict[str, object]] = {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            index, job = pending.pop(0)
+            folder = workdir / f"example-{index}"
+            folder.mkdir()
+            path = folder / "example.py"
+            path.write_text(job["code"], encoding="utf-8")
+            running[job["id"]] = (_start(path, fresh), path, time.monotonic())
+        time.sleep(0.02)
+        for job_id, (handle, path, started) in list(running.items()):
+            rc = _poll(handle)
+            if rc is None and time.monotonic() - started > timeout:
+                _kill(handle)
+                rc = 124
+            if rc is None:
+                continue
+            output = (path.parent / "output.txt").read_text(encoding="utf-8", errors="replace")
+            if rc == 124:
+                output += f"\n[docs test] killed after {timeout:.0f} s"
+            results[job_id] = {
+                "rc": rc,
+                "output": output[-_OUTPUT_TAIL:],
+                "seconds": round(time.monotonic() - started, 2),
+            }
+            del running[job_id]
+    return results
+
+
+def main(argv: list[str]) -> int:
+    jobs = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    with tempfile.TemporaryDirectory(prefix="docs-examples-") as workdir:
+        results = run_examples(jobs, Path(workdir))
+    Path(argv[1]).write_text(json.dumps(results), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
