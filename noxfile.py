@@ -23,13 +23,22 @@ LOCAL_DEPS = {
     "opake-kernels": ["opake-core"],
     "opake-profiling": ["opake-core"],
     "opake-models": ["opake-core", "opake-patches", "opake-kernels"],
-    "opake": ["opake-core", "opake-patches", "opake-kernels", "opake-profiling", "opake-models"],
+    "opake-auditing": ["opake-core"],
+    "opake": [
+        "opake-core",
+        "opake-patches",
+        "opake-kernels",
+        "opake-profiling",
+        "opake-models",
+        "opake-auditing",
+    ],
 }
 EXTRA_DEPS = {
     "opake-core": ["dp-accounting==0.6.0", "peft>=0.13", "transformers>=5.17,<6"],
     "opake-kernels": [TRITON],
     "opake-patches": ["transformers>=5.17,<6", "peft>=0.13"],
     "opake-models": ["transformers>=5.17,<6", "peft>=0.13", TRITON],
+    "opake-auditing": ["matplotlib>=3.7"],
     "opake": ["transformers>=5.17,<6", "peft>=0.13", "matplotlib>=3.7"],
 }
 
@@ -90,6 +99,7 @@ def typecheck(session: nox.Session) -> None:
         "opake.kernels",
         "opake.profiling",
         "opake.models",
+        "opake.auditing",
         "opake.cli",
     ]
     args = [arg for mod in modules for arg in ("-p", mod)]

@@ -18,10 +18,12 @@ def test_all_wheels_build_and_pass_content_check(tmp_path):
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    count = len([p for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists()])
+    assert count >= 7
     wheels = sorted(p.name for p in tmp_path.glob("*.whl"))
-    assert len(wheels) == 6, wheels
-    assert len(list(tmp_path.glob("*.tar.gz"))) == 6
-    assert proc.stdout.count("ok ") == 6
+    assert len(wheels) == count, wheels
+    assert len(list(tmp_path.glob("*.tar.gz"))) == count
+    assert proc.stdout.count("ok ") == count
 
 
 def test_content_check_catches_a_namespace_init(tmp_path):

@@ -1,0 +1,60 @@
+"""Empirical privacy auditing of DP-SGD in one training run.
+
+A proof of (ε, δ) covers the mechanism as designed; an audit measures the mechanism as built.
+Canaries — gradient directions (white-box) or inserted examples (black-box) — are each
+included with probability ½; after one training run each canary is scored, the top scores are
+guessed "in" and the bottom ones "out", and the number of correct guesses becomes a lower
+bound on ε at a chosen confidence (Steinke, Nasr & Jagielski, NeurIPS 2023). A lower bound
+above the claimed ε proves the claim wrong; one below it proves nothing more than that this
+audit found no violation. See ``docs/guide/auditing.md``.
+
+- :func:`epsilon_lower_bound`, :func:`p_value` — the bound itself;
+- :func:`one_run_audit` — guesses from scores → :class:`AuditResult`;
+- :class:`GradientCanaries` / :class:`CanaryRun` — white-box canaries through the DP optimizer;
+- :class:`InputCanaries`, :func:`random_token_canaries` — black-box canaries;
+- :func:`audit` — audit your own training function;
+- :func:`self_test` — audit opake-core's DP-SGD on a small model;
+- :func:`simulate_gaussian_audit` — the audit of an ideal Gaussian mechanism (resolution).
+
+>>> from opake.auditing import epsilon_lower_bound
+>>> round(epsilon_lower_bound(canaries=1000, guesses=200, correct=200, delta=1e-5), 2)
+4.17
+"""
+
+from __future__ import annotations
+
+from opake.auditing._api import audit
+from opake.auditing._bound import EPSILON_CEILING, epsilon_lower_bound, p_value
+from opake.auditing._canaries import (
+    CANARY_PARAMETER,
+    CanaryRun,
+    GradientCanaries,
+    InputCanaries,
+    random_token_canaries,
+    step_quietly,
+)
+from opake.auditing._onerun import GUESS_FRACTIONS, draw_inclusion, one_run_audit
+from opake.auditing._result import AuditResult
+from opake.auditing._selftest import REPLAY_SEED, replay_batches, self_test
+from opake.auditing._simulate import simulate_gaussian_audit
+
+__all__ = [
+    "CANARY_PARAMETER",
+    "EPSILON_CEILING",
+    "GUESS_FRACTIONS",
+    "REPLAY_SEED",
+    "AuditResult",
+    "CanaryRun",
+    "GradientCanaries",
+    "InputCanaries",
+    "audit",
+    "draw_inclusion",
+    "epsilon_lower_bound",
+    "one_run_audit",
+    "p_value",
+    "random_token_canaries",
+    "replay_batches",
+    "self_test",
+    "simulate_gaussian_audit",
+    "step_quietly",
+]
