@@ -109,6 +109,8 @@ EXPECTED_TRANSFORMS = {
     "cohere": LogitTransform(0.5, None, None),
     "granite": LogitTransform(None, 4.0, None),
     "gemma2": LogitTransform(None, None, 3.0),
+    "gemma3": LogitTransform(None, None, 3.0),
+    "cohere2": LogitTransform(0.5, None, None),
 }
 CAUSAL = [n for n in family_names() if family_spec(n).task == "causal_lm"]
 

@@ -69,10 +69,11 @@ def test_swaps_are_exact_counted_and_reversible(family, counting):
     stock = _out(model, ids)
     report = apply_family(spec, model, PatchOptions(kernels="counting"))
     n_rms = len(list(modules_of_class(model, spec.norm.module))) if spec.norm.kind == "rms" else 0
-    n_mlp = len(list(modules_of_class(model, spec.mlp.module))) if spec.mlp.gated else 0
+    mlp = spec.mlp
+    n_mlp = len(list(modules_of_class(model, mlp.module))) if mlp and mlp.gated else 0
     patched = _out(model, ids)
     torch.testing.assert_close(patched, stock, rtol=1e-5, atol=1e-6)
-    gated = "geglu" if spec.mlp.kind == "geglu" else "swiglu"
+    gated = "geglu" if mlp and mlp.kind == "geglu" else "swiglu"
     assert counting.calls["rms_norm"] == n_rms
     assert counting.calls[gated] == n_mlp
     assert (n_rms > 0) == ("rms_norm" in report.kernels)

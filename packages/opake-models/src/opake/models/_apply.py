@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.models._masks import install_window_masks
+from opake.models._moe import example_aux_loss, install_moe
 from opake.models._spec import CausalLMHead, FamilySpec, LogitTransform
 from opake.models._swaps import (
     KernelSlot,
@@ -139,7 +140,11 @@ def check_structure(spec: FamilySpec, model: torch.nn.Module) -> list[torch.nn.M
             f"found {len(layers)}: this transformers version changed the model's structure. "
             f"The adapter targets {spec.requires}: update it for this version."
         )
-    expected_modules = [spec.norm.module, spec.mlp.module]
+    expected_modules = [spec.norm.module]
+    if spec.mlp is not None and spec.moe is None:
+        expected_modules.append(spec.mlp.module)  # a hybrid's dense layers may all be MoE
+    if spec.moe is not None:
+        expected_modules.append(spec.moe.block)
     if spec.rope.module is not None:
         expected_modules.append(spec.rope.module)
     missing = [c for c in expected_modules if next(modules_of_class(model, c), None) is None]
@@ -190,6 +195,7 @@ def _head(spec: FamilySpec, model: torch.nn.Module, report: FamilyReport) -> Los
         logit_scale=transform.scale,
         logit_divisor=transform.divisor,
         softcap=transform.softcap,
+        aux_loss=example_aux_loss if spec.moe is not None and spec.moe.aux_loss else None,
     )
 
 
@@ -244,6 +250,12 @@ def apply_family(spec: FamilySpec, model: Any, options: PatchOptions | None = No
             report.skipped["kernels"] = "performance=False"
         if options.compat:
             _windows(spec, base, report, patcher)
+            _moe(spec, base, report, patcher)
+        elif spec.moe is not None:
+            report.skipped["moe"] = (
+                "compat=False: the MoE blocks keep transformers' forward, which has "
+                "data-dependent shapes and does not run under vmap"
+            )
         patcher.set_attr(base, _REPORT_ATTR, report)
     except BaseException:
         patcher.undo()
@@ -264,6 +276,15 @@ def _windows(
     if window is not None:
         where = "sliding layers" if spec.attention.layer_types else "every layer"
         report.applied.append(f"attention_mask: sliding window of {window} keys on {where}")
+
+
+def _moe(spec: FamilySpec, model: torch.nn.Module, report: FamilyReport, patcher: Patcher) -> None:
+    if spec.moe is None:
+        return
+    count = install_moe(model, spec.moe, patcher)
+    report.applied.append(
+        f"moe: {count} {spec.moe.block} blocks routed per example (dense experts under vmap)"
+    )
 
 
 def _swap_kernels(
@@ -290,6 +311,9 @@ def _swap_kernels(
             f"{spec.rope.kind} RoPE stays transformers' own: it is applied by a module-level "
             "function, and Opake patches instances only"
         )
+    if spec.mlp is None:
+        report.skipped["mlp"] = "no dense MLP: every feed-forward block is a mixture of experts"
+        return
     op, activation = gated_op(spec.mlp, model)
     if op is None:
         report.skipped["mlp"] = activation

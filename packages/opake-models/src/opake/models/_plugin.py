@@ -28,6 +28,14 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "granite": ("granite",),
     "olmo2": ("olmo2",),
     "bert": ("bert",),
+    "gemma3": ("gemma3_text",),
+    "cohere2": ("cohere2",),
+    "glm4": ("glm4",),
+    "smollm3": ("smollm3",),
+    "olmo3": ("olmo3",),
+    "ministral": ("ministral",),
+    "exaone4": ("exaone4",),
+    "mixtral": ("mixtral",),
 }
 
 

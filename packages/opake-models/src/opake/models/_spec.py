@@ -25,6 +25,7 @@ __all__ = [
     "NORM_KINDS",
     "NORM_PLACEMENTS",
     "ROPE_KINDS",
+    "ROUTINGS",
     "TASKS",
     "Attention",
     "CausalLMHead",
@@ -32,6 +33,7 @@ __all__ = [
     "FamilySpec",
     "LogitTransform",
     "Mlp",
+    "Moe",
     "Norm",
     "Rope",
 ]
@@ -50,6 +52,12 @@ NORM_PLACEMENTS: tuple[str, ...] = (
 )
 #: rotary embedding styles: halves rotated, pairs interleaved, or no rotary (learned positions)
 ROPE_KINDS: tuple[str, ...] = ("rotate_half", "interleaved", "none")
+#: how a router turns its logits into top-k expert weights (see :class:`Moe`)
+ROUTINGS: tuple[str, ...] = (
+    "softmax_topk",  # softmax over all experts, top-k, optionally renormalised (Mixtral, Qwen)
+    "topk_softmax",  # top-k logits, softmax over those k (GPT-OSS)
+    "family",  # only the family's own router code (book-keeping reports it unsupported)
+)
 #: the model heads a family adapter supports
 TASKS: tuple[str, ...] = ("causal_lm", "sequence_classification")
 
@@ -164,6 +172,11 @@ class Rope:
         kind: ``"rotate_half"`` (Llama style), ``"interleaved"`` (Cohere: even/odd pairs) or
             ``"none"`` (learned absolute positions: GPT-2, BERT).
         module: class name of the rotary-embedding module (None when ``kind="none"``).
+        partial: rotary applies to part of each head only (``partial_rotary_factor``).
+        skip: the layers that get no rotary at all (hybrid NoPE layouts): a config attribute
+            listing them (SmolLM 3 ``no_rope_layers``) or the layer type without it
+            (``full_attention`` for Cohere 2 and EXAONE 4). Descriptive: transformers' own
+            attention code applies it; reports and the family table show it.
 
     Example:
         >>> Rope("none").module is None
@@ -172,11 +185,16 @@ class Rope:
 
     kind: Literal["rotate_half", "interleaved", "none"]
     module: str | None = None
+    partial: bool = False
+    skip: str | None = None
 
     def __post_init__(self) -> None:
         owner = f"Rope({self.kind!r})"
         _choice(owner, "kind", self.kind, ROPE_KINDS)
         _optional_ident(owner, "module", self.module)
+        _optional_ident(owner, "skip", self.skip)
+        if not isinstance(self.partial, bool):
+            raise InputTypeError(f"{owner}: partial must be True or False.")
         if (self.kind == "none") != (self.module is None):
             raise ConfigurationError(
                 f"{owner}: give the rotary module's class name exactly when kind is not 'none'."
@@ -194,6 +212,12 @@ class Attention:
             ``config.layer_types`` entry: full and sliding layers differ).
         softcap: config attribute of an attention-logit softcap (Gemma 2), applied inside
             transformers' attention; recorded so reports show it.
+        qk_norm: queries and keys are normalised per head before the dot product
+            (transformers' own code; descriptive).
+        sinks: learned per-head attention sinks (GPT-OSS; transformers' own code, descriptive).
+        linear: class name of a linear-attention block used on ``"linear_attention"`` layers
+            (Qwen3-Next's gated delta net); those layers take the 2-D padding mask, the others
+            the 4-D one.
 
     Example:
         >>> Attention("causal", sliding_window="sliding_window", layer_types=True).layer_types
@@ -204,14 +228,24 @@ class Attention:
     sliding_window: str | None = None
     layer_types: bool = False
     softcap: str | None = None
+    qk_norm: bool = False
+    sinks: bool = False
+    linear: str | None = None
 
     def __post_init__(self) -> None:
         owner = f"Attention({self.mask!r})"
         _choice(owner, "mask", self.mask, ("causal", "bidirectional"))
         _optional_ident(owner, "sliding_window", self.sliding_window)
         _optional_ident(owner, "softcap", self.softcap)
-        if not isinstance(self.layer_types, bool):
-            raise InputTypeError(f"{owner}: layer_types must be True or False.")
+        _optional_ident(owner, "linear", self.linear)
+        for what in ("layer_types", "qk_norm", "sinks"):
+            if not isinstance(getattr(self, what), bool):
+                raise InputTypeError(f"{owner}: {what} must be True or False.")
+        if self.linear is not None and not self.layer_types:
+            raise ConfigurationError(
+                f"{owner}: linear-attention layers are picked by config.layer_types; set "
+                "layer_types=True."
+            )
 
 
 @dataclass(frozen=True)
@@ -352,6 +386,71 @@ class ClassifierHead:
 
 
 @dataclass(frozen=True)
+class Moe:
+    """A sparse mixture-of-experts feed-forward block (router + fused experts).
+
+    The adapter replaces the block's forward on each instance (see :mod:`opake.models._moe`):
+    routing stays per token, the experts run densely under ``vmap`` (no data-dependent
+    shapes) and batch-first under the book-keeping engine, and the router's auxiliary
+    (load-balancing) loss is computed per example.
+
+    Args:
+        block: class name of the MoE block (``"MixtralSparseMoeBlock"``).
+        experts: attribute of the fused experts module inside the block: one tensor per
+            projection, ``[E, ...]``, as transformers' ``use_experts_implementation`` classes
+            store them.
+        router: attribute of the router inside the block (``"gate"``; GPT-OSS ``"router"``):
+            called on the flattened tokens it returns ``(logits, top-k weights, top-k index)``.
+        routing: how the router turns logits into weights (:data:`ROUTINGS`); the book-keeping
+            engine recomputes the weights from tapped logits with it (``"family"``: not
+            expressible, book-keeping refuses the router).
+        normalize: config attribute saying whether the top-k weights are renormalised to sum
+            to 1 (Qwen ``norm_topk_prob``), or ``True``/``False`` when the family fixes it.
+        router_linear: attribute of an ``nn.Linear`` inside the router computing the logits
+            (Hunyuan ``wg``): the adapter calls it on the batch-first hidden states and routes
+            with ``routing``.
+        shared: attribute of a shared expert MLP added to every token (Qwen3-Next, Hunyuan).
+        shared_gate: attribute of the ``Linear(H, 1)`` whose sigmoid scales the shared expert.
+        returns_scores: the block returns ``(hidden, top-k weights)`` (GPT-OSS).
+        jitter: config attribute of multiplicative router input noise in training (Mixtral).
+        aux_loss: the causal-LM head adds ``router_aux_loss_coef`` × the load-balancing loss
+            when ``output_router_logits`` is on.
+
+    Example:
+        >>> Moe("MixtralSparseMoeBlock", normalize=True).routing
+        'softmax_topk'
+    """
+
+    block: str
+    experts: str = "experts"
+    router: str = "gate"
+    routing: str = "softmax_topk"
+    normalize: str | bool = "norm_topk_prob"
+    router_linear: str | None = None
+    shared: str | None = None
+    shared_gate: str | None = None
+    returns_scores: bool = False
+    jitter: str | None = None
+    aux_loss: bool = True
+
+    def __post_init__(self) -> None:
+        owner = f"Moe({self.block!r})"
+        _ident(owner, "block", self.block)
+        _ident(owner, "experts", self.experts)
+        _ident(owner, "router", self.router)
+        _choice(owner, "routing", self.routing, ROUTINGS)
+        if not isinstance(self.normalize, bool):
+            _ident(owner, "normalize", self.normalize)
+        for what in ("router_linear", "shared", "shared_gate", "jitter"):
+            _optional_ident(owner, what, getattr(self, what))
+        for what in ("returns_scores", "aux_loss"):
+            if not isinstance(getattr(self, what), bool):
+                raise InputTypeError(f"{owner}: {what} must be True or False.")
+        if self.shared_gate is not None and self.shared is None:
+            raise ConfigurationError(f"{owner}: shared_gate needs the shared expert it gates.")
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """Everything an adapter knows about one family of Hugging Face models.
 
@@ -361,7 +460,8 @@ class FamilySpec:
         layer: class name of one decoder (or encoder) layer — the gradient-checkpoint boundary;
             the adapter finds the layers by class and checks there are
             ``config.num_hidden_layers`` of them.
-        mlp: the MLP, see :class:`Mlp`.
+        mlp: the dense (gated) MLP, see :class:`Mlp`; None for a family whose every
+            feed-forward block is a mixture of experts (Mixtral).
         norm: the normalisation layers, see :class:`Norm`.
         rope: the rotary embedding, see :class:`Rope`.
         attention: the attention and its mask, see :class:`Attention`.
@@ -371,6 +471,7 @@ class FamilySpec:
             the family (hidden ≤ 64, 2 layers, vocab ≤ 256): the conformance suite and the
             benchmark build models from it.
         requires: the library versions the adapter targets.
+        moe: the mixture-of-experts block, see :class:`Moe` (None: a dense family).
 
     Example:
         >>> from opake.models import family_spec
@@ -381,7 +482,7 @@ class FamilySpec:
     name: str
     model_types: tuple[str, ...]
     layer: str
-    mlp: Mlp
+    mlp: Mlp | None
     norm: Norm
     rope: Rope
     attention: Attention
@@ -389,14 +490,20 @@ class FamilySpec:
     models: tuple[str, ...]
     tiny_config: Mapping[str, Any]
     requires: str = "transformers>=5.17,<6"
+    moe: Moe | None = None
 
     def __post_init__(self) -> None:
         owner = f"FamilySpec({self.name!r})"
         if not isinstance(self.model_types, tuple) or not self.model_types:
             raise InputTypeError(f"{owner}: model_types must be a non-empty tuple of strings.")
         _ident(owner, "layer", self.layer)
+        if self.mlp is None and self.moe is None:
+            raise ConfigurationError(f"{owner}: give the dense MLP, the MoE block, or both.")
+        if self.mlp is not None and not isinstance(self.mlp, Mlp):
+            raise InputTypeError(f"{owner}: mlp must be a Mlp or None.")
+        if self.moe is not None and not isinstance(self.moe, Moe):
+            raise InputTypeError(f"{owner}: moe must be a Moe or None.")
         for what, kind in (
-            ("mlp", Mlp),
             ("norm", Norm),
             ("rope", Rope),
             ("attention", Attention),

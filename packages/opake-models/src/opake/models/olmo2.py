@@ -22,7 +22,7 @@ SPEC = FamilySpec(
     mlp=Mlp("swiglu", "Olmo2MLP"),
     norm=Norm("rms", "Olmo2RMSNorm", "post"),
     rope=Rope("rotate_half", "Olmo2RotaryEmbedding"),
-    attention=Attention("causal"),
+    attention=Attention("causal", qk_norm=True),
     head=CausalLMHead(),
     models=("Olmo2ForCausalLM",),
     tiny_config=dict(TINY_DECODER),

@@ -22,7 +22,7 @@ SPEC = FamilySpec(
     mlp=Mlp("swiglu", "Qwen3MLP"),
     norm=Norm("rms", "Qwen3RMSNorm", "pre"),
     rope=Rope("rotate_half", "Qwen3RotaryEmbedding"),
-    attention=Attention("causal", sliding_window="sliding_window", layer_types=True),
+    attention=Attention("causal", sliding_window="sliding_window", layer_types=True, qk_norm=True),
     head=CausalLMHead(),
     models=("Qwen3ForCausalLM",),
     tiny_config={

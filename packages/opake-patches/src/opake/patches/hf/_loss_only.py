@@ -25,6 +25,7 @@ of a tied embedding) from it. The logits never exist, not even for the per-examp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -59,6 +60,12 @@ class LossOnlyHead:
         logit_divisor: divide logits by this (Granite ``logits_scaling``).
         softcap: final logit soft-cap (Gemma 2 ``final_logit_softcapping``).
         shift_labels: predict token ``t + 1`` from position ``t`` (causal LM training).
+        aux_loss: a per-example auxiliary loss added to each example's loss (a mixture of
+            experts' load-balancing loss): ``aux_loss(model, arguments)`` is called before the
+            backbone with the backbone's keyword arguments (it may edit them) and returns a
+            context manager entered around the backbone call; it yields None (no auxiliary
+            loss for this call) or a function returning the ``[B]`` terms after the call. Each
+            term must depend on its own example only.
 
     Example:
         >>> LossOnlyHead(logit_divisor=4.0).kernel_kwargs()
@@ -71,8 +78,13 @@ class LossOnlyHead:
     logit_divisor: float | None = None
     softcap: float | None = None
     shift_labels: bool = True
+    aux_loss: Callable[[Any, dict[str, Any]], Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.aux_loss is not None and not callable(self.aux_loss):
+            raise InputTypeError(
+                f"LossOnlyHead(aux_loss={self.aux_loss!r}): expected a callable or None."
+            )
         for what in ("lm_head", "backbone"):
             value = getattr(self, what)
             if not isinstance(value, str) or not value or value.startswith("."):
@@ -328,7 +340,12 @@ def _loss_only_forward(
         arguments.pop(name, None)
     if cache_flag:
         arguments["use_cache"] = False
-    outputs = resolve_path(model, head.backbone)(**arguments)
+    aux_scope = (
+        contextlib.nullcontext(None) if head.aux_loss is None else head.aux_loss(model, arguments)
+    )
+    with aux_scope as aux:
+        outputs = resolve_path(model, head.backbone)(**arguments)
+    extra = aux() if aux is not None else None
     hidden = getattr(outputs, "last_hidden_state", None)
     if hidden is None:
         hidden = outputs[0]
@@ -348,9 +365,13 @@ def _loss_only_forward(
         targets,
         bias=getattr(lm_head, "bias", None),
         head=head,
-        per_example=per_example,
+        per_example=per_example or extra is not None,
         module=lm_head,
     )
+    if extra is not None:  # each example's own auxiliary term, then the mean if asked
+        loss = loss.reshape(-1) + extra.reshape(-1).to(loss.dtype)
+        if not per_example:
+            loss = loss.mean()
     result = CausalLMOutputWithPast(
         loss=loss,
         logits=None,

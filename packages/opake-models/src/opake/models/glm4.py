@@ -1,0 +1,35 @@
+"""GLM-4: fused gate/up SwiGLU, RMSNorm before and after each sublayer, partial interleaved
+RoPE, untied head.
+
+>>> from opake.models import glm4
+>>> glm4.SPEC.layer
+'Glm4DecoderLayer'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opake.models._apply import apply_family
+from opake.models._spec import Attention, CausalLMHead, FamilySpec, Mlp, Norm, Rope
+from opake.models._tiny import TINY_DECODER
+
+__all__ = ["SPEC", "apply"]
+
+SPEC = FamilySpec(
+    name="glm4",
+    model_types=("glm4",),
+    layer="Glm4DecoderLayer",
+    mlp=Mlp("swiglu", "Glm4MLP", gate=None, up=None, gate_up="gate_up_proj", act="activation_fn"),
+    norm=Norm("rms", "Glm4RMSNorm", "sandwich"),
+    rope=Rope("interleaved", "Glm4RotaryEmbedding", partial=True),
+    attention=Attention("causal"),
+    head=CausalLMHead(),
+    models=("Glm4ForCausalLM",),
+    tiny_config={**TINY_DECODER, "head_dim": 8, "attention_bias": True},
+)
+
+
+def apply(model: Any, options: Any) -> Any:
+    """Patch one GLM-4 model instance (called by ``opake.patches.apply_model_patches``)."""
+    return apply_family(SPEC, model, options)
