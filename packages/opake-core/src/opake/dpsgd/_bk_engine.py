@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "BookkeepingInconclusiveError",
     "BookkeepingMismatchError",
     "BookkeepingPlan",
     "BookkeepingRunner",
@@ -444,8 +445,11 @@ class BookkeepingRunner:
         self._diff: Mapping[str, torch.Tensor] = {}
         self._by_module: dict[int, LayerRule] = {}
         self._half = False
+        self._layout: tuple[str, ...] = ()  # the layers the last forward used, in order
+        self._calls = 0
+        self._verified: dict[tuple[Any, ...], int] = {}  # structure -> call of its last check
         self.verified = False
-        self.disabled: str | None = None  # set when the first-call check failed (auto falls back)
+        self.disabled: str | None = None  # set when the check failed (auto falls back)
 
     def plan(self, names: tuple[str, ...]) -> BookkeepingPlan:
         """The (cached) plan for these differentiated names."""
@@ -548,6 +552,7 @@ class BookkeepingRunner:
             for handle in handles:
                 handle.remove()
         uses, self._uses = self._uses, []
+        self._layout = tuple(use.layer.module for use in uses)
         self._diff = {}
         # half-precision activations (autocast, or a half model): the first-call check compares
         # with per-example autograd at half-precision tolerance
@@ -759,6 +764,22 @@ class BookkeepingRunner:
             exact = None
         return BookkeepingChunk(losses, leaf_sq, aux, pieces, clip_sq, exact)
 
+    def structure(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """What a passed check covers: the differentiated names and dtypes, the batched
+        arguments' shapes and dtypes (batch dimension excluded) and the recorded layer uses."""
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        diff = args[self.argnums]
+        batched = tuple(
+            (tuple(x.shape[1:]), str(x.dtype))
+            for pos in self.batch_argnums
+            for x in tree_leaves(args[pos])
+            if isinstance(x, torch.Tensor)
+        )
+        dtypes = tuple((name, str(value.dtype)) for name, value in diff.items())
+        return dtypes, batched, self._layout
+
     def run_checked(
         self,
         args: tuple[Any, ...],
@@ -767,27 +788,61 @@ class BookkeepingRunner:
         *,
         check: bool,
     ) -> BookkeepingChunk:
-        """:meth:`run`, then (until it passed once, and when ``check``) :meth:`verify`."""
+        """:meth:`run`, then (when ``check`` and due) :meth:`verify` on an example with a
+        non-zero gradient.
+
+        Due: on every structure not yet verified (:meth:`structure`), and every
+        ``RECHECK_EVERY`` calls. Raises :class:`BookkeepingMismatchError` (book-keeping is then
+        off for good) or :class:`BookkeepingInconclusiveError` (no example could be compared:
+        this call must not use the unchecked result).
+        """
         chunk = self.run(args, batch)
-        if check and not self.verified and batch > 0:
-            mismatch = self.verify(per_example, args, chunk.leaf_sq)
-            if mismatch is not None:
-                self.disabled = f"the first-call check failed ({mismatch})"
-                raise BookkeepingMismatchError(
-                    f"book-keeping and per-example autograd disagree on {mismatch}: the loss "
-                    "mixes examples, the model moves the batch dimension, or a parameter is "
-                    "read outside a hooked layer. Use clipped_grad(method='vmap')"
-                )
+        if not check or batch == 0:
+            return chunk
+        self._calls += 1
+        key = self.structure(args)
+        last = self._verified.get(key)
+        if last is not None and self._calls - last < RECHECK_EVERY:
+            return chunk
+        import torch
+
+        total = chunk.leaf_sq.sum(dim=1)
+        usable = torch.where(torch.isfinite(total), total, 0.0)
+        index = int(usable.argmax()) if usable.numel() else 0
+        if not float(usable[index]) > 0.0:
+            raise BookkeepingInconclusiveError(
+                "book-keeping check inconclusive: no example of this batch has a finite, "
+                "non-zero gradient to compare with per-example autograd"
+            )
+        mismatch = self.verify(per_example, args, chunk.leaf_sq, index)
+        if mismatch == _INCONCLUSIVE:
+            raise BookkeepingInconclusiveError(
+                f"book-keeping check inconclusive: per-example autograd of example {index} "
+                "is not finite"
+            )
+        if mismatch is not None:
+            self.disabled = f"the check against per-example autograd failed ({mismatch})"
+            raise BookkeepingMismatchError(
+                f"book-keeping and per-example autograd disagree on {mismatch}: the loss "
+                "mixes examples, the model moves the batch dimension, or a parameter is "
+                "read outside a hooked layer. Use clipped_grad(method='vmap')"
+            )
+        self._verified[key] = self._calls
+        self.verified = True
         return chunk
 
     def verify(
-        self, per_example: Callable[..., Any], args: tuple[Any, ...], leaf_sq: torch.Tensor
+        self,
+        per_example: Callable[..., Any],
+        args: tuple[Any, ...],
+        leaf_sq: torch.Tensor,
+        index: int = 0,
     ) -> str | None:
-        """Compare example 0's norm with plain autograd on example 0 alone; ``None`` if equal.
+        """Compare example ``index``'s per-leaf norms with plain autograd on it alone.
 
         Guards against what no rule can see: a loss that mixes examples, a model that moves
-        the batch dimension, a parameter read outside its layer. Returns the mismatch, or
-        ``None`` (also when the check is inconclusive: a non-finite norm).
+        the batch dimension, a parameter read outside its layer. Returns the mismatch, ``None``
+        if every leaf agrees, or ``"inconclusive"`` when autograd's norm is not finite.
         """
         import torch
         from torch.utils._pytree import tree_map
@@ -795,7 +850,7 @@ class BookkeepingRunner:
         diff = args[self.argnums]
         leaves = {k: v.detach().requires_grad_(True) for k, v in diff.items()}
         call = [
-            tree_map(lambda x: x[0] if isinstance(x, torch.Tensor) else x, a)
+            tree_map(lambda x: x[index] if isinstance(x, torch.Tensor) else x, a)
             if i in self.batch_argnums
             else a
             for i, a in enumerate(args)
@@ -806,25 +861,35 @@ class BookkeepingRunner:
             loss = out[0] if self.has_aux else out
             with _holding(self.loss.module, leaves):
                 got = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-        want = sum(float(g.double().square().sum()) for g in got if g is not None)
-        have = float(leaf_sq[0].detach().sum())
-        if not (math.isfinite(want) and math.isfinite(have)):
-            return None
+        want = [0.0 if g is None else float(g.double().square().sum()) for g in got]
+        have = [float(v) for v in leaf_sq[index].detach().double().cpu()]
+        if not all(math.isfinite(v) for v in want + have):
+            return _INCONCLUSIVE
         low = self._half or any(
             v.dtype not in (torch.float32, torch.float64) for v in diff.values()
         )
         tol = 5e-2 if low else 1e-4
-        if abs(math.sqrt(have) - math.sqrt(want)) > tol * max(math.sqrt(want), 1e-12):
-            return (
-                f"example 0: book-keeping norm {math.sqrt(have):.6g}, per-example autograd "
-                f"norm {math.sqrt(want):.6g}"
-            )
-        self.verified = True
+        scale = math.sqrt(sum(want))
+        for name, w, h in zip(diff, want, have, strict=True):
+            if abs(math.sqrt(h) - math.sqrt(w)) > tol * max(scale, 1e-12):
+                return (
+                    f"example {index}, {name!r}: book-keeping norm {math.sqrt(h):.6g}, "
+                    f"per-example autograd norm {math.sqrt(w):.6g}"
+                )
         return None
 
 
 class BookkeepingMismatchError(OperationError):
-    """The first-call check found book-keeping and per-example autograd disagree."""
+    """The check found book-keeping and per-example autograd disagree."""
+
+
+class BookkeepingInconclusiveError(OperationError):
+    """The check could not compare any example: the call falls back to the vmap engine."""
+
+
+#: calls between two checks of an already verified structure
+RECHECK_EVERY = 64
+_INCONCLUSIVE = "inconclusive"
 
 
 METHODS = ("auto", "vmap", "bookkeeping")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import logging
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -33,7 +34,11 @@ from opake.core.errors import (
     InputTypeError,
     OpakePrivacyWarning,
 )
-from opake.dpsgd._bk_engine import BookkeepingMismatchError, BookkeepingRunner
+from opake.dpsgd._bk_engine import (
+    BookkeepingInconclusiveError,
+    BookkeepingMismatchError,
+    BookkeepingRunner,
+)
 from opake.dpsgd._bk_engine import choose as choose_engine
 from opake.dpsgd._bk_engine import prepare as prepare_engine
 from opake.dpsgd._clip_grads import ClipAux, ClippedGrads
@@ -50,6 +55,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["ClippedGradFn", "clipped_grad"]
+
+_log = logging.getLogger("opake.core")
 
 _EPS = 1e-6  # added to the norm before dividing (as Opacus does): keeps C/(‖g‖+ε) finite
 # expanded-forward path when differentiated numel ≤ this fraction of the other float arguments
@@ -469,9 +476,15 @@ class ClippedGradFn:
         with context:
             try:
                 result = run(bk=bk)
-            except BookkeepingMismatchError as err:  # first-call check: "auto" falls back quietly
+            except BookkeepingMismatchError as err:  # the check failed: "auto" falls back
                 if self.method == "bookkeeping":
                     raise
+                _log.warning("clipped_grad: %s; using the vmap engine from now on", err)
+                bk, self.engine_reason = None, str(err)
+                result = run()
+            except BookkeepingInconclusiveError as err:  # never an unchecked result
+                level = logging.WARNING if self.method == "bookkeeping" else logging.INFO
+                _log.log(level, "clipped_grad: %s; this call uses the vmap engine", err)
                 bk, self.engine_reason = None, str(err)
                 result = run()
         self.engine = "vmap" if bk is None else "bookkeeping"
