@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from opake.cli import _bench, _epsilon, _info, _train, _tune
+from opake.cli import _audit, _bench, _epsilon, _info, _train, _tune
 from opake.cli._version import __version__
 
 __all__ = ["OneLineErrorParser", "build_parser", "main"]
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     _epsilon.register(sub)
     _bench.register(sub)
     _tune.register(sub)
+    _audit.register(sub)
     return parser
 
 
