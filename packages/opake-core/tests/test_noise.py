@@ -12,7 +12,7 @@ import torch
 from scipy import stats
 
 from opake.core.errors import ConfigurationError, InputTypeError
-from opake.dpsgd.noise import GaussianNoise, NoisyGrads, add_noise
+from opake.dpsgd.noise import GaussianNoise, NoisyGrads, Randomness, add_noise
 
 
 class Clipped(dict):
@@ -53,13 +53,11 @@ def test_noise_is_independent_across_entries_and_steps() -> None:
 
 
 def test_matches_plain_reference_draw() -> None:
-    # The obvious reference: one generator, entries in sorted key order, randn * σS, added.
+    # The obvious reference: one keystream per call, entries in sorted key order, z * σS, added.
     grads = {"z": torch.randn(5), "a": torch.randn(2, 2)}
     out = GaussianNoise(0.5, seed=11, device="cpu").add(grads, sensitivity=2.0)
-    gen = torch.Generator().manual_seed(11)
-    expected = {}
-    for name in sorted(grads):
-        expected[name] = grads[name] + torch.randn(grads[name].shape, generator=gen) * 1.0
+    flat = Randomness.seeded(11).normal("noise", 0, 9)
+    expected = {"a": grads["a"] + flat[:4].view(2, 2) * 1.0, "z": grads["z"] + flat[4:] * 1.0}
     assert list(out) == list(grads)  # key order of the input is kept
     for name in grads:
         torch.testing.assert_close(out[name], expected[name], rtol=0, atol=0)
@@ -113,25 +111,39 @@ def test_state_dict_resume_continues_the_stream() -> None:
     assert torch.equal(resumed.add(_zeros(), sensitivity=1.0)["w"], draws[3])
 
 
-def test_unseeded_instance_records_its_seed() -> None:
+def test_default_is_secure_and_stores_no_key() -> None:
     noise = GaussianNoise(1.0)
-    first = noise.add(_zeros(), sensitivity=1.0)
-    replay = GaussianNoise(1.0, seed=noise.seed).add(_zeros(), sensitivity=1.0)
-    assert torch.equal(first["w"], replay["w"])
+    assert noise.secure
+    assert noise.seed is None
+    assert noise.mode == "secure"
+    noise.add(_zeros(), sensitivity=1.0)
+    state = noise.state_dict()
+    assert state == {
+        "version": 2,
+        "noise_multiplier": 1.0,
+        "secure": True,
+        "seed": None,
+        "calls": 1,
+    }
+    assert noise.randomness.export_key().hex() not in json.dumps(state)
 
 
 def test_secure_mode_differs_run_to_run_and_keeps_no_replayable_state() -> None:
     a = GaussianNoise(1.0, secure=True)
-    b = GaussianNoise(1.0, secure=True)
+    b = GaussianNoise(1.0)
     x1 = a.add(_zeros(64), sensitivity=1.0)["w"]
     x2 = a.add(_zeros(64), sensitivity=1.0)["w"]
     y1 = b.add(_zeros(64), sensitivity=1.0)["w"]
     assert not torch.equal(x1, x2)
     assert not torch.equal(x1, y1)
     state = a.state_dict()
-    assert state["generator_state"] is None
     assert state["seed"] is None
     assert a.add(_zeros(), sensitivity=1.0).secure
+    # a resumed secure noise continues the count with its own, fresh key
+    resumed = GaussianNoise(1.0)
+    resumed.load_state_dict(state)
+    assert resumed.calls == a.calls - 1
+    assert not torch.equal(resumed.add(_zeros(64), sensitivity=1.0)["w"], x1)
     # Still calibrated: 64·3 calls' worth is too few; draw one large tensor.
     big = b.add({"w": torch.zeros(100_000)}, sensitivity=2.0)["w"]
     assert big.std().item() == pytest.approx(2.0, rel=6 / math.sqrt(2 * 100_000))
@@ -145,11 +157,16 @@ def test_functional_add_noise() -> None:
     assert out.sensitivity == pytest.approx(0.7)
     assert out.noise_std == pytest.approx(1.4)
     assert not out.secure
-    ref = GaussianNoise(2.0, seed=21).add(grads)
-    assert torch.equal(out["w"], ref["w"])
+    ref = torch.randn(6, generator=torch.Generator().manual_seed(21)) * 1.4
+    torch.testing.assert_close(out["w"], ref, rtol=0, atol=0)
+    seeded = add_noise(grads, noise_multiplier=2.0, seed=21)
+    assert not seeded.secure
+    assert torch.equal(seeded["w"], GaussianNoise(2.0, seed=21).add(grads)["w"])
     secure = add_noise(grads, noise_multiplier=2.0)
     assert secure.secure
     assert not torch.equal(secure["w"], out["w"])
+    with pytest.raises(ConfigurationError, match="both"):
+        add_noise(grads, noise_multiplier=2.0, seed=1, generator=gen)
 
 
 def test_sensitivity_sources_and_conflicts() -> None:
@@ -185,9 +202,15 @@ def test_bad_inputs_raise_typed_errors() -> None:
         GaussianNoise(True)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="secure"):
         GaussianNoise(1.0, seed=1, secure=True)
+    with pytest.raises(ConfigurationError, match="explicitly"):
+        GaussianNoise(1.0, secure=False)
+    with pytest.raises(ConfigurationError, match="both"):
+        GaussianNoise(1.0, seed=1, randomness=Randomness.secure())
+    with pytest.raises(InputTypeError):
+        GaussianNoise(1.0, randomness=7)  # type: ignore[arg-type]
     with pytest.raises(InputTypeError):
         GaussianNoise(1.0, seed=1.5)  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError):
+    with pytest.raises(InputTypeError):
         GaussianNoise(1.0, seed=-1)
     with pytest.raises(InputTypeError):
         GaussianNoise(1.0, device=3.5)  # type: ignore[arg-type]
@@ -210,6 +233,8 @@ def test_load_state_dict_validation() -> None:
         noise.load_state_dict({"seed": 1})
     with pytest.raises(ConfigurationError, match="secure"):
         noise.load_state_dict(GaussianNoise(1.0, secure=True).state_dict())
+    with pytest.raises(ConfigurationError, match="seeded"):
+        GaussianNoise(1.0).load_state_dict(noise.state_dict())
     bad_version = {**noise.state_dict(), "version": 99}
     with pytest.raises(ConfigurationError, match="version"):
         noise.load_state_dict(bad_version)
@@ -239,16 +264,10 @@ def test_empty_grad_dict_is_fine() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_generator_reproducible_and_resumable() -> None:
+def test_cuda_gradients_get_the_cpu_drawn_noise() -> None:
     grads = {"w": torch.zeros(1000, device="cuda")}
     a = GaussianNoise(1.0, seed=4)
     first = a.add(grads, sensitivity=1.0)["w"]
     assert first.device.type == "cuda"
-    state = a.state_dict()
-    assert state["device"].startswith("cuda")
-    second = a.add(grads, sensitivity=1.0)["w"]
-    b = GaussianNoise(1.0, seed=0)
-    b.load_state_dict(state)
-    assert torch.equal(b.add(grads, sensitivity=1.0)["w"], second)
-    cpu_noise = GaussianNoise(1.0, seed=4, device="cpu").add(grads, sensitivity=1.0)["w"]
-    assert cpu_noise.device.type == "cuda"  # drawn on CPU, moved to the gradient's device
+    cpu = GaussianNoise(1.0, seed=4).add({"w": torch.zeros(1000)}, sensitivity=1.0)["w"]
+    assert torch.equal(first.cpu(), cpu)  # drawn on the CPU, moved to the gradient's device

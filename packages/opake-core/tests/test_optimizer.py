@@ -367,7 +367,7 @@ def test_sampler_supplies_divisor_and_accounting() -> None:
         )  # fmt: skip
     with pytest.warns(OpakePrivacyWarning, match="not Poisson"):
         shuffle = ShuffleSampler(80, 8, seed=0)
-    with pytest.raises(ConfigurationError, match="does not describe Poisson sampling"):
+    with pytest.raises(ConfigurationError, match="not Poisson sampling"):
         DPOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), model, noise_multiplier=SIGMA,
             sampler=shuffle,

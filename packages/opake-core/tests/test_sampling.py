@@ -98,9 +98,12 @@ def test_seeded_reproducible_and_seed_sensitive() -> None:
     c = list(PoissonSampler(100, 0.1, seed=4))
     assert a == b
     assert a != c
-    unseeded = PoissonSampler(100, 0.1)
-    replay = PoissonSampler(100, 0.1, seed=unseeded.seed)
-    assert list(unseeded) == list(replay)
+    # the default is secure: no seed, nothing stored, two samplers draw different batches
+    x, y = PoissonSampler(100, 0.3), PoissonSampler(100, 0.3)
+    assert x.secure
+    assert x.seed is None
+    assert x.state_dict()["seed"] is None
+    assert list(x) != list(y)
 
 
 # -- empty batches end to end ---------------------------------------------------------------

@@ -110,6 +110,11 @@ class DistributedContext:
         """``rank``/``world_size`` for :class:`opake.dpsgd.sampling.PoissonSampler` (shards)."""
         return {"rank": self.rank, "world_size": self.world_size}
 
+    def shared_randomness(self) -> Any:
+        """A secure :class:`~opake.dpsgd.randomness.Randomness` whose key rank 0 drew and every
+        rank received (see :func:`shared_randomness`)."""
+        return shared_randomness(self.group if self.is_distributed else None)
+
     def barrier(self) -> None:
         """Wait for every rank (a no-op in a single-process run)."""
         if self.is_distributed:
@@ -299,3 +304,35 @@ def init_distributed(
         timeout_sec=seconds,
         owns_group=True,
     )
+
+
+def shared_randomness(group: Any = None) -> Any:
+    """One secure random source for every rank of a run: rank 0 draws a 256-bit key from the
+    operating system and sends it to the others (over the process group, inside the cluster).
+
+    Give it to every rank's sampler (``PoissonSampler(..., randomness=shared_randomness(),
+    rank=r, world_size=W)``) so all ranks draw the same global batch from a key nobody stores.
+    Without an initialised process group it is simply ``Randomness.secure()``.
+
+    Example:
+        >>> shared_randomness().is_secure
+        True
+    """
+    from opake.dpsgd._randomness import Randomness
+
+    rank, world_size = _world(group)
+    if world_size == 1:
+        return Randomness.secure()
+    import torch.distributed as dist
+
+    box = [Randomness.secure().export_key() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=_global_rank_zero(group), group=group)
+    return Randomness.from_key(box[0])
+
+
+def _global_rank_zero(group: Any) -> int:
+    if group is None:
+        return 0
+    import torch.distributed as dist
+
+    return int(dist.get_global_rank(group, 0))

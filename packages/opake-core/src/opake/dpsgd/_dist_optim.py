@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import secrets
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -216,9 +215,10 @@ class DistributedDPOptimizer(DPOptimizer):
     2. SUM-all-reduces the fp32 sums (bucketed) — a rank with an empty shard contributes
        zeros, so no rank ever waits on a collective the others skip;
     3. adds Gaussian noise **once** to the global sum — every rank draws the *same* noise
-       from the shared seed (``noise_sync="replicated"``), or rank 0 draws it and broadcasts
-       the noised sum (``"broadcast"``, required for ``secure=True`` noise whose draws cannot
-       be replayed);
+       from a shared key (``noise_sync="replicated"``: by default a secure key drawn on rank 0
+       and shared at construction, never stored; or the same ``seed=``), or rank 0 draws it
+       and broadcasts the noised sum (``"broadcast"``, for ``secure=True`` or a noise object
+       whose key only rank 0 has);
     4. divides by the *global* expected batch size ``q·N``, updates, and records the step with
        the global sample rate q in the accountant — identically on every rank.
 
@@ -240,8 +240,8 @@ class DistributedDPOptimizer(DPOptimizer):
         check_sync_every: every this many steps (and after the first), verify that all ranks
             hold identical parameters (one 2-float all-gather; 0 disables).
         **options: every :class:`~opake.dpsgd.optimizer.DPOptimizer` keyword argument. With
-            several ranks, ``seed=None`` (and no ``noise=``/``secure=``) draws the noise seed on
-            rank 0 and shares it; a ``sampler=`` must be this rank's shard.
+            several ranks, no ``seed=``/``randomness=``/``noise=``/``secure=`` shares a secure
+            noise key drawn on rank 0 (never stored); a ``sampler=`` must be this rank's shard.
 
     Construction compares the configuration of every rank (noise seed, sampler seed and rate,
     expected batch size, σ, the parameters' names and shapes) and raises
@@ -330,6 +330,7 @@ class DistributedDPOptimizer(DPOptimizer):
         self, requested: NoiseSync, options: dict[str, Any]
     ) -> Literal["replicated", "broadcast"]:
         noise = options.get("noise")
+        # explicit secure=True or a secure noise object: its key is this rank's own
         secure = bool(options.get("secure", False)) or bool(getattr(noise, "secure", False))
         seeded = noise is None or getattr(noise, "seed", None) is not None
         if requested == "replicated" and secure:
@@ -353,11 +354,20 @@ class DistributedDPOptimizer(DPOptimizer):
 
         noise = options.get("noise")
         sampler = options.get("sampler")
-        share_seed = noise is None and options.get("seed") is None and not options.get("secure")
+        randomness = options.get("randomness")
+        # the default: a secure key drawn on rank 0 and shared (never stored), so every rank
+        # draws the same noise without a broadcast of the noised sum
+        share_key = (
+            noise is None
+            and options.get("seed") is None
+            and randomness is None
+            and not options.get("secure")
+        )
         mine: dict[str, Any] = {
             "structure": self._structure,
             "noise_sync": mode,
             "noise_seed": options.get("seed") if noise is None else getattr(noise, "seed", None),
+            "noise_key": None if randomness is None else randomness.fingerprint,
             "noise_multiplier": options.get(
                 "noise_multiplier", getattr(noise, "noise_multiplier", None)
             ),
@@ -365,13 +375,15 @@ class DistributedDPOptimizer(DPOptimizer):
             "sample_rate": options.get("sample_rate"),
             "sampler": None,
             "shard": None,
-            "proposed_seed": secrets.randbits(63) if share_seed and self._rank == 0 else None,
+            "proposed_key": _fresh_key() if share_key and self._rank == 0 else None,
         }
         if sampler is not None:
             state = sampler.state_dict() if callable(getattr(sampler, "state_dict", None)) else {}
+            source = getattr(sampler, "randomness", None)
             mine["sampler"] = {
                 "type": type(sampler).__name__,
                 "seed": getattr(sampler, "seed", None),
+                "key": getattr(source, "fingerprint", None),
                 "config": state.get("config"),
                 "position": getattr(sampler, "position", None),
             }
@@ -390,7 +402,14 @@ class DistributedDPOptimizer(DPOptimizer):
                 f"world_size={self._world_size} (otherwise examples are counted on several ranks "
                 "and the sensitivity is no longer the clipping bound)"
             )
-        for key in ("structure", "noise_sync", "noise_seed", "noise_multiplier", "sampler"):
+        for key in (
+            "structure",
+            "noise_sync",
+            "noise_seed",
+            "noise_key",
+            "noise_multiplier",
+            "sampler",
+        ):
             values = [conf[key] for conf in everyone]
             differing = [r for r, v in enumerate(values) if v != values[0]]
             if differing:
@@ -412,8 +431,10 @@ class DistributedDPOptimizer(DPOptimizer):
                 + ". Every rank must build the same model, optimizer, sampler (its own shard of "
                 "the same global sampling) and noise, from the same seeds"
             )
-        if everyone[0]["proposed_seed"] is not None:
-            options["seed"] = int(everyone[0]["proposed_seed"])
+        if everyone[0]["proposed_key"] is not None:
+            from opake.dpsgd._randomness import Randomness
+
+            options["randomness"] = Randomness.from_key(everyone[0]["proposed_key"])
 
     # -- the logical step ------------------------------------------------------------------
 
@@ -567,6 +588,13 @@ _AGREE_HINTS = {
     "structure": "the model (parameter names, shapes, dtypes)",
     "noise_sync": "noise_sync",
     "noise_seed": "the noise seed",
+    "noise_key": "the noise key (randomness=)",
     "noise_multiplier": "noise_multiplier",
-    "sampler": "the sampler (type, seed, configuration or position)",
+    "sampler": "the sampler (type, seed or key, configuration or position)",
 }
+
+
+def _fresh_key() -> bytes:
+    from opake.dpsgd._randomness import Randomness
+
+    return Randomness.secure().export_key()

@@ -5,20 +5,19 @@ Implementation module behind :mod:`opake.dpsgd.noise`.
 
 from __future__ import annotations
 
-import base64
 import math
-import secrets
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
+from opake.dpsgd._randomness import Randomness, check_seed, resolve_randomness
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["GaussianNoise", "NoisyGrads", "add_noise"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 
 
 class NoisyGrads(dict):  # type: ignore[type-arg]
@@ -28,7 +27,7 @@ class NoisyGrads(dict):  # type: ignore[type-arg]
         noise_multiplier: σ of this draw.
         sensitivity: the L2 sensitivity S the noise was calibrated to.
         noise_std: ``σ·S``, the standard deviation of the noise added to every coordinate.
-        secure: whether the draw came from OS entropy (not reproducible).
+        secure: whether the draw came from a secure (operating-system) key, not a seed.
     """
 
     noise_multiplier: float
@@ -137,12 +136,12 @@ def _noise_dtype(value: torch.Tensor) -> torch.dtype:
     return torch.float64 if value.dtype == torch.float64 else torch.float32
 
 
-def _draw(
+def _draw_torch(
     grads: Mapping[str, torch.Tensor],
     std: float,
     generator: torch.Generator,
 ) -> dict[str, torch.Tensor]:
-    """Noise every entry in sorted key order (so every rank with the same key draws the same)."""
+    """Noise from a caller's ``torch.Generator`` (explicitly seeded; not private)."""
     import torch
 
     out: dict[str, torch.Tensor] = {}
@@ -151,13 +150,33 @@ def _draw(
         dtype = _noise_dtype(value)
         noise = torch.randn(value.shape, generator=generator, device=generator.device, dtype=dtype)
         noise = noise.mul_(std).to(value.device)
-        # the noise buffer becomes the result (one tensor per entry, never the caller's)
         out[name] = noise.add_(value.detach().to(dtype=dtype))
     return {name: out[name] for name in grads}
 
 
-def _os_entropy_seed() -> int:
-    return secrets.randbits(63)
+def _draw(
+    grads: Mapping[str, torch.Tensor], std: float, source: Randomness, index: int
+) -> dict[str, torch.Tensor]:
+    """Noise every entry from one keystream of ``source`` at ``index``, in sorted key order
+    (so every rank with the same key draws the same), generated on the CPU."""
+    import torch
+
+    names = sorted(grads)
+    total = sum(grads[name].numel() for name in names)
+    wide = any(_noise_dtype(grads[name]) == torch.float64 for name in names)
+    flat = source.normal("noise", index, total, dtype=torch.float64 if wide else torch.float32)
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name in names:
+        value = grads[name]
+        dtype = _noise_dtype(value)
+        size = value.numel()
+        noise = flat[offset : offset + size].view(value.shape)
+        offset += size
+        noise = noise.mul(std).to(device=value.device, dtype=dtype)
+        # the noise buffer becomes the result (one tensor per entry, never the caller's)
+        out[name] = noise.add_(value.detach().to(dtype=dtype))
+    return {name: out[name] for name in grads}
 
 
 def add_noise(
@@ -165,65 +184,75 @@ def add_noise(
     *,
     noise_multiplier: float,
     sensitivity: float | None = None,
+    seed: int | None = None,
     generator: torch.Generator | None = None,
 ) -> NoisyGrads:
     """Add N(0, σ²·S²) to every tensor of ``grads``; return fp32 (fp64 stays fp64) tensors.
 
     ``S`` is ``sensitivity`` or, when omitted, ``grads.max_norm`` (what ``clipped_grad``'s
-    result carries). Noise is drawn in sorted key order from ``generator``; without one, a
-    fresh generator seeded from OS entropy is used (secure, not reproducible).
+    result carries). By default the noise comes from a fresh cryptographically secure source
+    (:meth:`~opake.dpsgd.randomness.Randomness.secure`). ``seed=`` (a ChaCha20 key derived from
+    it) or ``generator=`` (your own ``torch.Generator``) make it reproducible, and **not
+    private**: whoever knows the seed or the generator state can subtract the noise.
 
     Example:
         >>> import torch
-        >>> g = torch.Generator().manual_seed(0)
         >>> out = add_noise({"w": torch.zeros(3, dtype=torch.bfloat16)}, noise_multiplier=2.0,
-        ...                 sensitivity=0.5, generator=g)
-        >>> out["w"].dtype, out.noise_std
-        (torch.float32, 1.0)
+        ...                 sensitivity=0.5)
+        >>> out["w"].dtype, out.noise_std, out.secure
+        (torch.float32, 1.0, True)
     """
     import torch
 
     sigma = _check_noise_multiplier(noise_multiplier)
     _check_grads(grads)
     sens = _resolve_sensitivity(grads, sensitivity)
-    secure = generator is None
-    if generator is None:
-        generator = torch.Generator().manual_seed(_os_entropy_seed())
-    elif not isinstance(generator, torch.Generator):
-        raise InputTypeError(
-            f"generator={type(generator).__name__}: expected a torch.Generator or None"
-        )
-    noisy = _draw(grads, sigma * sens, generator)
-    return NoisyGrads(noisy, noise_multiplier=sigma, sensitivity=sens, secure=secure)
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise InputTypeError(
+                f"generator={type(generator).__name__}: expected a torch.Generator or None"
+            )
+        if seed is not None:
+            raise ConfigurationError("seed= and generator= both given; pass one of them")
+        noisy = _draw_torch(grads, sigma * sens, generator)
+        return NoisyGrads(noisy, noise_multiplier=sigma, sensitivity=sens, secure=False)
+    source = resolve_randomness(None, seed, owner="add_noise")
+    noisy = _draw(grads, sigma * sens, source, 0)
+    return NoisyGrads(noisy, noise_multiplier=sigma, sensitivity=sens, secure=source.is_secure)
 
 
 class GaussianNoise:
-    """The Gaussian mechanism of DP-SGD with an explicit, checkpointable random source.
+    """The Gaussian mechanism of DP-SGD with an explicit, cryptographically secure source.
 
     Args:
         noise_multiplier: σ; the noise added to a gradient *sum* of sensitivity S has standard
             deviation σ·S.
-        seed: seed of the reproducible generator. ``None`` (and ``secure=False``) draws a seed
-            from OS entropy once; it is kept in :meth:`state_dict`, so the run stays resumable.
-            Every rank that uses the same seed (and device type) draws the same noise.
-        secure: draw each call's noise from a generator freshly seeded with 63 bits of OS entropy
-            (``secrets``): nothing stored lets anyone replay the noise, and runs are not
-            reproducible. The sampler of each draw is still torch's floating-point Gaussian
-            (Mersenne Twister on CPU, Philox on CUDA), not a cryptographic or exact discrete
-            sampler; see ``docs/guide/privacy.md``.
-        device: device of the generator (``"cpu"``, ``"cuda"``, ``"cuda:1"``…). ``None`` uses
-            the device of the first gradient tensor seen. Noise is drawn there and moved to each
-            gradient's device. CPU and CUDA generators draw different streams for one seed.
+        seed: ask for **reproducible, non-private** noise: the ChaCha20 key is derived from
+            this integer, so the noise of every call is a function of ``(seed, call number)``
+            and anyone who knows the seed can replay it. Without it (the default) the key is
+            256 bits from the operating system, never stored.
+        randomness: an explicit :class:`~opake.dpsgd.randomness.Randomness` (e.g. a secure key
+            shared by the ranks of one run); exclusive with ``seed``.
+        secure: accepted for compatibility: ``True`` is the default behaviour (and refuses a
+            seed); ``False`` requires ``seed``.
+        device: accepted for compatibility. Noise is generated on the CPU (in fp32, fp64 for
+            fp64 gradients) and moved to each gradient's device.
+
+    Each :meth:`add` draws from the keystream at index :attr:`calls`, so a seeded source
+    resumes bit for bit from :meth:`state_dict` (which holds the seed and the call count,
+    never a secure key), and ranks sharing a key draw the same noise.
 
     Example:
         >>> import torch
         >>> noise = GaussianNoise(1.0, seed=0)
         >>> out = noise.add({"w": torch.zeros(2)}, sensitivity=0.5)
-        >>> out.noise_std
-        0.5
+        >>> out.noise_std, noise.mode
+        (0.5, 'seeded (not private)')
         >>> replay = GaussianNoise(1.0, seed=0).add({"w": torch.zeros(2)}, sensitivity=0.5)
         >>> torch.equal(out["w"], replay["w"])
         True
+        >>> GaussianNoise(1.0).mode
+        'secure'
     """
 
     def __init__(
@@ -231,26 +260,15 @@ class GaussianNoise:
         noise_multiplier: float,
         *,
         seed: int | None = None,
-        secure: bool = False,
+        randomness: Randomness | None = None,
+        secure: bool | None = None,
         device: str | torch.device | None = None,
     ) -> None:
         self._noise_multiplier = _check_noise_multiplier(noise_multiplier)
-        if not isinstance(secure, bool):
-            raise InputTypeError(f"secure={secure!r}: expected True or False")
-        if seed is not None:
-            if isinstance(seed, bool) or not isinstance(seed, int):
-                raise InputTypeError(f"seed={seed!r} ({type(seed).__name__}): expected an int")
-            if secure:
-                raise ConfigurationError(
-                    f"seed={seed} with secure=True: a secure generator takes its seed from OS "
-                    "entropy on every call; drop seed= (or secure=True for a reproducible run)"
-                )
-            if not 0 <= seed < 2**64:
-                raise ConfigurationError(f"seed={seed}: expected an int in [0, 2**64)")
-        self._secure = secure
-        self._seed = None if secure else (_os_entropy_seed() if seed is None else seed)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise InputTypeError(f"seed={seed!r} ({type(seed).__name__}): expected an int")
+        self._source = resolve_randomness(randomness, seed, owner="GaussianNoise", secure=secure)
         self._device = None if device is None else _as_device(device)
-        self._generator: torch.Generator | None = None
         self._calls = 0
         self.last_noise_std: float | None = None
 
@@ -265,31 +283,28 @@ class GaussianNoise:
 
     @property
     def secure(self) -> bool:
-        """Whether each call draws from fresh OS entropy."""
-        return self._secure
+        """Whether the key came from the operating system (nothing stored can replay it)."""
+        return self._source.is_secure
 
     @property
     def seed(self) -> int | None:
-        """The seed of the reproducible generator (``None`` in secure mode)."""
-        return self._seed
+        """The seed of reproducible noise (``None`` when secure)."""
+        return self._source.seed
+
+    @property
+    def randomness(self) -> Randomness:
+        """The random source the noise is drawn from."""
+        return self._source
+
+    @property
+    def mode(self) -> str:
+        """``"secure"`` or ``"seeded (not private)"``."""
+        return self._source.mode
 
     @property
     def calls(self) -> int:
         """Number of :meth:`add` calls (logical steps noised) so far."""
         return self._calls
-
-    def _generator_for(self, grads: Mapping[str, torch.Tensor]) -> torch.Generator:
-        import torch
-
-        if self._device is None:
-            first = next(iter(grads.values()), None)
-            self._device = first.device if first is not None else torch.device("cpu")
-        if self._secure:
-            return torch.Generator(device=self._device).manual_seed(_os_entropy_seed())
-        if self._generator is None:
-            assert self._seed is not None
-            self._generator = torch.Generator(device=self._device).manual_seed(self._seed)
-        return self._generator
 
     def add(
         self, grads: Mapping[str, torch.Tensor], sensitivity: float | None = None
@@ -303,71 +318,64 @@ class GaussianNoise:
         """
         _check_grads(grads)
         sens = _resolve_sensitivity(grads, sensitivity)
-        generator = self._generator_for(grads)
         std = self._noise_multiplier * sens
-        noisy = _draw(grads, std, generator)
+        noisy = _draw(grads, std, self._source, self._calls)
         self._calls += 1
         self.last_noise_std = std
         return NoisyGrads(
-            noisy, noise_multiplier=self._noise_multiplier, sensitivity=sens, secure=self._secure
+            noisy, noise_multiplier=self._noise_multiplier, sensitivity=sens, secure=self.secure
         )
 
     __call__ = add
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state: σ, seed, device and the generator's exact position.
+        """JSON-serialisable state: σ, the mode, the seed (seeded only) and the call count.
 
-        In secure mode no generator state exists (nothing could replay the noise): the state
-        only records the configuration.
+        A secure key is never part of the state: nothing saved can replay the noise, and a
+        resumed secure run continues with its own fresh key.
         """
-        state: dict[str, Any] = {
+        return {
             "version": _STATE_VERSION,
             "noise_multiplier": self._noise_multiplier,
-            "secure": self._secure,
-            "seed": self._seed,
-            "device": None if self._device is None else str(self._device),
+            "secure": self.secure,
+            "seed": self.seed,
             "calls": self._calls,
-            "generator_state": None,
         }
-        if self._generator is not None:
-            raw = self._generator.get_state().numpy().tobytes()
-            state["generator_state"] = base64.b64encode(raw).decode("ascii")
-        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output so the next draw equals the uninterrupted run's."""
-        import torch
-
+        """Restore :meth:`state_dict`'s output: a seeded source continues exactly where it
+        stopped (the next draw equals the uninterrupted run's); a secure one keeps its own key
+        and continues the call count."""
         if not isinstance(state, Mapping):
             raise InputTypeError(f"state={type(state).__name__}: expected a mapping")
-        missing = {"version", "noise_multiplier", "secure", "seed", "device", "calls"} - set(state)
+        missing = {"version", "noise_multiplier", "secure", "seed", "calls"} - set(state)
         if missing:
             raise ConfigurationError(
                 f"noise state lacks {sorted(missing)}: pass GaussianNoise.state_dict()'s output"
             )
         if state["version"] != _STATE_VERSION:
             raise ConfigurationError(
-                f"noise state version {state['version']!r}: this Opake reads {_STATE_VERSION}"
+                f"noise state version {state.get('version')!r}: this Opake reads "
+                f"{_STATE_VERSION} (noise is now drawn from ChaCha20; restart the run, or "
+                "resume it with the Opake version that saved it)"
             )
-        if bool(state["secure"]) != self._secure:
+        if bool(state["secure"]) != self.secure:
             raise ConfigurationError(
-                f"noise state has secure={state['secure']} but this GaussianNoise has "
-                f"secure={self._secure}; build it with the same mode"
+                f"noise state is {'secure' if state['secure'] else 'seeded'} but this "
+                f"GaussianNoise is {self.mode}; build it the same way (seed= for a seeded run, "
+                "no seed for a secure one)"
             )
-        self._noise_multiplier = _check_noise_multiplier(state["noise_multiplier"])
-        self._seed = state["seed"]
-        self._calls = int(state["calls"])
-        self._device = None if state["device"] is None else _as_device(state["device"])
-        self._generator = None
-        encoded = state.get("generator_state")
-        if encoded is not None:
-            raw = bytearray(base64.b64decode(encoded))
-            gen = torch.Generator(device=self._device if self._device is not None else "cpu")
-            gen.set_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
-            self._generator = gen
+        calls = state["calls"]
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+            raise ConfigurationError(f"noise state calls={calls!r}: expected an int ≥ 0")
+        sigma = _check_noise_multiplier(state["noise_multiplier"])
+        if not self.secure:
+            self._source = Randomness.seeded(check_seed(state["seed"]))
+        self._noise_multiplier = sigma
+        self._calls = calls
 
     def __repr__(self) -> str:
-        mode = "secure" if self._secure else f"seed={self._seed}"
+        mode = "secure" if self.secure else f"seed={self.seed}"
         return f"GaussianNoise(noise_multiplier={self._noise_multiplier}, {mode})"
 
 

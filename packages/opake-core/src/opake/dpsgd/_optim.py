@@ -142,14 +142,24 @@ def _from_sampler(
     accounted: bool,
 ) -> tuple[float, float | None, int | None, int | None]:
     """Read the divisor and the accounting description from a Poisson sampler."""
+    if getattr(sampler, "_kind", None) == "shuffle":
+        given = f" and sample_rate={sample_rate!r}" if sample_rate is not None else ""
+        raise ConfigurationError(
+            f"sampler=ShuffleSampler{given}: shuffled fixed-size batches are not Poisson "
+            "sampling, so they do not describe Poisson sampling and the ε of opake.accounting "
+            "(the Poisson-subsampled Gaussian at rate q) does not hold for them — every example "
+            "is in exactly one batch per epoch, and the amplification by subsampling that ε "
+            "counts on is absent; a sample_rate would be accounted as if it were there. Use "
+            "PoissonSampler or FixedShapePoissonSampler for private training"
+        )
     kwargs = getattr(sampler, "accounting_kwargs", None)
     expected = getattr(sampler, "expected_batch_size", None)
     if not isinstance(kwargs, Mapping) or not isinstance(expected, int | float):
         raise ConfigurationError(
             f"sampler={type(sampler).__name__} does not describe Poisson sampling (no "
-            "expected_batch_size / accounting_kwargs): the accountant's ε would not hold; use "
-            "PoissonSampler or FixedShapePoissonSampler, or pass expected_batch_size without "
-            "sampler="
+            "expected_batch_size / accounting_kwargs): the accountant's ε assumes each example "
+            "joins each batch independently with probability q, which this sampler does not "
+            "say it does; use PoissonSampler or FixedShapePoissonSampler"
         )
     derived: dict[str, Any] = {"expected_batch_size": float(expected), **kwargs}
     if not accounted:
@@ -218,10 +228,12 @@ def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
-def _default_noise(noise_multiplier: float, seed: int | None, secure: bool) -> Any:
+def _default_noise(
+    noise_multiplier: float, seed: int | None, secure: bool | None, randomness: Any
+) -> Any:
     from opake.dpsgd.noise import GaussianNoise
 
-    return GaussianNoise(noise_multiplier, seed=seed, secure=secure)
+    return GaussianNoise(noise_multiplier, seed=seed, secure=secure, randomness=randomness)
 
 
 class DPOptimizer:
@@ -249,16 +261,21 @@ class DPOptimizer:
         accountant: an ``opake.accounting`` accountant; each logical step calls its ``step``.
         delta: when given with an accountant, every report carries ε(δ) so far.
         count_noise_multiplier: σ_b of adaptive clipping's noisy count, recorded with every
-            step (``noise_multiplier`` is then the gradient's σ_Δ); required with an adaptive
-            clip state in :meth:`logical_step`.
+            step (``noise_multiplier`` is then the gradient's σ_Δ). With an accountant it is
+            required as soon as adaptively clipped gradients arrive, through
+            :meth:`accumulate` as well as :meth:`logical_step` (they carry their σ_b), and
+            must match it: otherwise ε would be under-reported.
         max_batch_size: ``B_max`` of fixed-shape truncated Poisson sampling, recorded with
             every step together with ``dataset_size`` (the accountant adds the truncation term).
         dataset_size: N, the size of the dataset sampled from (with ``max_batch_size``).
         noise: an :class:`opake.dpsgd.noise.GaussianNoise` (or an object with the same
             ``add(grads, sensitivity=)``, ``noise_multiplier``, ``state_dict``); default:
-            ``GaussianNoise(noise_multiplier, seed=seed, secure=secure)``.
-        seed: seed of the default noise generator (reproducible runs).
-        secure: draw the default noise from OS entropy.
+            ``GaussianNoise(noise_multiplier, seed=seed, randomness=randomness)`` — secure
+            (a ChaCha20 key from the operating system) unless ``seed`` is given.
+        seed: ask for **reproducible, non-private** noise, keyed from this integer.
+        randomness: an explicit :class:`~opake.dpsgd.randomness.Randomness` for the default
+            noise (e.g. a secure key shared by the ranks of one run).
+        secure: accepted for compatibility: ``True`` is the default; ``False`` needs ``seed``.
         offload_state: keep the optimizer's state (and a staging copy of the parameters) in
             CPU memory and run the update there; the update is the same computation, so it is
             DP-neutral (see :mod:`opake.dpsgd._offload`).
@@ -294,7 +311,8 @@ class DPOptimizer:
         dataset_size: int | None = None,
         noise: Any | None = None,
         seed: int | None = None,
-        secure: bool = False,
+        randomness: Any | None = None,
+        secure: bool | None = None,
         offload_state: bool = False,
         unused_params: Literal["warn", "error"] = "warn",
     ) -> None:
@@ -362,12 +380,12 @@ class DPOptimizer:
                     "calibrate_noise picks σ for a target ε) or a GaussianNoise as noise="
                 )
             sigma = _positive_float("noise_multiplier", noise_multiplier)
-            noise = _default_noise(sigma, seed, secure)
+            noise = _default_noise(sigma, seed, secure, randomness)
         else:
-            if seed is not None or secure:
+            if seed is not None or secure is not None or randomness is not None:
                 raise ConfigurationError(
-                    "noise= given together with seed=/secure=: the generator is the noise "
-                    "object's; configure it there and drop seed/secure"
+                    "noise= given together with seed=/randomness=/secure=: the random source "
+                    "is the noise object's; configure it there and drop them"
                 )
             if not callable(getattr(noise, "add", None)) or not isinstance(
                 getattr(noise, "noise_multiplier", None), int | float
@@ -467,6 +485,7 @@ class DPOptimizer:
                 f"grads.max_norm={max_norm!r}: expected a finite sensitivity > 0 (the clipping "
                 "bound of the summed gradients)"
             )
+        self._check_count_accounted(getattr(grads, "count_noise_multiplier", None))
         for name, value in grads.items():
             param = self._params.get(name)
             if param is None:
@@ -616,7 +635,11 @@ class DPOptimizer:
         return report, state
 
     def _check_clip_state(self, state: Any) -> None:
-        sigma_b = getattr(state, "count_noise_multiplier", None)
+        self._check_count_accounted(getattr(state, "count_noise_multiplier", None))
+
+    def _check_count_accounted(self, sigma_b: Any) -> None:
+        """Adaptive clipping's noisy count is a second query: refuse to account a step
+        without it (every path: accumulate()/step() and logical_step())."""
         if sigma_b is None or self.accountant is None:
             return
         if self._accounting.get("count_noise_multiplier") != sigma_b:
@@ -624,9 +647,9 @@ class DPOptimizer:
                 f"adaptive clipping with count_noise_multiplier={sigma_b!r}, but this DPOptimizer "
                 f"records count_noise_multiplier="
                 f"{self._accounting.get('count_noise_multiplier')!r}: the noisy count costs "
-                "privacy, so pass DPOptimizer(count_noise_multiplier=state."
-                "count_noise_multiplier) and let noise_multiplier be the gradient σ_Δ "
-                "(opake.dpsgd.gradient_noise_multiplier)"
+                "privacy and the accountant would under-report ε, so pass "
+                "DPOptimizer(count_noise_multiplier=state.count_noise_multiplier) and let "
+                "noise_multiplier be the gradient σ_Δ (opake.dpsgd.gradient_noise_multiplier)"
             )
 
     def zero_grad(self, set_to_none: bool = True) -> None:

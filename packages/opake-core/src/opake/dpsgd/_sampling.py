@@ -1,16 +1,16 @@
 """Batch samplers for DP-SGD (implementation of :mod:`opake.dpsgd.sampling`).
 
-Every batch is a pure function of ``(seed, step)``: the random generator of step t is derived
-from a ``numpy.random.SeedSequence(seed, spawn_key=(stream, t))``. So a resumed sampler only
-needs its position, and every rank given the same seed draws the same *global* batch and keeps
-its own shard of it.
+Every batch is a pure function of ``(key, step)``: each draw comes from the ChaCha20 keystream
+of the sampler's :class:`~opake.dpsgd.randomness.Randomness` at index ``step`` (a secure key
+from the operating system by default; a key derived from ``seed=`` when reproducibility is
+asked for). So a resumed sampler only needs its position, and every rank given the same key
+draws the same *global* batch and keeps its own shard of it.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import secrets
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -20,6 +20,7 @@ import numpy as np
 
 from opake.accounting import truncation_probability
 from opake.core.errors import ConfigurationError, InputTypeError, OpakePrivacyWarning
+from opake.dpsgd._randomness import Randomness, check_seed, resolve_randomness
 
 if TYPE_CHECKING:
     import torch
@@ -37,9 +38,7 @@ __all__ = [
 #: Index that :class:`FixedShapePoissonSampler` puts in padding slots.
 PADDING_INDEX = -1
 
-_STATE_VERSION = 1
-_POISSON_STREAM = 0x506F6973  # shared by both Poisson samplers: same seed, same draws
-_SHUFFLE_STREAM = 0x53687566
+_STATE_VERSION = 2
 
 
 def _int(name: str, value: object, *, minimum: int) -> int:
@@ -65,17 +64,15 @@ def _rate(value: object) -> float:
     return q
 
 
-def _seed(seed: object, world_size: int) -> int:
-    if seed is None:
-        if world_size > 1:
-            raise ConfigurationError(
-                f"seed=None with world_size={world_size}: every rank must draw the same global "
-                "batch, so pass the same seed (a shared key) on every rank"
-            )
-        return secrets.randbits(63)
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or int(seed) < 0:
-        raise InputTypeError(f"seed={seed!r}: expected a non-negative int (or None)")
-    return int(seed)
+def _source(randomness: object, seed: object, world_size: int, owner: str) -> Randomness:
+    if randomness is None and seed is None and world_size > 1:
+        raise ConfigurationError(
+            f"{owner} with world_size={world_size} and neither randomness= nor seed=: every rank "
+            "must draw the same global batch, so give every rank the same key — "
+            "randomness=shared_randomness() from opake.dpsgd.distributed (secure), or the same "
+            "seed= (reproducible, not private)"
+        )
+    return resolve_randomness(randomness, seed, owner=owner)
 
 
 def _sharding(rank: object, world_size: object) -> tuple[int, int]:
@@ -86,26 +83,34 @@ def _sharding(rank: object, world_size: object) -> tuple[int, int]:
     return r, size
 
 
-def _step_rng(seed: int, stream: int, step: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(stream, step)))
-
-
 class _BaseSampler(ABC):
     """Position bookkeeping, epochs and state shared by the samplers."""
 
     _kind: str
 
-    def __init__(self, steps_per_epoch: int, seed: int, rank: int, world_size: int) -> None:
+    def __init__(
+        self, steps_per_epoch: int, source: Randomness, rank: int, world_size: int
+    ) -> None:
         self._steps_per_epoch = steps_per_epoch
-        self._seed = seed
+        self._source = source
         self._rank = rank
         self._world_size = world_size
         self._position = 0
 
     @property
-    def seed(self) -> int:
-        """The shared key every rank must use."""
-        return self._seed
+    def seed(self) -> int | None:
+        """The seed of a reproducible (not private) sampler; ``None`` when secure."""
+        return self._source.seed
+
+    @property
+    def randomness(self) -> Randomness:
+        """The random source of the batches (the same key on every rank)."""
+        return self._source
+
+    @property
+    def secure(self) -> bool:
+        """Whether batch membership comes from a secure key (nothing stored replays it)."""
+        return self._source.is_secure
 
     @property
     def rank(self) -> int:
@@ -146,18 +151,20 @@ class _BaseSampler(ABC):
 
     @abstractmethod
     def _batch(self, step: int) -> list[int]:
-        """The indices of batch *step* (a pure function of the seed and the step)."""
+        """The indices of batch *step* (a pure function of the key and the step)."""
 
     @abstractmethod
     def _config(self) -> dict[str, Any]:
         """The constructor settings, for ``state_dict`` validation."""
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state: the shared seed, the position and the configuration."""
+        """JSON-serialisable state: the mode, the seed (seeded only), the position and the
+        configuration. A secure key is never part of it."""
         return {
             "kind": self._kind,
             "version": _STATE_VERSION,
-            "seed": self._seed,
+            "secure": self.secure,
+            "seed": self.seed,
             "position": self._position,
             "config": self._config(),
             **self._extra_state(),
@@ -170,12 +177,14 @@ class _BaseSampler(ABC):
         return None
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`: same seed, same position; the next batch equals the
-        one the uninterrupted sampler would have produced. The configuration must match (the
-        rank and world size may differ: the global sequence does not depend on them)."""
+        """Continue from :meth:`state_dict` at the saved position. A seeded sampler takes the
+        saved seed, so the next batch equals the one the uninterrupted sampler would have
+        produced; a secure one keeps its own fresh key (the saved one was never stored). The
+        configuration must match (the rank and world size may differ: the global sequence does
+        not depend on them)."""
         if not isinstance(state, Mapping):
             raise InputTypeError(f"state={type(state).__name__}: expected a mapping")
-        for key in ("kind", "version", "seed", "position", "config"):
+        for key in ("kind", "version", "secure", "seed", "position", "config"):
             if key not in state:
                 raise ConfigurationError(
                     f"sampler state lacks {key!r}: pass the sampler's state_dict() output"
@@ -195,8 +204,16 @@ class _BaseSampler(ABC):
                 "resuming with a different dataset size, rate or batch shape would change the "
                 "privacy accounting — rebuild the sampler with the saved configuration"
             )
-        self._seed = _seed(state["seed"], 1)
-        self._position = _int("position", state["position"], minimum=0)
+        if bool(state["secure"]) != self.secure:
+            raise ConfigurationError(
+                f"sampler state is {'secure' if state['secure'] else 'seeded'} but this sampler "
+                f"is {self._source.mode}; build it the same way (seed= for a seeded run, no seed "
+                "for a secure one)"
+            )
+        position = _int("position", state["position"], minimum=0)
+        if not self.secure:
+            self._source = Randomness.seeded(check_seed(state["seed"]))
+        self._position = position
         self._load_extra_state(state)
 
     def __repr__(self) -> str:
@@ -217,9 +234,13 @@ class PoissonSampler(_BaseSampler):
         dataset_size: N.
         sample_rate: q, the *global* rate (expected global batch = q·N).
         steps_per_epoch: batches per ``iter`` (``len``); default ``round(1/q)``.
-        seed: the shared key (required when ``world_size > 1``). ``None`` draws one from OS
-            entropy, kept in :meth:`state_dict`. Batch membership must stay secret for the
-            amplification by subsampling to hold: keep the seed as secret as the data.
+        seed: ask for **reproducible, non-private** batches: the key is derived from this
+            integer, so anyone who knows it knows every batch — and the amplification by
+            subsampling the accountant assumes no longer holds. Default (``None``): a secure key
+            from the operating system, never stored.
+        randomness: an explicit :class:`~opake.dpsgd.randomness.Randomness` (with
+            ``world_size > 1``, the same key on every rank, e.g. from
+            ``opake.dpsgd.distributed.shared_randomness``); exclusive with ``seed``.
         rank: this process's shard. Every rank draws the same global batch and keeps
             ``global[rank::world_size]`` (sorted indices), so the shards partition it.
         world_size: the number of shards (processes).
@@ -229,7 +250,7 @@ class PoissonSampler(_BaseSampler):
         >>> len(sampler), sampler.expected_batch_size
         (20, 5.0)
         >>> [len(b) for b in sampler][:5]
-        [4, 6, 2, 4, 8]
+        [2, 8, 7, 6, 8]
     """
 
     _kind = "poisson"
@@ -241,6 +262,7 @@ class PoissonSampler(_BaseSampler):
         *,
         steps_per_epoch: int | None = None,
         seed: int | None = None,
+        randomness: Randomness | None = None,
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
@@ -252,7 +274,7 @@ class PoissonSampler(_BaseSampler):
             else _int("steps_per_epoch", steps_per_epoch, minimum=1)
         )
         r, size = _sharding(rank, world_size)
-        super().__init__(steps, _seed(seed, size), r, size)
+        super().__init__(steps, _source(randomness, seed, size, type(self).__name__), r, size)
 
     @property
     def dataset_size(self) -> int:
@@ -275,11 +297,9 @@ class PoissonSampler(_BaseSampler):
 
     def global_batch(self, step: int) -> np.ndarray:
         """Sorted indices of the global Poisson batch of ``step`` (identical on every rank)."""
-        rng = _step_rng(self._seed, _POISSON_STREAM, _int("step", step, minimum=0))
-        count = int(rng.binomial(self._n, self._q))
-        # Binomial count + uniform subset of that size = independent Bernoulli(q) per example.
-        chosen = rng.choice(self._n, size=count, replace=False, shuffle=False)
-        return np.sort(chosen)
+        # one independent Bernoulli(q) per example (a 64-bit draw below ⌊q·2⁶⁴⌋)
+        joined = self._source.bernoulli("poisson", _int("step", step, minimum=0), self._n, self._q)
+        return np.flatnonzero(joined).astype(np.int64)
 
     def _batch(self, step: int) -> list[int]:
         return self.global_batch(step)[self._rank :: self._world_size].tolist()
@@ -314,9 +334,9 @@ class FixedShapePoissonSampler(PoissonSampler):
         >>> sampler = FixedShapePoissonSampler(100, 0.05, max_batch_size=12, seed=0)
         >>> batch = next(iter(sampler))
         >>> len(batch), batch.count(PADDING_INDEX)
-        (12, 8)
+        (12, 10)
         >>> padding_mask(batch).sum().item()
-        4
+        2
     """
 
     _kind = "fixed_shape_poisson"
@@ -329,6 +349,7 @@ class FixedShapePoissonSampler(PoissonSampler):
         *,
         steps_per_epoch: int | None = None,
         seed: int | None = None,
+        randomness: Randomness | None = None,
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
@@ -337,6 +358,7 @@ class FixedShapePoissonSampler(PoissonSampler):
             sample_rate,
             steps_per_epoch=steps_per_epoch,
             seed=seed,
+            randomness=randomness,
             rank=rank,
             world_size=world_size,
         )
@@ -381,8 +403,8 @@ class FixedShapePoissonSampler(PoissonSampler):
         batch = self.global_batch(step)
         truncated = batch.size > self._b_max
         if truncated:
-            rng = _step_rng(self._seed, _POISSON_STREAM + 1, step)
-            batch = np.sort(rng.choice(batch, size=self._b_max, replace=False))
+            order = self._source.sort_keys("truncate", step, batch.size)
+            batch = np.sort(batch[order[: self._b_max]])
         slots = np.full(self._b_max, PADDING_INDEX, dtype=np.int64)
         slots[: batch.size] = batch
         return slots, truncated
@@ -416,6 +438,7 @@ class ShuffleSampler(_BaseSampler):
         batch_size: global batch size B; each rank gets ``global[rank::world_size]``.
         drop_last: drop the last incomplete batch of each epoch (default: keep shapes fixed).
         seed: as :class:`PoissonSampler`.
+        randomness: as :class:`PoissonSampler`.
         rank: as :class:`PoissonSampler`.
         world_size: as :class:`PoissonSampler`.
 
@@ -437,6 +460,7 @@ class ShuffleSampler(_BaseSampler):
         *,
         drop_last: bool = True,
         seed: int | None = None,
+        randomness: Randomness | None = None,
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
@@ -451,7 +475,7 @@ class ShuffleSampler(_BaseSampler):
         self._drop_last = drop_last
         steps = self._n // self._b if drop_last else math.ceil(self._n / self._b)
         r, size = _sharding(rank, world_size)
-        super().__init__(steps, _seed(seed, size), r, size)
+        super().__init__(steps, _source(randomness, seed, size, "ShuffleSampler"), r, size)
         warnings.warn(
             "ShuffleSampler draws fixed-size batches from a shuffle, not Poisson batches: the ε "
             "of opake.accounting (which assumes Poisson sampling at rate q) does not hold for "
@@ -472,7 +496,7 @@ class ShuffleSampler(_BaseSampler):
         """Indices of the global batch of ``step`` (identical on every rank)."""
         step = _int("step", step, minimum=0)
         epoch, index = divmod(step, self._steps_per_epoch)
-        perm = _step_rng(self._seed, _SHUFFLE_STREAM, epoch).permutation(self._n)
+        perm = self._source.sort_keys("shuffle", epoch, self._n)
         return perm[index * self._b : (index + 1) * self._b]
 
     def _batch(self, step: int) -> list[int]:
@@ -510,7 +534,7 @@ class PaddedDataset:
         >>> sampler = FixedShapePoissonSampler(10, 0.2, max_batch_size=6, seed=1)
         >>> (x,), mask = next(iter(DataLoader(PaddedDataset(data), batch_sampler=sampler)))
         >>> x.shape, mask.tolist()
-        (torch.Size([6]), [True, False, False, False, False, False])
+        (torch.Size([6]), [True, True, False, False, False, False])
     """
 
     def __init__(self, dataset: Any, filler_index: int = 0) -> None:

@@ -19,9 +19,10 @@ One logical step across ``W`` ranks::
   FSDP2 (``fully_shard``) parameters and optimizer state sharded at rest, gathered for the
   per-example step (see ``docs/design/fsdp2.md``).
 
-Sampling: build ``PoissonSampler(N, q, seed=shared, **ctx.sampler_kwargs())`` on every rank;
-each example is included with probability q over the whole dataset and each rank keeps its
-share of the global batch. See ``docs/guide/distributed.md``.
+Sampling: build ``PoissonSampler(N, q, randomness=ctx.shared_randomness(),
+**ctx.sampler_kwargs())`` on every rank (a secure key drawn on rank 0 and shared; ``seed=`` for
+a reproducible, non-private run); each example is included with probability q over the whole
+dataset and each rank keeps its share of the global batch. See ``docs/guide/distributed.md``.
 
 Example:
     >>> from opake.dpsgd.distributed import init_distributed
@@ -38,6 +39,7 @@ from opake.dpsgd._dist_env import (
     DistributedContext,
     current_context,
     init_distributed,
+    shared_randomness,
 )
 from opake.dpsgd._dist_failure import ABORT_EXIT_CODE, FailFast, fail_fast
 from opake.dpsgd._dist_fsdp import ShardedDPOptimizer, compute_template, gather_full_params
@@ -61,5 +63,6 @@ __all__ = [
     "init_distributed",
     "load_checkpoint_distributed",
     "save_checkpoint_distributed",
+    "shared_randomness",
     "unwrap_ddp",
 ]

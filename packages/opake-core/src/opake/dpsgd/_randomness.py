@@ -1,0 +1,272 @@
+"""Cryptographically secure, counter-based randomness for noise and sampling.
+
+Implementation of :mod:`opake.dpsgd.randomness`.
+
+Every draw is a pure function of ``(key, stream, index)``: the ChaCha20 keystream (RFC 8439,
+through the ``cryptography`` package, i.e. OpenSSL) under a 256-bit key, with the 96-bit nonce
+``stream (4 bytes) ‖ index (8 bytes)`` and the block counter starting at 0. The key is either
+drawn from the operating system (``secrets.token_bytes(32)``: secure, never stored) or derived
+from an integer seed with SHA-256 (reproducible, **not private**: whoever knows the seed
+replays every draw). Nothing else is kept, so a seeded source resumes exactly from a counter.
+
+Conversions (all in fixed little-endian layouts, identical on every platform):
+
+* Gaussian: Box–Muller on pairs. The radius ``sqrt(-2 ln u)`` takes ``u = (k + ½)·2⁻⁶³``
+  from a 63-bit integer ``k`` (so ``u ∈ [2⁻⁶⁴, 1]`` and the tail reaches ≈ 9.4σ), the angle
+  ``2π·j·2⁻³²`` from a 32-bit integer ``j``; 12 keystream bytes per pair. Computed in fp32
+  (fp64 for fp64 output) on the CPU.
+* Bernoulli(p): a 64-bit integer below ``⌊p·2⁶⁴⌋`` (probability within 2⁻⁶⁴ of p).
+* Uniform subsets and permutations: sort by 64-bit random keys (ties broken by position).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+import secrets
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from opake.core.errors import ConfigurationError, InputTypeError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["STREAMS", "Randomness", "resolve_randomness"]
+
+#: stream identifiers (the first 4 nonce bytes): one per use, so one key never repeats a stream
+STREAMS = {
+    "noise": 0x4E6F6973,
+    "poisson": 0x506F6973,
+    "truncate": 0x5472756E,
+    "shuffle": 0x53687566,
+}
+_SEED_LABEL = b"opake.randomness.seeded.v1:"
+_FINGERPRINT_LABEL = b"opake.randomness.fingerprint.v1:"
+_KEY_BYTES = 32
+_MASK63 = np.uint64(0x7FFF_FFFF_FFFF_FFFF)
+
+
+def _cipher(key: bytes, stream: int, index: int) -> Any:
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    # cryptography's 16-byte ChaCha20 "nonce" is the 32-bit block counter, then the 96-bit nonce
+    nonce = b"\0\0\0\0" + stream.to_bytes(4, "little") + index.to_bytes(8, "little")
+    return Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor()
+
+
+class Randomness:
+    """A keyed ChaCha20 random source: secure (an OS key) or seeded (a key derived from a seed).
+
+    Build it with :meth:`secure` (the default everywhere in Opake) or :meth:`seeded` (explicit,
+    reproducible, not private). Every draw is addressed by a *stream* (what it is for:
+    ``"noise"``, ``"poisson"``, ...) and an *index* (the step): the same source, stream and
+    index always give the same values, and different ones are independent.
+
+    The key of a secure source never leaves the object except through :meth:`export_key`
+    (for sharing it between the ranks of one run); :meth:`state_dict`-style persistence stores
+    only the seed of a seeded source.
+
+    Example:
+        >>> a = Randomness.seeded(7)
+        >>> b = Randomness.seeded(7)
+        >>> bool((a.uint64("noise", 0, 4) == b.uint64("noise", 0, 4)).all())
+        True
+        >>> a.is_secure, Randomness.secure().is_secure
+        (False, True)
+    """
+
+    __slots__ = ("_key", "_secure", "_seed")
+
+    def __init__(self, *, key: bytes, secure: bool, seed: int | None = None) -> None:
+        if not isinstance(key, bytes) or len(key) != _KEY_BYTES:
+            raise InputTypeError(f"key: expected {_KEY_BYTES} bytes")
+        self._key = key
+        self._secure = secure
+        self._seed = seed
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def secure(cls) -> Randomness:
+        """A fresh 256-bit key from the operating system's CSPRNG (``secrets``)."""
+        return cls(key=secrets.token_bytes(_KEY_BYTES), secure=True)
+
+    @classmethod
+    def seeded(cls, seed: int) -> Randomness:
+        """A key derived from ``seed`` (SHA-256): reproducible, and **not private**."""
+        seed = check_seed(seed)
+        key = hashlib.sha256(_SEED_LABEL + str(seed).encode("ascii")).digest()
+        return cls(key=key, secure=False, seed=seed)
+
+    @classmethod
+    def from_key(cls, key: bytes) -> Randomness:
+        """A secure source with a key exported by another one (:meth:`export_key`): how the
+        ranks of one run share the key drawn on rank 0."""
+        if not isinstance(key, bytes | bytearray) or len(key) != _KEY_BYTES:
+            raise InputTypeError(f"key: expected {_KEY_BYTES} bytes from Randomness.export_key()")
+        return cls(key=bytes(key), secure=True)
+
+    # -- properties ------------------------------------------------------------------------
+
+    @property
+    def is_secure(self) -> bool:
+        """Whether the key came from the operating system (nothing stored can replay it)."""
+        return self._secure
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of a seeded source; ``None`` when secure."""
+        return self._seed
+
+    @property
+    def mode(self) -> str:
+        """``"secure"`` or ``"seeded (not private)"`` (what run reports print)."""
+        return "secure" if self._secure else "seeded (not private)"
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits of a one-way hash of the key: compare sources without revealing it."""
+        return hashlib.sha256(_FINGERPRINT_LABEL + self._key).hexdigest()[:16]
+
+    def export_key(self) -> bytes:
+        """The raw key, to share with the other ranks of the same run (never store it)."""
+        return self._key
+
+    def __repr__(self) -> str:
+        if self._secure:
+            return f"Randomness(secure, fingerprint={self.fingerprint})"
+        return f"Randomness(seeded, seed={self._seed})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Randomness):
+            return NotImplemented
+        return self._key == other._key and self._secure == other._secure
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    # -- raw draws -------------------------------------------------------------------------
+
+    def keystream(self, stream: str, index: int, nbytes: int) -> bytearray:
+        """``nbytes`` keystream bytes of ``(stream, index)``."""
+        stream_id = _stream_id(stream)
+        index = _index(index)
+        out = bytearray(nbytes)
+        if nbytes:
+            _cipher(self._key, stream_id, index).update_into(bytes(nbytes), out)
+        return out
+
+    def uint64(self, stream: str, index: int, count: int) -> np.ndarray:
+        """``count`` independent uniform 64-bit integers (``numpy.uint64``)."""
+        raw = self.keystream(stream, index, 8 * count)
+        return np.frombuffer(raw, dtype="<u8").astype(np.uint64, copy=False)
+
+    # -- distributions ---------------------------------------------------------------------
+
+    def normal(
+        self, stream: str, index: int, count: int, *, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """``count`` standard normal values (CPU tensor, fp32 by default, or fp64)."""
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
+        if dtype not in (torch.float32, torch.float64):
+            raise InputTypeError(f"dtype={dtype}: expected torch.float32 or torch.float64")
+        pairs = (count + 1) // 2
+        raw = self.keystream(stream, index, 12 * pairs)
+        radius_bits = np.frombuffer(raw, dtype="<u8", count=pairs).astype(np.uint64, copy=False)
+        angle_bits = np.frombuffer(raw, dtype="<i4", count=pairs, offset=8 * pairs)
+        np_dtype = np.float64 if dtype == torch.float64 else np.float32
+        # u = (k + 1/2)·2^-63 with k uniform on [0, 2^63): u ∈ [2^-64, 1]
+        k = (radius_bits & _MASK63).view(np.int64).astype(np_dtype)
+        u = torch.from_numpy(k).mul_(2.0**-63).add_(2.0**-64)
+        radius = u.log_().mul_(-2.0).clamp_min_(0.0).sqrt_()
+        # θ = 2π·j·2^-32 with j a signed 32-bit integer: θ ∈ [-π, π)
+        theta = torch.from_numpy(angle_bits.astype(np_dtype)).mul_(2.0 * math.pi * 2.0**-32)
+        out = torch.empty(2 * pairs, dtype=dtype)
+        torch.mul(radius, torch.cos(theta), out=out[:pairs])
+        torch.mul(radius, torch.sin(theta), out=out[pairs:])
+        return out[:count]
+
+    def bernoulli(self, stream: str, index: int, count: int, p: float) -> np.ndarray:
+        """``count`` independent Bernoulli(p) draws as a bool array (p within 2⁻⁶⁴)."""
+        if not 0.0 <= p <= 1.0:
+            raise ConfigurationError(f"p={p!r}: expected a probability in [0, 1]")
+        if p == 1.0:
+            return np.ones(count, dtype=bool)
+        threshold = np.uint64(math.floor(Fraction(p) * 2**64))
+        return self.uint64(stream, index, count) < threshold
+
+    def sort_keys(self, stream: str, index: int, count: int) -> np.ndarray:
+        """A uniformly random order of ``range(count)`` (argsort of random 64-bit keys)."""
+        keys = self.uint64(stream, index, count)
+        return np.argsort(keys, kind="stable")
+
+
+def check_seed(seed: object) -> int:
+    """A seed is a non-negative int."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or int(seed) < 0:
+        raise InputTypeError(f"seed={seed!r}: expected a non-negative int")
+    return int(seed)
+
+
+def _stream_id(stream: str) -> int:
+    try:
+        return STREAMS[stream]
+    except KeyError:
+        raise ConfigurationError(
+            f"stream={stream!r}: expected one of {', '.join(sorted(STREAMS))}"
+        ) from None
+
+
+def _index(index: object) -> int:
+    if isinstance(index, bool) or not isinstance(index, numbers.Integral):
+        raise InputTypeError(f"index={index!r}: expected an int")
+    value = int(index)
+    if not 0 <= value < 2**64:
+        raise ConfigurationError(f"index={value}: expected 0 ≤ index < 2**64")
+    return value
+
+
+def resolve_randomness(
+    randomness: object, seed: object, *, owner: str, secure: object = None
+) -> Randomness:
+    """The source a sampler or noise object uses: ``randomness=`` > ``seed=`` > a fresh secure
+    key. ``secure=True`` (the default behaviour) may not be combined with a seed; ``secure=False``
+    needs one (seeded randomness is always explicit)."""
+    if secure is not None and not isinstance(secure, bool):
+        raise InputTypeError(f"{owner}: secure={secure!r}; expected True, False or None")
+    if randomness is not None:
+        if not isinstance(randomness, Randomness):
+            raise InputTypeError(
+                f"{owner}: randomness={type(randomness).__name__}; expected an "
+                "opake.dpsgd.randomness.Randomness (Randomness.secure() or Randomness.seeded(n))"
+            )
+        if seed is not None:
+            raise ConfigurationError(
+                f"{owner}: randomness= and seed= both given; pass one (seed=n is "
+                "Randomness.seeded(n))"
+            )
+        if secure is not None and secure != randomness.is_secure:
+            raise ConfigurationError(
+                f"{owner}: secure={secure} but randomness= is {randomness.mode}; drop secure="
+            )
+        return randomness
+    if seed is not None:
+        if secure:
+            raise ConfigurationError(
+                f"{owner}: seed={seed!r} with secure=True: a secure source takes its key from "
+                "the operating system; drop seed= (or drop secure= for a reproducible, "
+                "non-private run)"
+            )
+        return Randomness.seeded(check_seed(seed))
+    if secure is False:
+        raise ConfigurationError(
+            f"{owner}: secure=False without a seed: reproducible randomness must be asked for "
+            "explicitly with seed=<int> (and is not private); drop secure= for the secure default"
+        )
+    return Randomness.secure()
