@@ -1,0 +1,70 @@
+"""``opake audit``: a tiny audited run end to end, its outputs, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from opake.cli import main
+
+
+def _audit_args(tiny_args, out, *extra):
+    args = tiny_args(out=out)
+    args[0] = "audit"
+    steps = args.index("--steps")
+    args[steps + 1] = "12"
+    return [*args, "--canary-count", "100", *extra]
+
+
+def test_gradient_audit_writes_json_and_plot(tiny_args, tmp_path, capsys):
+    out = tmp_path / "audit"
+    assert main(_audit_args(tiny_args, out)) == 0
+    printed = capsys.readouterr().out
+    assert "claimed ε =" in printed
+    assert "measured lower bound" in printed
+    data = json.loads((out / "audit.json").read_text())
+    for key in ("claimed_epsilon", "delta", "epsilon_lower_bound", "confidence", "correct"):
+        assert key in data
+    assert data["canaries"] == 100
+    assert data["canary_kind"] == "gradient"
+    assert 0.0 <= data["epsilon_lower_bound"] <= data["claimed_epsilon"]
+    assert data["claimed_epsilon"] == pytest.approx(data["planned_epsilon"], rel=1e-3)
+    assert set(data["scores"]) == {"all_steps", "replayed_steps"}
+    assert (out / "audit.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (out / "checkpoint.pt").exists()  # an audit trains, scores and stops
+
+
+def test_input_audit_scores_loss_reduction(tiny_args, tmp_path):
+    out = tmp_path / "audit"
+    assert main(_audit_args(tiny_args, out, "--canaries", "input", "--no-plots")) == 0
+    data = json.loads((out / "audit.json").read_text())
+    assert data["canary_kind"] == "input"
+    assert set(data["scores"]) == {"loss_reduction"}
+    assert data["epsilon_lower_bound"] <= data["claimed_epsilon"]
+    assert not (out / "audit.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--canary-count", "1"], "--canary-count 1"),
+        (["--confidence", "1.0"], "--confidence 1.0"),
+        (["--resume"], "--resume"),
+        (["--canaries", "input", "--canary-direction", "random"], "--canary-direction"),
+        (["--target-epsilon", "-1"], "--target-epsilon"),
+    ],
+)
+def test_bad_input_is_a_one_line_error(tiny_args, tmp_path, capsys, extra, message):
+    assert main(_audit_args(tiny_args, tmp_path / "x", *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("opake audit: error:")
+    assert message in err
+    assert "\n" not in err
+
+
+def test_unknown_canary_kind_is_an_argparse_error(tiny_args, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(_audit_args(tiny_args, tmp_path / "x", "--canaries", "laser"))
+    assert exc.value.code == 2
+    assert "--canaries" in capsys.readouterr().err
