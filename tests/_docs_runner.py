@@ -6,13 +6,17 @@
 ``example.py`` in its own empty temporary directory and run there as ``__main__``
 (``runpy.run_path``): a new namespace holding nothing but what the example itself defines or
 imports — no prelude, no name from another example. ``RESULTS.json`` maps each id to
-``{"rc": ..., "output": ..., "seconds": ...}``.
+``{"rc": ..., "output": ..., "seconds": ..., "cpu_seconds": ...}`` (wall time, and the CPU time
+of the example's process with the processes it waited for).
 
-To save the ~3 s of CPU that ``import torch`` costs per example, the examples run in processes
-forked from this one after it has imported ``torch`` (the module only: ``sys.modules``, never a
-name in the example's namespace). Set ``DOCS_TEST_FRESH_INTERPRETER=1`` (or run where ``fork``
-is missing) to start a new interpreter for every example instead. ``DOCS_TEST_JOBS`` examples
-run at a time (default: 2, or 1 on a single core); ``DOCS_TEST_TIMEOUT`` bounds each (300 s).
+``import torch`` costs ~2 s of CPU and ``from transformers import LlamaForCausalLM`` ~4 s more, per
+example. To save that, the examples run in processes forked from this one after it has imported
+the modules in :data:`PRELOAD` (modules in ``sys.modules`` only, never a name in an example's
+namespace: an example that forgets an import still fails). It forks only while it runs a single
+thread (``OMP_NUM_THREADS=1``, as the test suite sets); otherwise, where ``fork`` is missing, or
+with ``DOCS_TEST_FRESH_INTERPRETER=1``, every example gets a new interpreter instead.
+``DOCS_TEST_JOBS`` examples run at a time (default: 2, or 1 on a single core);
+``DOCS_TEST_TIMEOUT`` bounds each (300 s).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import time
 from pathlib import Path
 
 _OUTPUT_TAIL = 6000
+#: third-party modules imported once, before the examples are forked
+PRELOAD = ("torch", "transformers.modeling_utils", "transformers.models.llama.modeling_llama")
 
 
 def _child(path: Path) -> None:
@@ -56,7 +62,7 @@ def _child(path: Path) -> None:
 
 
 def _start(path: Path, fresh: bool) -> int | subprocess.Popen:
-    if fresh:
+    if fresh and not hasattr(os, "fork"):
         with open(path.parent / "output.txt", "wb") as log:
             return subprocess.Popen(
                 [sys.executable, path.name],
@@ -68,17 +74,32 @@ def _start(path: Path, fresh: bool) -> int | subprocess.Popen:
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child never returns
         try:
+            if fresh:
+                _exec(path)
             _child(path)
         finally:
             os._exit(1)
     return pid
 
 
-def _poll(handle: int | subprocess.Popen) -> int | None:
+def _exec(path: Path) -> None:
+    """In the forked process: replace it by a new ``python example.py``."""
+    os.setsid()
+    os.chdir(path.parent)
+    log = os.open(path.parent / "output.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.execv(sys.executable, [sys.executable, path.name])
+
+
+def _poll(handle: int | subprocess.Popen) -> tuple[int | None, float | None]:
+    """(exit code or None while running, CPU seconds of the example's process)."""
     if isinstance(handle, subprocess.Popen):
-        return handle.poll()
-    pid, status = os.waitpid(handle, os.WNOHANG)
-    return None if pid == 0 else os.waitstatus_to_exitcode(status)
+        return handle.poll(), None
+    pid, status, usage = os.wait4(handle, os.WNOHANG)
+    if pid == 0:
+        return None, None
+    return os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
 
 
 def _kill(handle: int | subprocess.Popen) -> None:
@@ -91,10 +112,23 @@ def _kill(handle: int | subprocess.Popen) -> None:
         os.waitpid(pid, 0)
 
 
+def _preload() -> bool:
+    """Import :data:`PRELOAD`; whether this process may still fork (one thread only)."""
+    import importlib
+    import threading
+
+    for name in PRELOAD:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    tasks = Path("/proc/self/task")
+    threads = len(list(tasks.iterdir())) if tasks.is_dir() else threading.active_count()
+    return threads == 1
+
+
 def run_examples(jobs: list[dict[str, str]], workdir: Path) -> dict[str, dict[str, object]]:
     fresh = bool(os.environ.get("DOCS_TEST_FRESH_INTERPRETER")) or not hasattr(os, "fork")
     if not fresh:
-        import torch  # noqa: F401 - the module only, shared by the forked examples
+        fresh = not _preload()
 
     parallel = int(os.environ.get("DOCS_TEST_JOBS", "0")) or min(2, os.cpu_count() or 1)
     timeout = float(os.environ.get("DOCS_TEST_TIMEOUT", "300"))
@@ -111,7 +145,7 @@ def run_examples(jobs: list[dict[str, str]], workdir: Path) -> dict[str, dict[st
             running[job["id"]] = (_start(path, fresh), path, time.monotonic())
         time.sleep(0.02)
         for job_id, (handle, path, started) in list(running.items()):
-            rc = _poll(handle)
+            rc, cpu = _poll(handle)
             if rc is None and time.monotonic() - started > timeout:
                 _kill(handle)
                 rc = 124
@@ -124,6 +158,7 @@ def run_examples(jobs: list[dict[str, str]], workdir: Path) -> dict[str, dict[st
                 "rc": rc,
                 "output": output[-_OUTPUT_TAIL:],
                 "seconds": round(time.monotonic() - started, 2),
+                "cpu_seconds": None if cpu is None else round(cpu, 2),
             }
             del running[job_id]
     return results
