@@ -16,7 +16,8 @@ namespace: an example that forgets an import still fails). It forks only while i
 thread (``OMP_NUM_THREADS=1``, as the test suite sets); otherwise, where ``fork`` is missing, or
 with ``DOCS_TEST_FRESH_INTERPRETER=1``, every example gets a new interpreter instead.
 ``DOCS_TEST_JOBS`` examples run at a time (default: 2, or 1 on a single core);
-``DOCS_TEST_TIMEOUT`` bounds each (300 s).
+``DOCS_TEST_TIMEOUT`` bounds each (300 s); ``DOCS_TEST_PRELOAD`` (comma-separated) replaces
+:data:`PRELOAD`.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def _preload() -> bool:
     import importlib
     import threading
 
-    for name in PRELOAD:
+    names = os.environ.get("DOCS_TEST_PRELOAD")
+    for name in PRELOAD if names is None else filter(None, names.split(",")):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     tasks = Path("/proc/self/task")

@@ -38,6 +38,7 @@ import subprocess
 import symtable
 import sys
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,14 +179,17 @@ RUNNABLE = [e for e in EXAMPLES if not e.is_setup and not e.is_excerpt]
 EXCERPTS = [e for e in EXAMPLES if e.is_excerpt]
 
 
-def run_programs(programs: dict[str, str], workdir: Path) -> dict[str, dict]:
-    """Run each program alone (tests/_docs_runner.py): id -> {"rc", "output", "seconds"}."""
+def run_programs(
+    programs: dict[str, str], workdir: Path, **env_vars: str
+) -> dict[str, dict[str, object]]:
+    """Run each program alone (tests/_docs_runner.py): id -> {"rc", "output", "seconds", ...}."""
     jobs = workdir / "jobs.json"
     results = workdir / "results.json"
     jobs.write_text(json.dumps([{"id": k, "code": v} for k, v in programs.items()]), "utf-8")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPAKE_")}
     env.setdefault("MPLBACKEND", "Agg")
     env["PYTHONWARNINGS"] = "ignore::FutureWarning,ignore::DeprecationWarning"
+    env.update(env_vars)
     subprocess.run(
         [sys.executable, str(RUNNER), str(jobs), str(results)],
         cwd=workdir,
@@ -307,21 +311,61 @@ def test_example_uses_only_names_it_defines(example):
     )
 
 
-def test_the_runner_runs_each_program_alone(tmp_path):
-    """No prelude and nothing shared: a name from another program is a NameError."""
+@pytest.mark.parametrize("fresh", ["", "1"], ids=["forked", "fresh-interpreter"])
+def test_the_runner_runs_each_program_alone(tmp_path, fresh):
+    """No prelude and nothing shared: a name from another program, or a module the runner
+    imported but the program did not, is a NameError."""
+    programs = {
+        "defines": "import torch\nmodel = torch.nn.Linear(2, 3)\nprint(model.out_features)",
+        "uses": "print(model)",
+        "not_imported": "print(torch.ones(1))",
+        "syntax": "f(a=1, ...)",
+        "exits": "import sys\nsys.exit(3)",
+    }
     results = run_programs(
-        {
-            "defines": "import torch\nmodel = torch.nn.Linear(2, 3)\nprint(model.out_features)",
-            "uses": "print(model)",
-            "syntax": "f(a=1, ...)",
-            "exits": "import sys\nsys.exit(3)",
-        },
-        tmp_path,
+        programs, tmp_path, DOCS_TEST_FRESH_INTERPRETER=fresh, DOCS_TEST_PRELOAD="torch"
     )
-    assert [results[k]["rc"] for k in ("defines", "uses", "syntax", "exits")] == [0, 1, 1, 3]
+    assert {k: r["rc"] for k, r in results.items()} == {
+        "defines": 0,
+        "uses": 1,
+        "not_imported": 1,
+        "syntax": 1,
+        "exits": 3,
+    }
     assert results["defines"]["output"].strip() == "3"
     assert "NameError: name 'model' is not defined" in results["uses"]["output"]
+    assert "NameError: name 'torch' is not defined" in results["not_imported"]["output"]
     assert "SyntaxError" in results["syntax"]["output"]
+
+
+def test_the_runner_stops_a_program_and_what_it_started_at_the_timeout(tmp_path):
+    program = textwrap.dedent(
+        """\
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        print("child", child.pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    results = run_programs(
+        {"sleeps": program}, tmp_path, DOCS_TEST_TIMEOUT="2", DOCS_TEST_PRELOAD=""
+    )
+    output = results["sleeps"]["output"]
+    assert results["sleeps"]["rc"] == 124
+    assert "killed after 2 s" in output
+    child = int(re.search(r"child (\d+)", output)[1])
+    deadline = time.monotonic() + 10
+    while _is_running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _is_running(child)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
 
 
 @pytest.mark.slow
