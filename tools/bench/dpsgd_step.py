@@ -32,6 +32,11 @@ for each of ``--modes``, each way in its own process: ``vmap(grad)``; ``vmap(vjp
 dimension, then one plain ``autograd.grad`` (what it uses when the trainable part is small,
 e.g. LoRA); and a batch-of-one Python loop. It checks that all four agree.
 
+``--baseline DIR`` also runs every ``opake*`` method with Opake imported from another source tree
+(e.g. ``git worktree add /tmp/before <commit>``), as ``<method>@baseline``, interleaved with the
+current tree in every round; the table then adds the per-round ratio of each method to its
+baseline (a before/after comparison under the same load).
+
 ``--check`` verifies, before timing anything, that every private method computes the step it
 claims: on a smaller Llama (hidden 64, 2 layers, vocabulary 256, batch 4 × 16) with C set to
 the median per-example gradient norm, its clipped sum (before noise) must match
@@ -440,8 +445,15 @@ def _worker_cmd(python: str, mode: str, method: str, args: argparse.Namespace) -
     return cmd
 
 
+BASELINE = "@baseline"
+
+
 def _run_worker(python: str, mode: str, method: str, args: argparse.Namespace) -> Any:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    label, method = method, method.removesuffix(BASELINE)
+    if label != method:  # the same harness, Opake imported from the baseline tree
+        roots = sorted(str(p) for p in (args.baseline / "packages").glob("*/src"))
+        env["PYTHONPATH"] = os.pathsep.join([*roots, env.get("PYTHONPATH", "")]).rstrip(":")
     proc = subprocess.run(
         _worker_cmd(python, mode, method, args),
         capture_output=True,
@@ -453,6 +465,7 @@ def _run_worker(python: str, mode: str, method: str, args: argparse.Namespace) -
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
         return f"{mode}/{method}: failed ({tail[:200]})"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["method"] = label
     print(json.dumps(result), file=sys.stderr)
     return result
 
@@ -563,6 +576,13 @@ def _check(args: argparse.Namespace) -> int:
             f"| {mode} | {method} | {r['clip']:.4g} | {r['params']} | {len(r['missing'])} | "
             f"{r['rel_diff']:.1e} | {r['worst_param_rel_diff']:.1e} (`{r['worst_param']}`) |"
         )
+    for r in results:
+        if "vs_baseline_cpu" in r:
+            print(
+                f"\n- {r['mode']}/{r['method']} vs its baseline: "
+                f"{r['vs_baseline_cpu']:.4f}× CPU, {r['vs_baseline_wall']:.4f}× wall "
+                "(median of per-round ratios)"
+            )
     for note in notes:
         print(f"\n- {note}")
     if args.json:
@@ -598,6 +618,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--opacus-python", default=sys.executable)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="an Opake source tree (e.g. a git worktree of an earlier commit): also run each "
+        "opake method with Opake imported from it, interleaved, and report after/before ratios",
+    )
+    parser.add_argument(
         "--engines", action="store_true", help="compare ways to compute per-example gradients"
     )
     parser.add_argument(
@@ -622,12 +648,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.engines:
         return _engines(args)
     configs = [(mode, method) for mode in args.modes for method in args.methods]
+    if args.baseline is not None:
+        if not (args.baseline / "packages" / "opake-core" / "src").is_dir():
+            parser.error(f"--baseline {args.baseline}: no packages/opake-core/src there")
+        configs += [(m, f + BASELINE) for m, f in configs if f.startswith("opake")]
     runs, notes = _collect(configs, args)
     results = [
         _summary(runs[config], runs.get((config[0], "nonprivate")))
         for config in configs
         if config in runs
     ]
+    for r in results:
+        base = runs.get((r["mode"], r["method"] + BASELINE))
+        if base:
+            own = runs[(r["mode"], r["method"])]
+            pairs = list(zip(own, base, strict=False))
+            r["vs_baseline_cpu"] = statistics.median(a["cpu_s"] / b["cpu_s"] for a, b in pairs)
+            r["vs_baseline_wall"] = statistics.median(a["wall_s"] / b["wall_s"] for a, b in pairs)
     _header(args)
     print(
         "| mode | method | trainable | wall s/step | CPU s/step | ×non-private (wall) |"
@@ -642,6 +679,13 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['mode']} | {r['method']} | {r['trainable_params']:,} | {r['wall_s']:.3f} | "
             f"{r['cpu_s']:.3f} | {ratio_w} | {ratio_c} | {r['peak_rss_mib']:.0f} | {ratio_m} |"
         )
+    for r in results:
+        if "vs_baseline_cpu" in r:
+            print(
+                f"\n- {r['mode']}/{r['method']} vs its baseline: "
+                f"{r['vs_baseline_cpu']:.4f}× CPU, {r['vs_baseline_wall']:.4f}× wall "
+                "(median of per-round ratios)"
+            )
     for note in notes:
         print(f"\n- {note}")
     if args.json:
