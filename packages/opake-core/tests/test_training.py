@@ -330,3 +330,23 @@ def test_secure_by_default_and_bad_options_raise():
         _training(engine="fast")
     with pytest.raises(ConfigurationError, match="batch_args"):
         _training()[1].step(torch.zeros(1, 8))
+
+
+def test_set_params_rebinds_the_gradient_function_to_new_storage():
+    x, y = _data()
+    model, training = _training()
+    # a wrapper gave the parameters new storage: the old functional view is stale
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    fresh = {n: p.detach() for n, p in model.named_parameters()}
+    training.set_params(fresh)
+    aux = training.accumulate(x[:4], y[:4])
+    training.zero_grad()
+    grad_fn, state = clipped_grad(
+        _loss(make_functional(model)[0]), clipping_norm=C, batch_argnums=(1, 2), return_aux=True
+    )
+    (_, want), _ = grad_fn(fresh, x[:4], y[:4], state=state)
+    torch.testing.assert_close(aux.loss_values, want.loss_values)
+    with pytest.raises(ConfigurationError, match="same parameter names"):
+        training.set_params({"w": torch.zeros(1)})

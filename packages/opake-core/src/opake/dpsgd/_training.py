@@ -597,6 +597,32 @@ class DPTraining:
         self._pending_aux = []
         self._optimizer.zero_grad()
 
+    def set_params(
+        self, params: Mapping[str, torch.Tensor], *, args: tuple[Any, ...] | None = None
+    ) -> None:
+        """Point the gradient function at new tensors (same names and shapes), e.g. after a
+        wrapper (DDP, a device move) replaced the module's parameter storage; ``args`` replaces
+        the fixed arguments too. The optimizer keeps updating the module's parameters."""
+        if self._pending_aux:
+            raise OperationError("set_params() in the middle of a logical step")
+        if not isinstance(params, Mapping) or set(params) != set(self._params):
+            raise ConfigurationError(
+                "set_params(): expected the same parameter names as at construction"
+            )
+        for name, value in params.items():
+            if tuple(value.shape) != tuple(self._params[name].shape):
+                raise ConfigurationError(
+                    f"set_params(): {name!r} has shape {tuple(value.shape)}, expected "
+                    f"{tuple(self._params[name].shape)}"
+                )
+        if args is not None:
+            if not isinstance(args, tuple) or len(args) != len(self._args):
+                raise ConfigurationError(
+                    f"set_params(args=...): expected a tuple of {len(self._args)} argument(s)"
+                )
+            self._args = args
+        self._params = params
+
     @property
     def pending_batches(self) -> int:
         """Physical batches accumulated into the step in progress."""
