@@ -75,10 +75,15 @@ class _DPStep(torch.optim.Optimizer):
 
 
 class _PrivacyBudget(TrainerCallback):
-    """Stops training when the next step would exceed ``target_epsilon``."""
+    """Binds the DP step to the prepared model; stops training when the next step would
+    exceed ``target_epsilon``."""
 
     def __init__(self, trainer: DPTrainer) -> None:
         self._trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self._trainer._bind_params()
+        return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         dp = self._trainer._dp
@@ -386,6 +391,17 @@ class DPTrainer(Trainer):
             "seeded (reproducible)" if a.reproducible else "secure randomness",
         )
         return training
+
+    def _bind_params(self) -> None:
+        """Re-take the functional view of the parameters once the Trainer prepared the model:
+        a wrapper (DDP under ``torchrun``) may have given the parameters new storage, which
+        the tensors taken when the optimizer was built would no longer see."""
+        from opake.functional import make_functional
+
+        if self._dp is None:
+            return
+        _, trainable, frozen = make_functional(self.model, partition_trainable=True)
+        self._dp.set_params(trainable, args=(frozen,))
 
     def training_step(
         self,
