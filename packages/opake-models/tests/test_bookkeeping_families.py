@@ -35,15 +35,29 @@ LORA_TARGETS = {
 }
 TIED = {name for name in family_names() if family_spec(name).task == "causal_lm"}
 MOE = {name for name in family_names() if family_spec(name).moe is not None}
+#: parameters owned by a module that also has parameterised children: the engine has no rule
+#: for them (GPT-OSS attention sinks; Qwen3-Next's gated delta-net decay), "auto" picks vmap
+RULELESS = {"gpt_oss": ("sinks",), "qwen3_next": ("A_log", "dt_bias")}
+#: what book-keeping runs with frozen: the rule-less parameters, and Qwen3-Next's whole
+#: linear-attention blocks (their gated norm sees the tokens flattened across examples)
+BLOCKED = {"gpt_oss": (".sinks",), "qwen3_next": (".linear_attn.",)}
 
 
-def _ready(family, model):
+def _freeze_blocked(family, model):
+    for name, param in model.named_parameters():
+        if any(part in name for part in BLOCKED.get(family, ())):
+            param.requires_grad_(False)
+
+
+def _ready(family, model, *, freeze=True):
     """Mixture-of-experts families run under DP only patched (per-example routing); the others
-    are tested on the stock model."""
+    are tested on the stock model. Parameters without a book-keeping rule are frozen."""
     if family in MOE:
         from opake.patches import apply_model_patches
 
         apply_model_patches(model)
+    if freeze:
+        _freeze_blocked(family, model)
     return model
 
 
@@ -135,7 +149,9 @@ def _check(model, *, loss_only=False):
 def test_full_finetuning(family):
     model = _ready(family, tiny_model(family))
     trainable = _check(model)
-    assert len(trainable) == len(list(model.parameters()))
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert len(trainable) == len(list(model.parameters())) - len(frozen)
+    assert bool(frozen) == (family in BLOCKED)
     plan = bookkeeping_plan(model, trainable)
     assert plan.supported, plan.explain()
     embedding = model.get_input_embeddings().weight
@@ -146,6 +162,31 @@ def test_full_finetuning(family):
     )
     assert tied == getattr(family_spec(family).head, "tied", False)
     assert len(users) == (2 if tied else 1), plan.explain()  # a tied head is a second use
+
+
+@pytest.mark.parametrize("family", sorted(RULELESS))
+def test_parameters_without_a_rule_make_auto_pick_vmap(family):
+    """Trained, GPT-OSS's sinks and Qwen3-Next's decay parameters have no book-keeping rule:
+    the plan names them, ``"bookkeeping"`` raises, ``"auto"`` runs the vmap engine exactly."""
+    from opake.core.errors import ConfigurationError
+
+    model = _ready(family, tiny_model(family), freeze=False)
+    loss_fn, oracle, args = _case(model)
+    plan = bookkeeping_plan(model, args[0])
+    assert not plan.supported
+    assert all(attr in plan.explain() for attr in RULELESS[family])
+    grad_fn, state = clipped_grad(
+        loss_fn, clipping_norm=1.0, batch_argnums=(2, 3, 4), method="bookkeeping"
+    )
+    with pytest.raises(ConfigurationError, match="no book-keeping rule"):
+        grad_fn(*args, state=state)
+    grad_fn, state = clipped_grad(loss_fn, clipping_norm=1.0, batch_argnums=(2, 3, 4))
+    grads, _ = grad_fn(*args, state=state)
+    assert grad_fn.engine == "vmap"
+    expected = testing.reference_clipped_grad(
+        oracle, args, clipping_norm=1.0, batch_argnums=(2, 3, 4)
+    )
+    testing.assert_grads_close(grads, expected, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("family", sorted(TIED))
@@ -249,6 +290,7 @@ def test_loss_only_head(family, other_tying, kernels, monkeypatch):
         report = apply_model_patches(model, kernels="torch")
     else:
         report = apply_model_patches(model, chunked_linear_cross_entropy=16)
+    _freeze_blocked(family, model)
     assert "loss_only" in " ".join(report.applied), report
     head_calls = []
     model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))

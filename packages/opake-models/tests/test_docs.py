@@ -50,6 +50,13 @@ def _support_row(spec: FamilySpec) -> str:
         engines = "vmap (dense experts); book-keeping: no (router)"
     else:
         engines = "vmap (dense experts), book-keeping (per-layer fallback for experts)"
+    frozen = []
+    if spec.attention.sinks:
+        frozen.append("the attention `sinks`")
+    if spec.attention.linear:
+        frozen.append(f"the `{spec.attention.linear}` blocks")
+    if frozen:
+        engines += " with " + " and ".join(frozen) + " frozen"
     head = spec.head
     if isinstance(head, CausalLMHead):
         loss_only = "yes, " + ("tied" if head.tied else "untied") + " by default"

@@ -42,6 +42,11 @@ REQUIRED = {
     "ministral",
     "exaone4",
     "mixtral",
+    "qwen3_moe",
+    "mellum",
+    "gpt_oss",
+    "hunyuan_v1_moe",
+    "qwen3_next",
 }
 
 

@@ -276,6 +276,10 @@ def _windows(
     if window is not None:
         where = "sliding layers" if spec.attention.layer_types else "every layer"
         report.applied.append(f"attention_mask: sliding window of {window} keys on {where}")
+    if "linear_attention" in (getattr(model.config, "layer_types", None) or ()):
+        report.applied.append(
+            f"attention_mask: 2-D padding mask for the {spec.attention.linear} layers"
+        )
 
 
 def _moe(spec: FamilySpec, model: torch.nn.Module, report: FamilyReport, patcher: Patcher) -> None:

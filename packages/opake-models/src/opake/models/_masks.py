@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["install_window_masks", "restrict_to_window", "window_of"]
 
-_KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
+_KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
 def restrict_to_window(mask: torch.Tensor, window: int) -> torch.Tensor:
@@ -65,25 +65,44 @@ def window_of(config: Any, attention: Attention) -> tuple[int | None, bool]:
         )
     if not attention.layer_types:
         return window, False
-    types = tuple(getattr(config, "layer_types", None) or ())
-    unknown = sorted(set(types) - set(_KNOWN_LAYER_TYPES))
-    if unknown:
-        raise ConfigurationError(
-            f"config.layer_types has {unknown}: the adapter knows {_KNOWN_LAYER_TYPES} only and "
-            "will not guess their masks. Patch with compat=False or update the adapter."
-        )
+    types = _layer_types(config, attention)
     if "sliding_attention" not in types:
         return None, False
     return window, True
+
+
+def _layer_types(config: Any, attention: Attention) -> tuple[str, ...]:
+    types = tuple(getattr(config, "layer_types", None) or ())
+    known = _KNOWN_LAYER_TYPES if attention.linear else _KNOWN_LAYER_TYPES[:2]
+    unknown = sorted(set(types) - set(known))
+    if unknown:
+        raise ConfigurationError(
+            f"config.layer_types has {unknown}: the adapter knows {known} only and "
+            "will not guess their masks. Patch with compat=False or update the adapter."
+        )
+    return types
+
+
+def _linear_layers(config: Any, attention: Attention) -> bool:
+    """Whether some layer of this instance is a linear-attention layer (2-D padding mask)."""
+    return attention.linear is not None and "linear_attention" in _layer_types(config, attention)
 
 
 def install_window_masks(
     backbone: Any, config: Any, attention: Attention, patcher: Patcher
 ) -> int | None:
     """Wrap ``backbone.forward`` (this instance) so 4-D float masks get the sliding window;
-    returns the window, or None when no layer of this instance slides (nothing installed)."""
-    window, per_layer_type = window_of(config, attention)
-    if window is None:
+    returns the window, or None when no layer of this instance slides.
+
+    Linear-attention layers (``attention.linear``) get the 2-D padding mask (``1`` for real
+    tokens) read off the 4-D mask's diagonal: they zero padding states instead of masking
+    scores."""
+    if attention.sliding_window is not None and getattr(config, attention.sliding_window, None):
+        window, per_layer_type = window_of(config, attention)
+    else:
+        window, per_layer_type = None, False
+    linear = _linear_layers(config, attention) if attention.layer_types else False
+    if window is None and not linear:
         return None
     inner = backbone.forward
     try:
@@ -99,10 +118,21 @@ def install_window_masks(
     def convert(mask: Any) -> Any:
         if getattr(mask, "dim", lambda: 0)() != 4 or not mask.is_floating_point():
             return mask
-        sliding = restrict_to_window(mask, window)
-        if per_layer_type:
-            return {"full_attention": mask, "sliding_attention": sliding}
-        return sliding
+        if not linear:
+            sliding = restrict_to_window(mask, window)  # type: ignore[arg-type]
+            if per_layer_type:
+                return {"full_attention": mask, "sliding_attention": sliding}
+            return sliding
+        from opake.models._moe import padding_of
+
+        steps = mask.shape[-2]
+        masks = {
+            "full_attention": mask,
+            "linear_attention": padding_of(mask, mask.shape[0], steps, mask.device),
+        }
+        if window is not None:
+            masks["sliding_attention"] = restrict_to_window(mask, window)
+        return masks
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:

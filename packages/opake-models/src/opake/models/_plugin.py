@@ -36,6 +36,11 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "ministral": ("ministral",),
     "exaone4": ("exaone4",),
     "mixtral": ("mixtral",),
+    "qwen3_moe": ("qwen3_moe",),
+    "mellum": ("mellum",),
+    "gpt_oss": ("gpt_oss",),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe",),
+    "qwen3_next": ("qwen3_next",),
 }
 
 
