@@ -311,13 +311,13 @@ def weighted_sum(piece: Piece, weights: torch.Tensor, keep: torch.Tensor | None)
 
 
 def _token_norms(x: torch.Tensor) -> torch.Tensor:
-    """``‖x_{i,t}‖`` ``[B, T]`` in fp64 (fp32 first; recomputed in fp64 where fp32 overflows)."""
+    """``‖x_{i,t}‖`` ``[B, T]`` in fp64, accumulated in fp32 (no host sync: a norm that
+    overflows fp32 is ``inf``, and its example then counts as non-finite, as in the vmap
+    engine, whose fp32 norm overflows first)."""
     import torch
 
-    norms = torch.linalg.vector_norm(_f32(x), dim=-1)
-    if not bool(torch.isfinite(norms).all()):
-        return torch.linalg.vector_norm(x.double(), dim=-1)
-    return norms.double()
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(x, dim=-1, dtype=dtype).double()
 
 
 def abs_norm(piece: Piece) -> torch.Tensor:
@@ -334,8 +334,7 @@ def abs_norm(piece: Piece) -> torch.Tensor:
     if isinstance(piece, Implicit):
         return piece.op.abs_norms().double()
     if isinstance(piece, Dense):
-        g = _f32(piece.g).reshape(piece.g.shape[0], -1)
-        return _token_norms(g[:, None, :])[:, 0]
+        return _token_norms(piece.g.reshape(piece.g.shape[0], 1, -1))[:, 0]
     b = _token_norms(piece.b)
     if piece.indexed:
         return b.sum(dim=1)

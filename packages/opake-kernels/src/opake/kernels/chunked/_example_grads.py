@@ -237,10 +237,8 @@ class LinearCEExampleGrads:
         the Gram norm (what the book-keeping engine's certified clipping needs)."""
         self.sq_norms()
         assert self._token_sq is not None
-        h = self.hidden.to(_F32)
-        h_norm = torch.linalg.vector_norm(h, dim=-1)
-        if not bool(torch.isfinite(h_norm).all()):
-            h_norm = torch.linalg.vector_norm(self.hidden.double(), dim=-1)
+        wide = torch.float64 if self.hidden.dtype == torch.float64 else _F32
+        h_norm = torch.linalg.vector_norm(self.hidden, dim=-1, dtype=wide)
         return (self._token_sq.double().sqrt() * h_norm.double()).sum(dim=1)
 
     def example_rows(self, index: int, start: int, stop: int) -> Tensor:
