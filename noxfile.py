@@ -24,6 +24,7 @@ LOCAL_DEPS = {
     "opake-profiling": ["opake-core"],
     "opake-models": ["opake-core", "opake-patches", "opake-kernels"],
     "opake-auditing": ["opake-core"],
+    "opake-transformers": ["opake-core", "opake-profiling"],
     "opake": [
         "opake-core",
         "opake-patches",
@@ -31,6 +32,7 @@ LOCAL_DEPS = {
         "opake-profiling",
         "opake-models",
         "opake-auditing",
+        "opake-transformers",
     ],
 }
 EXTRA_DEPS = {
@@ -39,6 +41,7 @@ EXTRA_DEPS = {
     "opake-patches": ["transformers>=5.17,<6", "peft>=0.13"],
     "opake-models": ["transformers>=5.17,<6", "peft>=0.13", TRITON],
     "opake-auditing": ["matplotlib>=3.7"],
+    "opake-transformers": ["transformers>=5.17,<6", "accelerate>=1.0", "peft>=0.13"],
     "opake": ["transformers>=5.17,<6", "peft>=0.13", "matplotlib>=3.7"],
 }
 
@@ -100,6 +103,7 @@ def typecheck(session: nox.Session) -> None:
         "opake.profiling",
         "opake.models",
         "opake.auditing",
+        "opake.transformers",
         "opake.cli",
     ]
     args = [arg for mod in modules for arg in ("-p", mod)]
