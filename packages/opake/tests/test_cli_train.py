@@ -137,7 +137,7 @@ def _interrupt_at(monkeypatch, step_index):
 @pytest.mark.slow
 def test_resume_is_identical_to_an_uninterrupted_run(tiny_args, tmp_path, monkeypatch, capsys):
     full, parts = tmp_path / "full", tmp_path / "parts"
-    extra = ("--steps", "6", "--checkpoint-every", "2")
+    extra = ("--steps", "6", "--checkpoint-every", "2", "--reproducible")
     assert main(tiny_args(*extra, out=full)) == 0
 
     _interrupt_at(monkeypatch, 3)  # stops after 3 completed steps (not a checkpoint boundary)
@@ -178,9 +178,10 @@ def test_resume_keeps_the_accountant_history(tiny_args, tmp_path):
 @pytest.mark.slow
 def test_patches_and_checkpointing_do_not_change_the_result(tiny_args, tmp_path):
     plain, patched = tmp_path / "plain", tmp_path / "patched"
-    assert main(tiny_args("--steps", "2", "--kernels", "none", out=plain)) == 0
+    seeded = ("--steps", "2", "--reproducible")  # compared run to run
+    assert main(tiny_args(*seeded, "--kernels", "none", out=plain)) == 0
     argv = tiny_args(
-        "--steps", "2", "--kernels", "torch", "--checkpointing", "--engine", "vmap", out=patched
+        *seeded, "--kernels", "torch", "--checkpointing", "--engine", "vmap", out=patched
     )
     assert main(argv) == 0
     summary = json.loads((patched / "summary.json").read_text())
@@ -196,9 +197,7 @@ def test_patches_and_checkpointing_do_not_change_the_result(tiny_args, tmp_path)
     # book-keeping on the loss-only forward: no logits, lm_head's norms from the chunked
     # kernel's example-grads op; the same training run
     logits_free = tmp_path / "logits_free"
-    argv = tiny_args(
-        "--steps", "2", "--kernels", "chunked", "--engine", "bookkeeping", out=logits_free
-    )
+    argv = tiny_args(*seeded, "--kernels", "chunked", "--engine", "bookkeeping", out=logits_free)
     assert main(argv) == 0
     summary = json.loads((logits_free / "summary.json").read_text())
     assert summary["model_patches"]["loss_only"] is True
@@ -224,7 +223,7 @@ def test_torchrun_two_ranks_match_one_process(tiny_args, tmp_path):
     from pathlib import Path
 
     one, two = tmp_path / "one", tmp_path / "two"
-    assert main(tiny_args("--steps", "3", out=one)) == 0
+    assert main(tiny_args("--steps", "3", "--reproducible", out=one)) == 0
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPAKE_")}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
@@ -240,7 +239,7 @@ def test_torchrun_two_ranks_match_one_process(tiny_args, tmp_path):
             f"--master-port={_free_port()}",
             "--no-python",
             str(opake),
-            *tiny_args("--steps", "3", out=two)[0:],
+            *tiny_args("--steps", "3", "--reproducible", out=two)[0:],
         ],
         env=env,
         capture_output=True,
@@ -288,8 +287,10 @@ def test_microbatch_auto_bf16_and_epochs(tiny_args, tmp_path):
 
 def test_optimizer_offload_is_neutral(tiny_args, tmp_path):
     plain, offload = tmp_path / "plain", tmp_path / "offload"
-    assert main(tiny_args("--steps", "2", out=plain)) == 0
-    assert main(tiny_args("--steps", "2", "--offload-optimizer", out=offload)) == 0
+    assert main(tiny_args("--steps", "2", "--reproducible", out=plain)) == 0
+    assert (
+        main(tiny_args("--steps", "2", "--reproducible", "--offload-optimizer", out=offload)) == 0
+    )
     wa, wb = _weights(plain / "model"), _weights(offload / "model")
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6)

@@ -48,6 +48,7 @@ RESUME_LOCKED = (
     "val_fraction",
     "lora_r",
     "lora_alpha",
+    "dropout",
     "target_epsilon",
     "noise_multiplier",
     "delta",
@@ -62,7 +63,7 @@ RESUME_LOCKED = (
     "optimizer",
     "weight_decay",
     "seed",
-    "secure_noise",
+    "reproducible",
 )
 
 
@@ -77,6 +78,7 @@ class TrainSettings:
     val_fraction: float = 0.1
     lora_r: int | None = None
     lora_alpha: float | None = None
+    dropout: bool = True
     target_epsilon: float | None = 8.0
     noise_multiplier: float | None = None
     delta: float | None = None
@@ -98,6 +100,7 @@ class TrainSettings:
     precision: str = "fp32"
     device: str = "cpu"
     seed: int = 0
+    reproducible: bool = False
     secure_noise: bool = False
     out: str = "opake-run"
     resume: bool = False
@@ -141,6 +144,12 @@ class TrainSettings:
             )
         if self.target_epsilon is None and self.noise_multiplier is None:
             raise ConfigurationError("give --target-epsilon or --noise-multiplier")
+        if self.reproducible and self.secure_noise:
+            raise ConfigurationError(
+                "--reproducible and --secure-noise contradict each other: --reproducible seeds "
+                "the noise and the sampling from --seed (not private); secure randomness is the "
+                "default, so drop one of them"
+            )
         for name in ("block_size", "batch_size", "checkpoint_every"):
             value = getattr(self, name)
             if value < 1:
@@ -245,6 +254,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--lora-alpha", type=float, default=d.lora_alpha, help="LoRA alpha (default 2 × rank)"
     )
+    g.add_argument(
+        "--no-dropout",
+        dest="dropout",
+        action="store_false",
+        help="switch off the model's dropout (default: dropout stays active as configured, "
+        "with a mask per example; such models train with the vmap engine)",
+    )
 
     g = p.add_argument_group("privacy")
     x = g.add_mutually_exclusive_group()
@@ -281,9 +297,16 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "shape (accounted with its truncation probability)",
     )
     g.add_argument(
+        "--reproducible",
+        action="store_true",
+        help="seed the noise and the Poisson sampling from --seed: bit-for-bit reproducible "
+        "and resumable, and NOT private (whoever knows the seed replays the noise and the "
+        "batches); default: a secure key from the operating system, never stored",
+    )
+    g.add_argument(
         "--secure-noise",
         action="store_true",
-        help="draw the noise from OS entropy (not reproducible: a resumed run differs)",
+        help="deprecated: secure noise and sampling are the default (kept so old commands run)",
     )
 
     g = p.add_argument_group("optimisation")
@@ -359,7 +382,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--seed",
         type=int,
         default=d.seed,
-        help="seed of initialisation, split, sampling and noise",
+        help="seed of the model initialisation and the train/validation split (and, with "
+        "--reproducible only, of the noise and the sampling)",
     )
     g.add_argument("--out", default=d.out, help="output directory")
     g.add_argument(

@@ -30,6 +30,12 @@ def _print_plan(plan: Any) -> None:
             f"(expected batch {s.batch_size}), {plan.steps} steps"
         ),
         f"baseline  unigram validation loss {plan.baseline:.4f} nats/token",
+        (
+            "random    secure: noise and batches from a fresh operating-system key (never stored)"
+            if not s.reproducible
+            else f"random    seeded (not private): noise and batches replayable from --seed "
+            f"{s.seed} (--reproducible)"
+        ),
     ]
     for line in lines:
         print(line, file=sys.stderr)

@@ -25,7 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from opake.cli._checks import (
+    DivergenceWatch,
+    check_model_fits,
+    check_writable,
+    config_dropout,
+    disable_dropout,
+    epsilon_note,
+    truncation_budget,
+)
 from opake.cli._data import Corpus, load_corpus, make_blocks, split_blocks, unigram_entropy
+from opake.cli._interrupt import StepBoundary
 from opake.cli._models import load_model, load_tokenizer, resolve_model
 from opake.cli._outputs import plot_metrics, write_json, write_metrics
 from opake.cli._progress import make_progress
@@ -68,11 +78,18 @@ class RunPlan:
     device: torch.device
     patch: bool = False
     engine: str = "auto"
+    #: the model keeps dropout active (per-example masks: vmap with randomness="different")
+    dropout: bool = False
     notes: list[str] = field(default_factory=list)
 
     @property
     def accountant_options(self) -> dict[str, Any]:
         return dict(PLD_OPTIONS) if self.settings.accountant == "pld" else {}
+
+    @property
+    def randomness(self) -> str:
+        """``"secure"``, or ``"seeded (not private)"`` with ``--reproducible``."""
+        return "seeded (not private)" if self.settings.reproducible else "secure"
 
 
 def _device(name: str) -> torch.device:
@@ -195,9 +212,15 @@ def plan_run(settings: TrainSettings) -> RunPlan:
         )
     if out.exists() and not out.is_dir():
         raise ConfigurationError(f"--out {out}: exists and is not a directory")
+    check_writable(out)
     device = _device(settings.device)
-    resolve_model(settings.model)
+    model_source, model_is_dir = resolve_model(settings.model)
     patch, notes = _check_kernels(settings.kernels, device, _model_type(settings.model))
+    if settings.secure_noise:
+        notes.append(
+            "--secure-noise is deprecated and has no effect: noise and sampling are secure by "
+            "default (--reproducible is the explicit, non-private alternative)"
+        )
     if settings.precision == "fp16" and device.type == "cpu":
         raise ConfigurationError(
             "--precision fp16 on cpu: fp16 autocast is for accelerators; use --precision bf16 "
@@ -218,6 +241,7 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     corpus = load_corpus(settings.data, text_field=settings.text_field)
     tokenizer = load_tokenizer(settings.model)
     encode, eos, vocab = _encode(tokenizer)
+    check_model_fits(model_source, model_is_dir, block_size=settings.block_size, vocab_size=vocab)
     rows = make_blocks(corpus, encode, block_size=settings.block_size, eos_token_id=eos)
     if len(rows) < 2:
         raise ConfigurationError(
@@ -253,7 +277,10 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     accounting_extra: dict[str, Any] = {}
     if settings.sampler == "fixed":
         max_batch = accounting.max_batch_size_for(
-            dataset_size=n, sample_rate=q, steps=steps, truncation_budget=delta / 1000
+            dataset_size=n,
+            sample_rate=q,
+            steps=steps,
+            truncation_budget=truncation_budget(delta, settings.target_epsilon),
         )
         max_batch = min(max_batch, n)
         accounting_extra = {"max_batch_size": max_batch, "dataset_size": n}
@@ -286,6 +313,25 @@ def plan_run(settings: TrainSettings) -> RunPlan:
         accountant_options=options,
         **accounting_extra,
     )
+    poisson_only = None
+    target = settings.target_epsilon
+    if accounting_extra and target is not None and planned < target:
+        poisson_only = accounting.epsilon(
+            sample_rate=q,
+            noise_multiplier=sigma,
+            steps=steps,
+            delta=delta,
+            accountant=settings.accountant,
+            accountant_options=options,
+        )
+    note = epsilon_note(
+        target=settings.target_epsilon,
+        planned=planned,
+        poisson_only=poisson_only,
+        max_batch=max_batch,
+    )
+    if note:
+        notes.append(note)
     baseline = unigram_entropy(val[:, 1:], vocab)
     engine = settings.engine
     if settings.precision == "fp16":
@@ -298,6 +344,23 @@ def plan_run(settings: TrainSettings) -> RunPlan:
                 "bf16 (book-keeping runs under bf16 autocast)"
             )
         engine = "vmap"
+    dropout = config_dropout(model_source, model_is_dir) if settings.dropout else {}
+    if dropout:
+        listed = ", ".join(f"{k}={v:g}" for k, v in dropout.items())
+        if engine == "bookkeeping":
+            raise ConfigurationError(
+                f"--engine bookkeeping with dropout ({listed}): book-keeping's per-example check "
+                "cannot be validated under random masks; use --engine vmap or auto (dropout per "
+                "example), or --no-dropout"
+            )
+        engine = "vmap"
+        notes.append(
+            f"dropout stays active as configured ({listed}), with an independent mask per "
+            "example: the vmap engine clips these per-example gradients (book-keeping's check "
+            "cannot validate under random masks); --no-dropout switches dropout off"
+        )
+    elif not settings.dropout:
+        notes.append("dropout switched off (--no-dropout)")
     return RunPlan(
         settings=settings,
         out=out,
@@ -316,6 +379,7 @@ def plan_run(settings: TrainSettings) -> RunPlan:
         device=device,
         patch=patch,
         engine=engine,
+        dropout=bool(dropout),
         notes=notes,
     )
 
@@ -475,6 +539,8 @@ def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
         plan.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(s.seed)
     loaded, model, patch_report = _build_model(plan, device)
+    if not s.dropout:
+        disable_dropout(model)
     forward_kwargs: dict[str, Any] = {"use_cache": False}
     if patch_report is not None and "linear_cross_entropy" in patch_report.kernels:
         forward_kwargs["loss_only"] = True  # the loss without materialising the logits
@@ -523,6 +589,8 @@ def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
             microbatch_size=microbatch,
             return_aux=True,
             method=plan.engine,
+            # dropout: an independent mask per example under vmap
+            randomness="different" if plan.dropout else "error",
         )
 
     tune_report = ""
@@ -553,12 +621,17 @@ def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
         inner = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
     accountant = accounting.make_accountant(s.accountant, **plan.accountant_options)
     shard = ctx.sampler_kwargs()  # every rank draws the global batch and keeps its share
+    # secure (default): batch membership from a key drawn on rank 0 and shared, never stored;
+    # --reproducible: from --seed (not private)
+    keyed: dict[str, Any] = (
+        {"seed": s.seed} if s.reproducible else {"randomness": ctx.shared_randomness()}
+    )
     if plan.max_batch_size is not None:
         sampler: Any = FixedShapePoissonSampler(
-            plan.dataset_size, plan.sample_rate, plan.max_batch_size, seed=s.seed, **shard
+            plan.dataset_size, plan.sample_rate, plan.max_batch_size, **keyed, **shard
         )
     else:
-        sampler = PoissonSampler(plan.dataset_size, plan.sample_rate, seed=s.seed, **shard)
+        sampler = PoissonSampler(plan.dataset_size, plan.sample_rate, **keyed, **shard)
     # the sampler gives the divisor (expected global batch q·N) and what the accountant records
     # per step (with the truncation of fixed-shape sampling); every report carries ε(δ) so far.
     # In one process this is exactly DPOptimizer; under torchrun it all-reduces the clipped
@@ -570,8 +643,8 @@ def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
         sampler=sampler,
         accountant=accountant,
         delta=plan.delta,
-        seed=None if s.secure_noise else s.seed,
-        secure=s.secure_noise,
+        # secure (default): a noise key drawn on rank 0 and shared, never stored
+        seed=s.seed if s.reproducible else None,
         offload_state=s.offload_optimizer,
     )
 
@@ -602,7 +675,12 @@ def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
     eval_every = s.eval_every or max(1, plan.steps // 10)
     reset_peak_memory(device)
     batches = _batches(sampler)
-    bar = make_progress(plan.steps, initial=start_step, enabled=s.progress and main)
+    bar = make_progress(
+        plan.steps,
+        initial=start_step,
+        enabled=s.progress and main,
+        desc="opake train" if not s.reproducible else "opake train [seeded, not private]",
+    )
 
     def save(step: int) -> None:
         save_checkpoint_distributed(
@@ -618,9 +696,19 @@ def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
 
     val_loss: float | None = None
     peak_seen: float | None = None
+    # the validation loss above the initial one for 3 evaluations in a row: say so, once
+    watch = DivergenceWatch(initial_val, patience=3)
+    # a KeyboardInterrupt raised while `at_boundary` leaves a consistent state to checkpoint:
+    # no batch drawn, no noise drawn, nothing stepped or accounted for the next step yet
+    at_boundary = True
+    boundary = StepBoundary(enabled=not ctx.is_distributed)
     try:
+        boundary.__enter__()
         for step in range(start_step, plan.steps):
+            at_boundary = True
+            boundary.check()
             lr = _lr_at(step, steps=plan.steps, peak=s.lr, warmup=warmup)
+            at_boundary = False
             for group in inner.param_groups:
                 group["lr"] = lr
             indices = next(batches)
@@ -668,6 +756,10 @@ def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
             val_loss = None
             if main and (done % eval_every == 0 or done == plan.steps):
                 val_loss = _evaluate(model, plan.val, device, autocast, forward_kwargs)
+                diverging = watch.observe(val_loss)
+                if diverging:
+                    plan.notes.append(f"at step {done}, {diverging}")
+                    print(f"\nopake train: warning: {diverging}", file=sys.stderr, flush=True)
             step_time = figures["step_time_sec"]
             peak = result.memory_peak_gb and figures["memory_peak_gb"]
             peak_seen = _max_none([peak_seen, peak])
@@ -694,17 +786,27 @@ def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
             bar.update(1)
             if done % s.checkpoint_every == 0 and done < plan.steps:
                 save(done)
+            at_boundary = True
     except KeyboardInterrupt:
         bar.close()
         completed = int(rows[-1]["step"]) if rows else start_step
-        if completed > start_step and not ctx.is_distributed:
-            save(completed)
-        print(
-            f"opake train: interrupted after step {completed}; continue with the same command "
-            "and --resume",
-            file=sys.stderr,
-        )
+        if at_boundary and not ctx.is_distributed:
+            if completed > start_step:
+                save(completed)
+            print(
+                f"opake train: interrupted after step {completed}; continue with the same "
+                "command and --resume",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"opake train: stopped during step {completed + 1}, without saving it; "
+                "continue from the last checkpoint with the same command and --resume",
+                file=sys.stderr,
+            )
         raise
+    finally:
+        boundary.__exit__(None, None, None)
     bar.close()
     save(plan.steps)
     if not main:
@@ -868,6 +970,7 @@ def _summary(
         "val_loss_below_baseline": plan.baseline - val_loss,
         "planned_epsilon": plan.planned_epsilon,
         "accountant": s.accountant,
+        "randomness": plan.randomness,
         "privacy_unit": (
             f"one training block of {s.block_size} tokens (example-level DP over the training "
             "split; the validation split is not protected)"

@@ -1,0 +1,68 @@
+"""Ctrl-C at a step boundary: the first SIGINT lets the current DP step finish, the second aborts.
+
+A DP step changes several things that must stay consistent for ``--resume``: the sampler's
+position, the noise counter, the optimizer, the model and the accountant. An interrupt landing
+in the middle would leave a state that no checkpoint may record (a batch drawn but not trained,
+noise drawn but not accounted, ...). :class:`StepBoundary` defers the first SIGINT to the next
+step boundary, where the run saves a checkpoint and stops; a second SIGINT raises at once (the
+last checkpoint written stands).
+
+>>> with StepBoundary(enabled=False) as boundary:
+...     boundary.check()  # nothing requested: returns
+>>> boundary.requested
+False
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from types import FrameType, TracebackType
+from typing import Any
+
+__all__ = ["StepBoundary"]
+
+
+class StepBoundary:
+    """Context manager that turns the first SIGINT into a request checked at step boundaries.
+
+    Args:
+        enabled: install the handler (only possible in the main thread; under ``torchrun`` the
+            ranks would stop at different steps, so the caller disables it there).
+    """
+
+    def __init__(self, *, enabled: bool = True) -> None:
+        self._enabled = enabled and threading.current_thread() is threading.main_thread()
+        self._previous: Any = None
+        self.requested = False
+
+    def __enter__(self) -> StepBoundary:
+        if self._enabled:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._enabled:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(
+            "\nopake train: Ctrl-C — finishing the current step, then saving a checkpoint "
+            "(press Ctrl-C again to stop at once, without saving)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def check(self) -> None:
+        """Raise ``KeyboardInterrupt`` if an interrupt was requested (call between steps)."""
+        if self.requested:
+            raise KeyboardInterrupt
