@@ -177,8 +177,11 @@ def _replay(total: int, plan: Any, max_batch: int | None) -> list[list[int]]:
     return out[: plan.steps]
 
 
-def _grad_fn(plan: Any, fmodel: Any, trainable: Any, frozen: Any, device: Any) -> tuple[Any, Any]:
-    """The data's clipped-gradient function, built as ``opake train`` builds it."""
+def _grad_fn(
+    plan: Any, fmodel: Any, trainable: Any, frozen: Any, device: Any, *, loss_only: bool
+) -> tuple[Any, Any]:
+    """The data's clipped-gradient function, built as ``opake train`` builds it (the patched
+    loss-only forward where the model family's kernels provide it)."""
     import torch
 
     from opake.cli._trainer import _autocast_factory, _tune_microbatch
@@ -189,13 +192,22 @@ def _grad_fn(plan: Any, fmodel: Any, trainable: Any, frozen: Any, device: Any) -
     s = plan.settings
     autocast = _autocast_factory(s.precision, device)
 
+    extra = {"loss_only": True} if loss_only else {}
+
     def loss_fn(trainable: Any, frozen: Any, x: torch.Tensor) -> torch.Tensor:
         ids = x.unsqueeze(0)
-        return fmodel((trainable, frozen), input_ids=ids, labels=ids, use_cache=False).loss
+        params = (trainable, frozen)
+        return fmodel(params, input_ids=ids, labels=ids, use_cache=False, **extra).loss
 
     def batch_losses(trainable: Any, frozen: Any, x: torch.Tensor) -> torch.Tensor:
         with autocast():
-            out = fmodel((trainable, frozen), input_ids=x, use_cache=False)
+            params = (trainable, frozen)
+            if loss_only:
+                out = fmodel(
+                    params, input_ids=x, labels=x, per_example_loss=True, use_cache=False, **extra
+                )
+                return out.loss.float()  # type: ignore[no-any-return]
+            out = fmodel(params, input_ids=x, use_cache=False)
             return causal_lm_losses(out.logits, x)
 
     per_example: Any = loss_fn
@@ -262,7 +274,8 @@ def run_audit(
     secret = s.seed if reproducible else None  # secure by default: OS entropy, never stored
     device = plan.device
     torch.manual_seed(s.seed)
-    _, model, _ = _build_model(plan, device)
+    _, model, patch_report = _build_model(plan, device)
+    loss_only = patch_report is not None and "linear_cross_entropy" in patch_report.kernels
     fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
     included = draw_inclusion(count, seed=None if secret is None else secret + 1)
     data = plan.train
@@ -282,7 +295,7 @@ def run_audit(
             included, dataset_size=int(data.shape[0]), clipping_norm=s.clip, device=device
         )
         total = run.total_size
-    grad_fn, clip_state = _grad_fn(plan, fmodel, trainable, frozen, device)
+    grad_fn, clip_state = _grad_fn(plan, fmodel, trainable, frozen, device, loss_only=loss_only)
     sampler, max_batch = _make_sampler(total, plan, secret)
     params = {**trainable, **(run.params if run is not None else {})}
     inner = _optimizer(s, list(params.values()))
