@@ -291,6 +291,35 @@ def _error(fn: Callable[[], Any]) -> str | None:
     return None
 
 
+def secure_defaults(rank: int, world_size: int) -> dict[str, Any]:
+    """The default randomness across ranks: one secure key, drawn on rank 0, never a seed."""
+    from opake.dpsgd.distributed import DistributedDPOptimizer, shared_randomness
+    from opake.dpsgd.randomness import Randomness
+    from opake.dpsgd.sampling import PoissonSampler
+
+    model = make_mlp()
+    sampler = PoissonSampler(N, Q, randomness=shared_randomness(), rank=rank, world_size=world_size)
+    opt = DistributedDPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR), model, noise_multiplier=SIGMA, sampler=sampler
+    )
+    own = PoissonSampler(N, Q, randomness=Randomness.secure(), rank=rank, world_size=world_size)
+    return {
+        "noise_sync": opt.noise_sync,
+        "noise_secure": opt.noise.secure,
+        "noise_key": opt.noise.randomness.fingerprint,
+        "sampler_key": sampler.randomness.fingerprint,
+        "batch": sampler.global_batch(0).tolist(),
+        "own_keys": _error(
+            lambda: DistributedDPOptimizer(
+                torch.optim.SGD(model.parameters(), lr=LR),
+                model,
+                noise_multiplier=SIGMA,
+                sampler=own,
+            )
+        ),
+    }
+
+
 def misconfigurations(rank: int, world_size: int) -> dict[str, str | None]:
     """Mistakes on one rank must raise on *every* rank (and leave the group usable)."""
     from opake.dpsgd.clipping import clipped_grad
@@ -438,6 +467,7 @@ def scenario_train(rank: int, world_size: int, out: Path) -> None:
     )
     results["llama"] = timed("llama", lambda: train_llama(rank, world_size))
     results["errors"] = timed("errors", lambda: misconfigurations(rank, world_size))
+    results["secure"] = timed("secure", lambda: secure_defaults(rank, world_size))
     results["guide"] = timed("guide", lambda: run_guide_script(out / "guide"))
 
     # checkpoint: rank 0 writes; every rank restores into fresh objects (own RNG state back)

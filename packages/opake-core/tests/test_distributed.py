@@ -299,6 +299,22 @@ def test_misconfiguration_raises_on_every_rank(train, case, kind, words):
     assert train[0]["errors"]["idle_pending_after"] == "0"
 
 
+def test_default_randomness_is_one_secure_key_shared_by_the_ranks(train):
+    # noise: a secure key drawn on rank 0 and shared (replicated noise, no broadcast, no seed);
+    # sampling: shared_randomness() gives every rank the same global batch
+    first = train[0]["secure"]
+    for rank in train:
+        got = rank["secure"]
+        assert got["noise_sync"] == "replicated"
+        assert got["noise_secure"] is True
+        assert got["noise_key"] == first["noise_key"]
+        assert got["sampler_key"] == first["sampler_key"]
+        assert got["batch"] == first["batch"]
+        # samplers keyed separately on each rank are caught at construction
+        assert got["own_keys"] is not None
+        assert "the sampler" in got["own_keys"]
+
+
 # -- the guide's script -----------------------------------------------------------------------
 
 
