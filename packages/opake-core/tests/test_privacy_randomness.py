@@ -133,6 +133,17 @@ def test_bernoulli_threshold_is_exact_to_2_pow_minus_64() -> None:
     assert not source.bernoulli("poisson", 4, 64, 0.0).any()
 
 
+def test_bernoulli_in_pieces_is_the_same_draw(monkeypatch) -> None:
+    source = Randomness.seeded(2)
+    whole = source.bernoulli("poisson", 1, 100, 0.5)
+    monkeypatch.setattr(_randomness, "_CHUNK_WORDS", 16)  # 64-byte blocks: 8 words each
+    assert source.bernoulli("poisson", 1, 100, 0.5).tolist() == whole.tolist()
+    assert (
+        bytes(source.keystream("poisson", 1, 64, offset=128))
+        == reference_keystream(source.export_key(), "poisson", 1, 192)[128:]
+    )
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     shapes=st.dictionaries(

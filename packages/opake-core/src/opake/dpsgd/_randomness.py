@@ -50,11 +50,18 @@ _KEY_BYTES = 32
 _MASK63 = np.uint64(0x7FFF_FFFF_FFFF_FFFF)
 
 
-def _cipher(key: bytes, stream: int, index: int) -> Any:
+#: 64-bit words drawn per piece by :meth:`Randomness.bernoulli` (16 MiB of keystream)
+_CHUNK_WORDS = 1 << 21
+_BLOCK_BYTES = 64
+
+
+def _cipher(key: bytes, stream: int, index: int, block: int = 0) -> Any:
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
     # cryptography's 16-byte ChaCha20 "nonce" is the 32-bit block counter, then the 96-bit nonce
-    nonce = b"\0\0\0\0" + stream.to_bytes(4, "little") + index.to_bytes(8, "little")
+    if not 0 <= block < 2**32:
+        raise ConfigurationError("a draw of more than 256 GiB of keystream per step")
+    nonce = block.to_bytes(4, "little") + stream.to_bytes(4, "little") + index.to_bytes(8, "little")
     return Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor()
 
 
@@ -151,18 +158,23 @@ class Randomness:
 
     # -- raw draws -------------------------------------------------------------------------
 
-    def keystream(self, stream: str, index: int, nbytes: int) -> bytearray:
-        """``nbytes`` keystream bytes of ``(stream, index)``."""
+    def keystream(self, stream: str, index: int, nbytes: int, *, offset: int = 0) -> bytearray:
+        """``nbytes`` keystream bytes of ``(stream, index)``, from byte ``offset`` (a multiple of
+        64) on."""
         stream_id = _stream_id(stream)
         index = _index(index)
+        if offset % _BLOCK_BYTES:
+            raise ConfigurationError(f"offset={offset}: expected a multiple of {_BLOCK_BYTES}")
         out = bytearray(nbytes)
         if nbytes:
-            _cipher(self._key, stream_id, index).update_into(bytes(nbytes), out)
+            cipher = _cipher(self._key, stream_id, index, offset // _BLOCK_BYTES)
+            cipher.update_into(bytes(nbytes), out)
         return out
 
-    def uint64(self, stream: str, index: int, count: int) -> np.ndarray:
-        """``count`` independent uniform 64-bit integers (``numpy.uint64``)."""
-        raw = self.keystream(stream, index, 8 * count)
+    def uint64(self, stream: str, index: int, count: int, *, offset: int = 0) -> np.ndarray:
+        """``count`` independent uniform 64-bit integers (``numpy.uint64``), words ``offset``
+        (a multiple of 8) onwards of the stream."""
+        raw = self.keystream(stream, index, 8 * count, offset=8 * offset)
         return np.frombuffer(raw, dtype="<u8").astype(np.uint64, copy=False)
 
     # -- distributions ---------------------------------------------------------------------
@@ -199,7 +211,13 @@ class Randomness:
         if p == 1.0:
             return np.ones(count, dtype=bool)
         threshold = np.uint64(math.floor(Fraction(p) * 2**64))
-        return self.uint64(stream, index, count) < threshold
+        out = np.empty(count, dtype=bool)
+        # in pieces, so a large dataset never holds all its words at once (same values)
+        for start in range(0, count, _CHUNK_WORDS):
+            stop = min(count, start + _CHUNK_WORDS)
+            words = self.uint64(stream, index, stop - start, offset=start)
+            np.less(words, threshold, out=out[start:stop])
+        return out
 
     def sort_keys(self, stream: str, index: int, count: int) -> np.ndarray:
         """A uniformly random order of ``range(count)`` (argsort of random 64-bit keys)."""
