@@ -24,10 +24,14 @@ no ``create_graph``). Per layer:
   vocabulary tile by vocabulary tile: no logits tensor exists at any point).
 
 The clipped sum ``Σ_i c_i ∇ℓ_i`` is then one contraction per layer of the recorded inputs and
-the ``c_i``-scaled output gradients (fp32). On the first call the norm of example 0 is compared
-with plain autograd on that example alone; ``"auto"`` falls back to vmap when anything is
-unsupported or that check fails, ``"bookkeeping"`` raises. :func:`bookkeeping_plan` shows the
-rule of every layer.
+the ``c_i``-scaled output gradients (fp32). The clip factors come from bounds that fp32
+cancellation between tokens cannot shrink (``Σ_t ‖a_t‖‖b_t‖`` per example); an example whose
+bound is loose is measured and added exactly, from its gradient materialised in fp64
+(``opake.dpsgd._bk_certify``). The per-parameter norms of the example with the largest
+non-zero gradient are compared with plain autograd on that example alone — on the first call,
+on every new structure and periodically; ``"auto"`` falls back to vmap when anything is
+unsupported or that check fails, ``"bookkeeping"`` raises, and a call where no example can be
+compared runs on vmap. :func:`bookkeeping_plan` shows the rule of every layer.
 
 The loss must return per-example losses for a batch (:class:`BatchedLoss`): reduce over each
 example's tokens (:func:`causal_lm_losses`), never over the batch. The model must keep the
