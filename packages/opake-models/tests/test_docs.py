@@ -47,7 +47,7 @@ def _support_row(spec: FamilySpec) -> str:
     if moe is None:
         engines = "vmap, book-keeping"
     elif moe.routing == "family":
-        engines = "vmap (dense experts); book-keeping: no (router)"
+        engines = "vmap (dense experts) only"
     else:
         engines = "vmap (dense experts), book-keeping (per-layer fallback for experts)"
     frozen = []
@@ -55,7 +55,7 @@ def _support_row(spec: FamilySpec) -> str:
         frozen.append("the attention `sinks`")
     if spec.attention.linear:
         frozen.append(f"the `{spec.attention.linear}` blocks")
-    if frozen:
+    if frozen and (moe is None or moe.routing != "family"):
         engines += " with " + " and ".join(frozen) + " frozen"
     head = spec.head
     if isinstance(head, CausalLMHead):
@@ -87,6 +87,8 @@ def _support_row(spec: FamilySpec) -> str:
         notes.append(f"no RoPE on `{spec.rope.skip}`")
     if moe is not None:
         notes.append(f"{moe.routing} routing")
+        if moe.router_input_ids:
+            notes.append("hash routing (token ids) on some layers")
         if moe.shared:
             notes.append("shared expert" + (" (gated)" if moe.shared_gate else ""))
         if moe.aux_loss:

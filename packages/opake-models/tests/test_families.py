@@ -15,10 +15,23 @@ from opake.models import family_names
 from opake.models.testing import CHECKS, ConformanceCase, run_check, tiny_model
 
 CASES = {name: ConformanceCase(lambda name=name: tiny_model(name)) for name in family_names()}
+#: DeepSeek-V4's sparse-attention indexer scatters in place: no vmap batching rule, so PyTorch
+#: runs that op per example (correct, slower) and says so; and it picks keys with a top-k, so
+#: its own parameters get no gradient from the language-model loss (the engine warns that they
+#: would train on noise alone: under DP, freeze them)
+DEEPSEEK = [
+    pytest.mark.filterwarnings(
+        "ignore:There is a performance drop because we have not yet implemented the batching rule"
+    ),
+    pytest.mark.filterwarnings("ignore:clipped_grad. the loss does not depend on differentiated"),
+]
+FAMILIES = [
+    pytest.param(name, marks=DEEPSEEK) if name == "deepseek_v4" else name for name in family_names()
+]
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
-@pytest.mark.parametrize("family", family_names())
+@pytest.mark.parametrize("family", FAMILIES)
 def test_conformance(family, check):
     run_check(check, CASES[family])
 

@@ -47,6 +47,7 @@ REQUIRED = {
     "gpt_oss",
     "hunyuan_v1_moe",
     "qwen3_next",
+    "deepseek_v4",
 }
 
 

@@ -189,7 +189,9 @@ class _Router:
     top_k: int
     normalize: bool
 
-    def __call__(self, block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(
+        self, block: torch.nn.Module, x: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """``(logits [B, T, E], weights [B, T, k], index [B, T, k])`` for ``x [B, T, H]``."""
         import torch
         import torch.nn.functional as F
@@ -205,8 +207,12 @@ class _Router:
             weights, index = routing_weights(logits, self.spec.routing, self.top_k, self.normalize)
             return logits, weights, index
         use = implicit_use(router)
+        hashed = self.spec.router_input_ids is not None and getattr(
+            block, self.spec.router_input_ids, False
+        )
         if use is None:
-            logits, weights, index = router(x.reshape(-1, size))
+            extra = (input_ids,) if hashed else ()
+            logits, weights, index = router(x.reshape(-1, size), *extra)
             shape = (batch, steps, -1)
             return logits.reshape(shape), weights.reshape(shape), index.reshape(shape)
         if _hf_collects_router_logits():
@@ -245,19 +251,26 @@ def _hf_collects_router_logits() -> bool:
 def _block_forward(router: _Router) -> Callable[..., Any]:
     spec = router.spec
 
-    def forward(block: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kw: Any) -> Any:
+    def forward(
+        block: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        *args: Any,
+        input_ids: torch.Tensor | None = None,
+        **kw: Any,
+    ) -> Any:
         import torch
 
-        if args or kw:
+        if args or kw or (input_ids is not None and spec.router_input_ids is None):
+            given = sorted(kw) + (["input_ids"] if input_ids is not None else [])
             raise OperationError(
                 f"{type(block).__name__}: the DP forward takes the hidden states only; got "
-                f"{len(args)} more positional and {sorted(kw)} keyword argument(s)"
+                f"{len(args)} more positional and {given} keyword argument(s)"
             )
         x = hidden_states
         noise = float(getattr(block, "jitter_noise", 0.0) or 0.0) if spec.jitter else 0.0
         if block.training and noise > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - noise, 1.0 + noise)
-        logits, weights, index = router(block, x)
+        logits, weights, index = router(block, x, input_ids)
         collected = _COLLECT.get()
         if collected is not None:
             collected.append(logits)

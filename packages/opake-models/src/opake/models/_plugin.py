@@ -41,6 +41,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "gpt_oss": ("gpt_oss",),
     "hunyuan_v1_moe": ("hunyuan_v1_moe",),
     "qwen3_next": ("qwen3_next",),
+    "deepseek_v4": ("deepseek_v4",),
 }
 
 

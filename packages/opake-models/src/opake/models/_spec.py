@@ -415,6 +415,9 @@ class Moe:
         jitter: config attribute of multiplicative router input noise in training (Mixtral).
         aux_loss: the causal-LM head adds ``router_aux_loss_coef`` × the load-balancing loss
             when ``output_router_logits`` is on.
+        router_input_ids: attribute of the block that, when true, makes its router pick experts
+            from the token ids (DeepSeek-V4's hash routing, ``is_hash``): the block then takes
+            ``input_ids`` and hands them to the router.
 
     Example:
         >>> Moe("MixtralSparseMoeBlock", normalize=True).routing
@@ -432,6 +435,7 @@ class Moe:
     returns_scores: bool = False
     jitter: str | None = None
     aux_loss: bool = True
+    router_input_ids: str | None = None
 
     def __post_init__(self) -> None:
         owner = f"Moe({self.block!r})"
@@ -441,7 +445,7 @@ class Moe:
         _choice(owner, "routing", self.routing, ROUTINGS)
         if not isinstance(self.normalize, bool):
             _ident(owner, "normalize", self.normalize)
-        for what in ("router_linear", "shared", "shared_gate", "jitter"):
+        for what in ("router_linear", "shared", "shared_gate", "jitter", "router_input_ids"):
             _optional_ident(owner, what, getattr(self, what))
         for what in ("returns_scores", "aux_loss"):
             if not isinstance(getattr(self, what), bool):
