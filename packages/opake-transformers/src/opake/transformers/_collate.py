@@ -48,8 +48,9 @@ def engine_mask(mask: torch.Tensor, *, causal: bool, dtype: Any = None) -> torch
     >>> import torch
     >>> engine_mask(torch.tensor([[1, 1, 0]]), causal=True) is None
     True
-    >>> engine_mask(torch.tensor([[1, 1, 0]]), causal=False)[0, 0, 0].tolist()[:2]
-    [0.0, 0.0]
+    >>> additive = engine_mask(torch.tensor([[1, 1, 0]]), causal=False)
+    >>> tuple(additive.shape), float(additive[0, 0, 0, 1]), float(additive[0, 0, 0, 2]) < -1e38
+    ((1, 1, 1, 3), 0.0, True)
     """
     import torch
 

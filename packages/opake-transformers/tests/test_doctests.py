@@ -1,0 +1,27 @@
+"""The docstring examples of opake.transformers, run under the package's real import name
+(see ``conftest.py`` of this distribution for why they are not collected by file path)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "opake.transformers",
+    "opake.transformers._args",
+    "opake.transformers._collate",
+    "opake.transformers._losses",
+    "opake.transformers._trainer",
+]
+WITH_EXAMPLES = {"opake.transformers", "opake.transformers._args", "opake.transformers._collate"}
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False)
+    assert result.failed == 0, f"{result.failed} docstring example(s) of {name} failed"
+    assert (result.attempted > 0) == (name in WITH_EXAMPLES)
