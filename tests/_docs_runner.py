@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +40,7 @@ PRELOAD = ("torch", "transformers.modeling_utils", "transformers.models.llama.mo
 
 def _child(path: Path) -> None:
     """In the forked process: become a fresh ``python example.py`` as far as names go."""
+    import atexit
     import runpy
     import traceback
 
@@ -54,9 +56,12 @@ def _child(path: Path) -> None:
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
     except BaseException:  # report anything the example raised, as python would
         traceback.print_exc()
         code = 1
+    atexit._run_exitfuncs()  # what interpreter shutdown runs: logging, temporary files, ...
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -72,6 +77,8 @@ def _start(path: Path, fresh: bool) -> int | subprocess.Popen:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+    sys.stdout.flush()
+    sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child never returns
         try:
@@ -168,8 +175,12 @@ def run_examples(jobs: list[dict[str, str]], workdir: Path) -> dict[str, dict[st
 
 def main(argv: list[str]) -> int:
     jobs = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    with tempfile.TemporaryDirectory(prefix="docs-examples-") as workdir:
-        results = run_examples(jobs, Path(workdir))
+    # not TemporaryDirectory: its exit-time finalizer would run in every forked example too
+    workdir = Path(tempfile.mkdtemp(prefix="docs-examples-"))
+    try:
+        results = run_examples(jobs, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     Path(argv[1]).write_text(json.dumps(results), encoding="utf-8")
     return 0
 

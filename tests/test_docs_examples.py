@@ -194,6 +194,7 @@ def run_programs(
         [sys.executable, str(RUNNER), str(jobs), str(results)],
         cwd=workdir,
         env=env,
+        stdin=subprocess.DEVNULL,
         timeout=3600,
         check=True,
     )
@@ -321,6 +322,7 @@ def test_the_runner_runs_each_program_alone(tmp_path, fresh):
         "not_imported": "print(torch.ones(1))",
         "syntax": "f(a=1, ...)",
         "exits": "import sys\nsys.exit(3)",
+        "at_exit": "import atexit\natexit.register(print, 'bye')",
     }
     results = run_programs(
         programs, tmp_path, DOCS_TEST_FRESH_INTERPRETER=fresh, DOCS_TEST_PRELOAD="torch"
@@ -331,7 +333,9 @@ def test_the_runner_runs_each_program_alone(tmp_path, fresh):
         "not_imported": 1,
         "syntax": 1,
         "exits": 3,
+        "at_exit": 0,
     }
+    assert results["at_exit"]["output"].strip() == "bye"
     assert results["defines"]["output"].strip() == "3"
     assert "NameError: name 'model' is not defined" in results["uses"]["output"]
     assert "NameError: name 'torch' is not defined" in results["not_imported"]["output"]
