@@ -47,8 +47,8 @@ def save_trained_model(
         return _save_lora(out, model, tokenizer, base=base, save_base=save_base)
 
 
-def _save(model: Any, tokenizer: Any, target: Path) -> str:
-    model.save_pretrained(target)
+def _save(model: Any, tokenizer: Any, target: Path, **kwargs: Any) -> str:
+    model.save_pretrained(target, **kwargs)
     tokenizer.save_pretrained(target)
     return str(target)
 
@@ -60,7 +60,8 @@ def _save_lora(
     base_dir = out / "base_model"
     for config in model.peft_config.values():
         config.base_model_name_or_path = str(base_dir.resolve()) if save_base else base
-    saved["adapter"] = _save(model, tokenizer, out / "adapter")
+    # the embeddings are not adapted (all-linear LoRA): no need to look for the base's config
+    saved["adapter"] = _save(model, tokenizer, out / "adapter", save_embedding_layers=False)
     clean: dict[str, Any] | None = None
     if save_base:
         # the base weights under their plain names, copied before the merge changes them
