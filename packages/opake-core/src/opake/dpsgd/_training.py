@@ -96,20 +96,6 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
     return str(value)
 
 
-def _shared_seed(context: Any) -> int:
-    """A fresh secret seed from OS entropy, drawn on rank 0 and shared with every rank."""
-    import secrets
-
-    seed = secrets.randbits(63)
-    if context.world_size > 1:
-        import torch.distributed as dist
-
-        box = [seed]
-        dist.broadcast_object_list(box, src=0, group=context.group)
-        seed = int(box[0])
-    return seed
-
-
 class DPTraining:
     """The DP-SGD training step: sampling, clipping, noise, update, accounting, budget.
 
@@ -156,8 +142,9 @@ class DPTraining:
         max_batch_size: ``B_max`` of fixed-shape sampling (default: ``max_batch_size_for``
             with a truncation budget of δ/1000).
         steps_per_epoch: sampler batches per epoch (default ``round(1/q)``).
-        seed: ``None`` (default) draws noise and batch membership from OS entropy (secure,
-            not reproducible); an int makes sampling and noise reproducible (tests, debugging).
+        seed: ``None`` (default): noise and batch membership from a secure key (drawn from the
+            operating system on rank 0, shared with the other ranks, never stored); an int:
+            reproducible sampling and noise, **not private** (tests, debugging).
         process_group: the ``torch.distributed`` group (default: the default group if any).
         offload_state: keep the optimizer state in CPU memory (see ``DPOptimizer``).
         unused_params: ``"warn"`` or ``"error"`` for trainable tensors without gradient.
@@ -271,17 +258,19 @@ class DPTraining:
         self._delta = delta
         self._planned_steps = None if steps is None else _positive("steps", steps, integer=True)
         self._secure = seed is None
-        shared = _shared_seed(ctx) if seed is None else seed
+        # secure (default): batch membership from a key rank 0 drew and shared, never stored;
+        # an int seed: reproducible and not private
+        keyed: dict[str, Any] = (
+            {"randomness": ctx.shared_randomness()} if seed is None else {"seed": seed}
+        )
         shard = ctx.sampler_kwargs()
         if sampler == "fixed":
             assert max_batch_size is not None
             self._sampler: Any = FixedShapePoissonSampler(
-                n, q, max_batch_size, steps_per_epoch=steps_per_epoch, seed=shared, **shard
+                n, q, max_batch_size, steps_per_epoch=steps_per_epoch, **keyed, **shard
             )
         else:
-            self._sampler = PoissonSampler(
-                n, q, steps_per_epoch=steps_per_epoch, seed=shared, **shard
-            )
+            self._sampler = PoissonSampler(n, q, steps_per_epoch=steps_per_epoch, **keyed, **shard)
         first = 1 + len(args)
         self._args = args
         self._params = params
@@ -304,8 +293,7 @@ class DPTraining:
             sampler=self._sampler,
             accountant=self._accountant,
             count_noise_multiplier=count_sigma,
-            seed=seed,
-            secure=seed is None,
+            seed=seed,  # None: a secure noise key, shared by the ranks, never stored
             offload_state=offload_state,
             unused_params=unused_params,
         )
