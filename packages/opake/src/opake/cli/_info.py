@@ -11,7 +11,7 @@ from typing import Any
 
 __all__ = ["collect_info", "format_info", "register"]
 
-_THIRD_PARTY = ("torch", "triton", "transformers", "peft", "pluggy")
+_THIRD_PARTY = ("torch", "triton", "transformers", "peft", "gguf", "pluggy")
 
 
 def _version(name: str) -> str | None:
