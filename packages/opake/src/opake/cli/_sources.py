@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -148,6 +149,11 @@ def _convert_gguf(path: Path, target: Path, spec: str) -> Path:
     from transformers.utils import logging as hf_logging
 
     _LOG.info("de-quantising %s into %s (once)", path.name, target)
+    print(
+        f"model     de-quantising {path.name} to fp32 (once; later runs load {target})",
+        file=sys.stderr,
+        flush=True,
+    )
     hf_logging.disable_progress_bar()
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
