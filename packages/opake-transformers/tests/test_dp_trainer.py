@@ -303,3 +303,40 @@ def test_refusals_outside_the_arguments(tmp_path):
     assert args.gradient_checkpointing_kwargs == {"use_reentrant": False} or (
         args.gradient_checkpointing_kwargs is None
     )
+
+
+def test_fixed_shape_sampling_masks_padding_and_accounts_the_truncation(tmp_path):
+    seen = []
+    trainer = _trainer(tmp_path, dp_sampler="fixed", max_steps=2)
+    original = trainer.training_step
+
+    def spy(model, inputs, num_items_in_batch=None):
+        seen.append(inputs["opake_example_mask"].clone())
+        return original(model, inputs, num_items_in_batch)
+
+    trainer.training_step = spy
+    trainer.train()
+    dp = trainer.dp_training
+    slots = dp.sampler.max_batch_size
+    assert slots % H.ACCUM == 0
+    assert [int(m.numel()) for m in seen] == [slots // H.ACCUM] * (2 * H.ACCUM)  # one shape
+    assert any(not bool(m.all()) for m in seen)  # padding slots were masked out
+    q = H.PER_DEVICE * H.ACCUM / H.N
+    want = accounting.epsilon(
+        sample_rate=q,
+        noise_multiplier=H.SIGMA,
+        steps=2,
+        delta=1.0 / H.N**2,
+        accountant="rdp",
+        max_batch_size=slots,
+        dataset_size=H.N,
+    )
+    assert trainer.state.log_history[-1]["epsilon"] == pytest.approx(want, rel=1e-12)
+
+
+def test_secure_randomness_is_the_default(tmp_path):
+    trainer = _trainer(tmp_path, reproducible=False, max_steps=1)
+    trainer.train()
+    assert trainer.dp_training.secure
+    assert trainer.dp_training.sampler.seed is None
+    assert trainer.args.reproducible is False

@@ -358,6 +358,21 @@ class DPTrainer(Trainer):
         if a.clipping == "automatic":
             clip = AutoSClipping(clipping_norm=a.per_sample_max_grad_norm)
         delta = a.target_delta if a.target_delta is not None else 1.0 / n**2
+        max_batch = None
+        if a.dp_sampler == "fixed":
+            from opake.accounting import max_batch_size_for
+
+            # the slots: truncation probability ≤ δ/1000 per run, rounded up to a multiple of
+            # the physical batches of all ranks (one static shape everywhere; more slots only
+            # lower the truncation probability)
+            chunks = a.gradient_accumulation_steps * a.world_size
+            needed = max_batch_size_for(
+                dataset_size=n,
+                sample_rate=self._expected_batch_size() / n,
+                steps=self._planned_steps(),
+                truncation_budget=delta / 1000,
+            )
+            max_batch = min(n, -(-needed // chunks) * chunks)
         training = DPTraining(
             BatchedLoss(losses, fmodel),
             inner,
@@ -377,6 +392,7 @@ class DPTrainer(Trainer):
             accountant=a.accountant,
             accountant_options=dict(_PLD_OPTIONS) if a.accountant == "pld" else None,
             sampler=a.dp_sampler,
+            max_batch_size=max_batch,
             steps_per_epoch=self._steps_per_epoch(),
             seed=a.seed if a.reproducible else None,
         )
