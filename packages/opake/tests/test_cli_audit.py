@@ -37,7 +37,9 @@ def test_gradient_audit_writes_json_and_plot(tiny_args, tmp_path, capsys):
 
 def test_input_audit_scores_loss_reduction(tiny_args, tmp_path):
     out = tmp_path / "audit"
-    assert main(_audit_args(tiny_args, out, "--canaries", "input", "--no-plots")) == 0
+    assert (
+        main(_audit_args(tiny_args, out, "--canaries", "input", "--no-plots", "--lora-r", "2")) == 0
+    )
     data = json.loads((out / "audit.json").read_text())
     assert data["canary_kind"] == "input"
     assert set(data["scores"]) == {"loss_reduction"}

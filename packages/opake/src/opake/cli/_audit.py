@@ -22,9 +22,10 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
-from opake.core.errors import ConfigurationError
+from opake.core.errors import ConfigurationError, OpakePrivacyWarning
 
 __all__ = ["CANARY_KINDS", "register", "run_audit"]
 
@@ -257,14 +258,14 @@ def run_audit(
 
     from opake import accounting
     from opake.auditing import (
+        CANARY_PARAMETER,
         GradientCanaries,
         draw_inclusion,
         one_run_audit,
         random_token_canaries,
-        step_quietly,
     )
     from opake.cli._progress import make_progress
-    from opake.cli._trainer import _build_model, _encode, _lr_at
+    from opake.cli._trainer import _build_model, _encode, _lr_at, _reemit, _zero_partner_lora_a
     from opake.dpsgd.optimizer import DPOptimizer
     from opake.functional import make_functional
 
@@ -298,6 +299,7 @@ def run_audit(
     grad_fn, clip_state = _grad_fn(plan, fmodel, trainable, frozen, device, loss_only=loss_only)
     sampler, max_batch = _make_sampler(total, plan, secret)
     params = {**trainable, **(run.params if run is not None else {})}
+    expected_zero = _zero_partner_lora_a(trainable) | {CANARY_PARAMETER}
     inner = _optimizer(s, list(params.values()))
     accountant = accounting.make_accountant(s.accountant, **plan.accountant_options)
     dp_opt = DPOptimizer(
@@ -329,7 +331,12 @@ def run_audit(
         dp_opt.accumulate(grads)
         if run is not None:
             dp_opt.accumulate(run.clipped_sum(ids))
-        report = step_quietly(dp_opt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", OpakePrivacyWarning)
+            report = dp_opt.step()
+        # expected on the first step: no gradient yet for LoRA A matrices whose B is zero, nor
+        # for the audit parameter when no included canary was drawn
+        _reemit(caught, expected_zero, params)
         if run is not None:
             run.observe(expected_batch_size=dp_opt.expected_batch_size)
         bar.set_postfix_str(f"ε {report.epsilon:.2f}", refresh=False)
