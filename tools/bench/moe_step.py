@@ -1,0 +1,237 @@
+"""One DP-SGD gradient step vs a non-private one on tiny mixture-of-experts models.
+
+Models (built from configs, eager attention, no download), batch 32 × sequence 64 of random
+tokens, full fine-tuning:
+
+- ``mixtral``: Mixtral-style, 8 experts, top-2 (hidden 64, expert width 128, 2 layers,
+  vocabulary 1024);
+- ``qwen3_moe``: Qwen3-MoE-style, 16 experts, top-4, renormalised (hidden 64, expert width 64,
+  2 layers, vocabulary 1024).
+
+Methods (each the work up to the gradient that noise is added to; noise and the optimizer step
+are the same small cost for every method and left out):
+
+- ``nonprivate``: the stock model, ``model(input_ids, labels=...).loss.backward()``;
+- ``bookkeeping``: ``apply_model_patches`` + ``clipped_grad(BatchedLoss(loss_only=True,
+  per_example_loss=True), method="bookkeeping")`` — one batched forward/backward (the family's
+  sparse experts), the router book-kept from its tapped logits, the fused experts through the
+  per-layer rule (``vmap`` over the experts layer alone, dense dispatch);
+- ``vmap``: the same patched model, ``clipped_grad(method="vmap", microbatch_size=--microbatch)``
+  on the one-example loss-only forward (dense experts per example);
+- ``opacus``: Opacus ``GradSampleModule`` hooks on the stock model, if ``import opacus`` works;
+  otherwise, or if Opacus refuses the model, skipped with the reason.
+
+Rounds interleave the methods (``--rounds``); per round and method, one warm-up step, then the
+median of ``--steps`` timed steps as wall time and process CPU time (the latter robust to other
+processes on a shared machine); ratios to ``nonprivate`` are taken within each round, then the
+median over rounds is reported.
+
+    python tools/bench/moe_step.py                       # both models, markdown table
+    python tools/bench/moe_step.py --models mixtral --rounds 3 --json out.json
+
+Results are recorded in docs/benchmarks.md ("Mixture of experts (opake-models)").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+BATCH, SEQ, VOCAB = 32, 64, 1024
+BASE = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "pad_token_id": 0,
+}
+MODELS: dict[str, dict[str, Any]] = {
+    "mixtral": {**BASE, "intermediate_size": 128, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3_moe": {
+        **BASE,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+    },
+}
+METHODS = ("nonprivate", "bookkeeping", "vmap", "opacus")
+
+
+def _model(name: str) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(name, **MODELS[name])
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)
+    return ids, torch.ones_like(ids)
+
+
+def _nonprivate(name: str, _: argparse.Namespace) -> Callable[[], None]:
+    model = _model(name)
+    ids, mask = _batch()
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+
+    return step
+
+
+def _private(name: str, args: argparse.Namespace, method: str) -> Callable[[], None]:
+    from opake.dpsgd.bookkeeping import BatchedLoss
+    from opake.dpsgd.clipping import clipped_grad
+    from opake.functional import make_functional
+    from opake.patches import apply_model_patches
+
+    model = _model(name)
+    apply_model_patches(model)
+    fmodel, params = make_functional(model)
+    ids, mask = _batch()
+
+    def losses(p: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = fmodel(
+            p,
+            input_ids=ids,
+            attention_mask=mask,
+            labels=ids,
+            loss_only=True,
+            per_example_loss=True,
+        )
+        return out.loss
+
+    grad_fn, state = clipped_grad(
+        BatchedLoss(losses, fmodel),
+        clipping_norm=1.0,
+        batch_argnums=(1, 2),
+        microbatch_size=args.microbatch if method == "vmap" else BATCH,
+        method=method,
+    )
+    holder = {"state": state}
+
+    def step() -> None:
+        _, holder["state"] = grad_fn(params, ids, mask, state=holder["state"])
+        if grad_fn.engine != method:
+            raise RuntimeError(f"asked for {method}, ran {grad_fn.engine}: {grad_fn.engine_reason}")
+
+    return step
+
+
+def _opacus(name: str, _: argparse.Namespace) -> Callable[[], None]:
+    from opacus import GradSampleModule  # ImportError: skipped
+
+    model = GradSampleModule(_model(name))
+    ids, mask = _batch()
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)
+        )
+        loss.backward()
+        norms = torch.stack(
+            [p.grad_sample.reshape(BATCH, -1).norm(dim=1) for p in model.parameters()], dim=1
+        ).norm(dim=1)
+        factor = (1.0 / (norms + 1e-6)).clamp(max=1.0)
+        for p in model.parameters():
+            p.summed = torch.einsum("i,i...->...", factor, p.grad_sample)
+
+    return step
+
+
+def _build(name: str, method: str, args: argparse.Namespace) -> Callable[[], None]:
+    if method == "nonprivate":
+        return _nonprivate(name, args)
+    if method == "opacus":
+        return _opacus(name, args)
+    return _private(name, args, method)
+
+
+def _time(step: Callable[[], None], steps: int) -> tuple[float, float]:
+    step()  # warm-up (and book-keeping's first-call check)
+    walls, cpus = [], []
+    for _ in range(steps):
+        w, c = time.perf_counter(), time.process_time()
+        step()
+        walls.append(time.perf_counter() - w)
+        cpus.append(time.process_time() - c)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--microbatch", type=int, default=8, help="vmap engine microbatch")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    steps: dict[tuple[str, str], Callable[[], None]] = {}
+    skipped: dict[tuple[str, str], str] = {}
+    for name in args.models:
+        for method in args.methods:
+            try:
+                step = _build(name, method, args)
+                if method == "opacus":
+                    step()  # Opacus fails on layers it cannot hook on first use
+                steps[name, method] = step
+            except Exception as err:  # a method that cannot run this model is reported
+                first = str(err).splitlines()[0][:160] if str(err) else ""
+                skipped[name, method] = f"{type(err).__name__}: {first}"
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {k: [] for k in steps}
+    for _ in range(args.rounds):
+        for key, step in steps.items():
+            results[key].append(_time(step, args.steps))
+    rows = []
+    print(
+        f"batch {BATCH} × {SEQ}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"{platform.processor() or platform.machine()}, {args.rounds} rounds × {args.steps} steps"
+    )
+    print("\n| model | method | wall s | CPU s | wall ÷ non-private | CPU ÷ non-private |")
+    print("|---|---|---|---|---|---|")
+    for name in args.models:
+        base = results.get((name, "nonprivate"))
+        for method in args.methods:
+            if (name, method) in skipped:
+                print(f"| {name} | {method} | — | — | skipped: {skipped[name, method]} | |")
+                continue
+            runs = results[name, method]
+            wall = statistics.median(r[0] for r in runs)
+            cpu = statistics.median(r[1] for r in runs)
+            if base:
+                rw = statistics.median(r[0] / b[0] for r, b in zip(runs, base, strict=True))
+                rc = statistics.median(r[1] / b[1] for r, b in zip(runs, base, strict=True))
+            else:
+                rw = rc = float("nan")
+            rows.append({"model": name, "method": method, "wall": wall, "cpu": cpu,
+                         "wall_ratio": rw, "cpu_ratio": rc})  # fmt: skip
+            print(f"| {name} | {method} | {wall:.3f} | {cpu:.3f} | {rw:.2f} | {rc:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"rows": rows, "skipped": {f"{k[0]}/{k[1]}": v for k, v in skipped.items()}}, f
+            )
+
+
+if __name__ == "__main__":
+    main()
