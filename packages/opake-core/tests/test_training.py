@@ -355,3 +355,24 @@ def test_set_params_rebinds_the_gradient_function_to_new_storage():
     torch.testing.assert_close(aux.loss_values, want.loss_values)
     with pytest.raises(ConfigurationError, match="same parameter names"):
         training.set_params({"w": torch.zeros(1)})
+
+
+def test_load_takes_a_plain_checkpoint_of_the_same_parts_and_refuses_one_without_accountant(
+    tmp_path,
+):
+    from opake.dpsgd.checkpoint import CheckpointError, save_checkpoint
+
+    x, y = _data()
+    _, first = _training()
+    first.step(x[:4], y[:4])
+    parts = {"optimizer": first.optimizer, "sampler": first.sampler, "clip_state": first.clip_state}
+    save_checkpoint(tmp_path / "plain.pt", step=1, accountant=first.accountant, **parts)
+    save_checkpoint(tmp_path / "no_accountant.pt", step=1, **parts)
+    _, second = _training()
+    second.load(tmp_path / "plain.pt")
+    assert second.steps == 1
+    assert second.epsilon() == first.epsilon()
+    _, third = _training()
+    with pytest.raises(CheckpointError, match="accountant"):
+        third.load(tmp_path / "no_accountant.pt")
+    assert third.accountant.steps == 0

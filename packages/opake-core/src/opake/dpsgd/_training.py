@@ -761,7 +761,7 @@ class DPTraining:
 
         ``collective=False`` reads without collectives (each rank may call it on its own).
         """
-        from opake.dpsgd.checkpoint import CheckpointError, load_checkpoint
+        from opake.dpsgd.checkpoint import load_checkpoint
         from opake.dpsgd.distributed import load_checkpoint_distributed
 
         common = {
@@ -779,9 +779,11 @@ class DPTraining:
             ckpt = load_checkpoint(path, **common)
         extra = dict(ckpt.extra)
         config = extra.pop(_CONFIG_KEY, None)
-        if config is None:
-            raise CheckpointError(f"{str(path)!r} was not written by DPTraining.save")
-        self._check_config(config)
+        if config is not None:
+            self._check_config(config)
+        # else: a checkpoint of the same components written without DPTraining (e.g. an
+        # earlier opake train): the optimizer, sampler and accountant were each validated and
+        # restored above (a file without an accountant is refused), so nothing is forgotten
         if ckpt.clip_state is not None:
             self._clip_state = ckpt.clip_state
         self._after_load()
