@@ -26,9 +26,8 @@ from opake.dpsgd._bk_rules import (
     ImplicitGrad,
     OuterSum,
     Piece,
-    abs_norm,
     inner,
-    sq_norm,
+    sq_norm_abs,
     weighted_sum,
 )
 
@@ -740,11 +739,12 @@ class BookkeepingRunner:
                     columns.append(zeros)
                     spans.append(zeros)
                     continue
-                total = sq_norm(own[0]).double()
-                span = abs_norm(own[0])
+                total, span = sq_norm_abs(own[0])
+                total = total.double()
                 for k in range(1, len(own)):
-                    total = total + sq_norm(own[k]).double()
-                    span = span + abs_norm(own[k])
+                    sq, bound = sq_norm_abs(own[k])
+                    total = total + sq.double()
+                    span = span + bound
                     for j in range(k):
                         total = total + 2.0 * inner(own[j], own[k]).double()
                 columns.append(total.clamp(min=0.0))

@@ -42,6 +42,7 @@ __all__ = [
     "ghost_is_cheaper",
     "inner",
     "sq_norm",
+    "sq_norm_abs",
     "weighted_sum",
 ]
 
@@ -257,19 +258,39 @@ def _inner_implicit(u: Piece, v: Piece) -> torch.Tensor:
 def sq_norm(piece: Piece) -> torch.Tensor:
     """Per-example squared Frobenius norm ``[B]`` (fp32 or fp64), by the cheaper route for an
     OuterSum."""
+    return sq_norm_abs(piece)[0]
+
+
+def sq_norm_abs(piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sq_norm(piece), abs_norm(piece))`` in one pass where possible: on the Gram route the
+    token norms are the Gram matrices' diagonals (``(a_t·a_t)(b_t·b_t)`` is on the diagonal of
+    their product), so the bound costs no extra pass over the recorded tensors.
+
+    >>> import torch
+    >>> piece = OuterSum(torch.tensor([[[1.0], [-1.0]]]), torch.ones(1, 2, 2))
+    >>> sq, bound = sq_norm_abs(piece)
+    >>> sq.tolist(), [round(v, 4) for v in bound.tolist()]
+    ([0.0], [2.8284])
+    """
     import torch
 
     if isinstance(piece, Implicit):
-        return piece.op.sq_norms()[0].float()
+        return piece.op.sq_norms()[0].float(), piece.op.abs_norms().double()
     if isinstance(piece, Dense):
-        g = _f32(piece.g).reshape(piece.g.shape[0], -1)
-        return (g * g).sum(dim=1)
+        g = piece.g.reshape(piece.g.shape[0], -1)
+        wide = torch.float64 if g.dtype == torch.float64 else torch.float32
+        sq = torch.linalg.vector_norm(g, dim=1, dtype=wide).double().square()
+        return sq, sq.sqrt()
     rows, cols = piece.shape
     steps = int(piece.b.shape[1])
     if piece.indexed or ghost_is_cheaper(steps, rows, cols):
-        return _inner_outer(piece, piece)
+        gram = torch.bmm(_f32(piece.b), _f32(piece.b).transpose(1, 2))
+        gram.mul_(_gram_a(piece, piece))  # in place: two T × T matrices at most
+        bound = gram.diagonal(dim1=1, dim2=2).double().sqrt().sum(dim=1)
+        return gram.sum(dim=(1, 2), dtype=torch.float64), bound
     g = _materialise(piece)
-    return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
+    sq = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
+    return sq, abs_norm(piece)
 
 
 def weighted_sum(piece: Piece, weights: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:

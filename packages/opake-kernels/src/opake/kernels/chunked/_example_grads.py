@@ -211,7 +211,8 @@ class LinearCEExampleGrads:
             gram_d = torch.zeros(e1 - e0, steps, steps, dtype=_F32, device=dev) if ghost else None
             gh = None if hidden_grad is None else hidden_grad[e0:e1].view(-1, hsize)
             for v0, v1, d in self._dlogit_tiles(e0, e1, self.token_grads):
-                token_sq[e0:e1] += d.square().sum(-1)
+                if gram_d is None:  # on the Gram route: its diagonal, below
+                    token_sq[e0:e1] += d.square().sum(-1)
                 if gh is not None:
                     w = self.weight[v0:v1]
                     gh.addmm_(d.view(-1, v1 - v0), w if w.dtype == _F32 else w.float())
@@ -223,6 +224,7 @@ class LinearCEExampleGrads:
                     for j in range(e1 - e0):  # one vt × H gradient tile at a time
                         w_sq[e0 + j] += torch.mm(d[j].t(), hf[j]).square().sum()
             if gram_d is not None:
+                token_sq[e0:e1] = gram_d.diagonal(dim1=1, dim2=2)
                 gram_h = torch.bmm(hf, hf.transpose(1, 2))
                 # the T² products summed in fp64: only the Gram entries round (the bound of
                 # abs_norms covers them)
