@@ -131,6 +131,9 @@ def test_model_resolution(tmp_path):
         resolve_model(str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model(str(tmp_path)) == (str(tmp_path), True)
+    with pytest.raises(ConfigurationError, match="has no tokenizer"):  # no silent byte fallback
+        load_tokenizer(str(tmp_path))
+    ByteTokenizer().save_pretrained(tmp_path)
     assert isinstance(load_tokenizer(str(tmp_path)), ByteTokenizer)
 
 
