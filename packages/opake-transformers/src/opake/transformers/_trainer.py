@@ -431,6 +431,7 @@ class DPTrainer(Trainer):
         Trainer's logged ``loss`` estimates the mean example loss (a diagnostic: not private).
         """
         dp = self.dp_training
+        model.train()  # as the Trainer does (dropout: per-example masks under vmap)
         device = self.args.device
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         mask = batch.pop(EXAMPLE_MASK_KEY, None)
