@@ -57,10 +57,10 @@ def fixed_public_order(monkeypatch):
 
 
 def test_correct_dpsgd_stays_below_its_claim():
-    for seed in (0, 1):
-        result = self_test(seed=seed)
-        assert result.claimed_epsilon == pytest.approx(2.0, abs=0.01)
-        assert result.consistent, result.summary()
+    result = self_test(seed=1)
+    assert result.claimed_epsilon == pytest.approx(2.0, abs=0.01)
+    assert result.consistent, result.summary()
+    assert result.epsilon_lower_bound < 1.0
 
 
 @pytest.mark.parametrize(
