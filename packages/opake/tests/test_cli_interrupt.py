@@ -89,3 +89,20 @@ def test_sigint_then_resume_equals_the_uninterrupted_run(tiny_args, tmp_path):
     ra, rb = _rows(full), _rows(parts)
     for key in ("step", "train_loss", "val_loss", "epsilon", "batch_size", "clipping_rate", "lr"):
         assert [r[key] for r in ra] == [r[key] for r in rb], key
+
+
+def test_first_sigint_is_deferred_to_the_step_boundary_the_second_stops_at_once(capsys):
+    import os
+
+    from opake.cli._interrupt import StepBoundary
+
+    before = signal.getsignal(signal.SIGINT)
+    with StepBoundary() as boundary:
+        os.kill(os.getpid(), signal.SIGINT)  # mid-step: only recorded
+        assert boundary.requested
+        assert "finishing the current step" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: at once
+        with pytest.raises(KeyboardInterrupt):
+            boundary.check()  # at the boundary: stop
+    assert signal.getsignal(signal.SIGINT) is before
