@@ -7,43 +7,51 @@ by local path in one pip command). ``nox --no-venv`` runs every session in the c
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import nox
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).parent
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
-TORCH = "torch==2.13.0"
-TRITON = "triton==3.7.1"
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"]
-# what each distribution needs (by local path), besides itself
-LOCAL_DEPS = {
-    "opake-core": ["opake-profiling"],
-    "opake-patches": ["opake-core", "opake-kernels"],
-    "opake-kernels": ["opake-core"],
-    "opake-profiling": ["opake-core"],
-    "opake-models": ["opake-core", "opake-patches", "opake-kernels"],
-    "opake-auditing": ["opake-core"],
-    "opake-transformers": ["opake-core", "opake-profiling"],
-    "opake": [
-        "opake-core",
-        "opake-patches",
-        "opake-kernels",
-        "opake-profiling",
-        "opake-models",
-        "opake-auditing",
-        "opake-transformers",
-    ],
-}
-EXTRA_DEPS = {
-    "opake-core": ["dp-accounting==0.6.0", "peft>=0.13", "transformers>=5.17,<6"],
-    "opake-kernels": [TRITON],
-    "opake-patches": ["transformers>=5.17,<6", "peft>=0.13"],
-    "opake-models": ["transformers>=5.17,<6", "peft>=0.13", TRITON],
-    "opake-auditing": ["matplotlib>=3.7"],
-    "opake-transformers": ["transformers>=5.17,<6", "accelerate>=1.0", "peft>=0.13"],
-    "opake": ["transformers>=5.17,<6", "peft>=0.13", "matplotlib>=3.7"],
-}
+
+
+def _pin(name: str) -> str:
+    """The exact pin of *name* in requirements/dev.txt (torch and triton: a range pulls CUDA)."""
+    for line in (ROOT / "requirements" / "dev.txt").read_text().splitlines():
+        req = line.split("#", 1)[0].strip()
+        if req.startswith(f"{name}=="):
+            return req
+    raise LookupError(f"requirements/dev.txt pins no {name}==...")
+
+
+def _project(package: str) -> dict[str, Any]:
+    with open(ROOT / "packages" / package / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def _local_closure(package: str) -> list[str]:
+    """*package* and every Opake distribution it or its ``test`` extra needs (transitively)."""
+    seen: list[str] = []
+    todo = [package]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.append(name)
+        project = _project(name)
+        reqs = list(project.get("dependencies", []))
+        if name == package:
+            reqs += project.get("optional-dependencies", {}).get("test", [])
+        for req in reqs:
+            dist = Requirement(req).name
+            if dist in PACKAGES:
+                todo.append(dist)
+    return seen
+
 
 nox.options.sessions = ["lint", "tests", "integration", "build", "docs"]
 
@@ -58,9 +66,11 @@ def _install(session: nox.Session, *args: str) -> None:
         session.install(*args)
 
 
-def _local(*names: str) -> list[str]:
-    out = []
-    for name in names:
+def _local(package: str) -> list[str]:
+    """pip arguments installing *package* (with its ``test`` extra) and its Opake dependencies
+    by local path, so pip never resolves an ``opake-*`` name from the package index."""
+    out = ["-e", f"{ROOT / 'packages' / package}[test]"]
+    for name in _local_closure(package)[1:]:
         out += ["-e", str(ROOT / "packages" / name)]
     return out
 
@@ -69,8 +79,8 @@ def _local(*names: str) -> list[str]:
 @nox.parametrize("package", PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
     """One distribution's own tests and doctests, in its own environment."""
-    deps = [*LOCAL_DEPS[package], package]
-    _install(session, TORCH, *TEST_TOOLS, *EXTRA_DEPS.get(package, []), *_local(*deps))
+    pins = [_pin("torch"), _pin("triton")]
+    _install(session, *pins, *TEST_TOOLS, *_local(package))
     session.run("python", "tools/run_tests.py", "--only", "pytest", "--package", package)
 
 
@@ -93,19 +103,11 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy over every distribution's src/."""
     _install(session, "-r", "requirements/dev.txt")
-    modules = [
-        "opake.core",
-        "opake.dpsgd",
-        "opake.functional",
-        "opake.accounting",
-        "opake.patches",
-        "opake.kernels",
-        "opake.profiling",
-        "opake.models",
-        "opake.auditing",
-        "opake.transformers",
-        "opake.cli",
-    ]
+    modules = sorted(
+        f"opake.{sub.name}"
+        for sub in ROOT.glob("packages/*/src/opake/*")
+        if (sub / "__init__.py").exists()
+    )
     args = [arg for mod in modules for arg in ("-p", mod)]
     session.run("python", "-m", "mypy", *args)
 

@@ -1,3 +1,3 @@
-"""Version of the opake-profiling distribution."""
+"""Version of the opake-profiling distribution (the one source: pyproject.toml reads it)."""
 
 __version__ = "0.1.0"

@@ -1,0 +1,3 @@
+"""Version of the opake-transformers distribution (the one source: pyproject.toml reads it)."""
+
+__version__ = "0.1.0"
