@@ -143,7 +143,7 @@ def run_composition(data: list[Any], args: argparse.Namespace) -> list[tuple[flo
     from opake.dpsgd.training import DPTraining
     from opake.functional import make_functional
     from opake.transformers import DPDataCollator
-    from opake.transformers._losses import per_example_losses
+    from opake.transformers._losses import has_dropout, per_example_losses
 
     model = _model()
     fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
@@ -160,7 +160,7 @@ def run_composition(data: list[Any], args: argparse.Namespace) -> list[tuple[flo
         delta=1.0 / len(data) ** 2,
         clipping_norm=CLIP,
         engine=args.engine,
-        randomness="different",
+        randomness="different" if has_dropout(model) else "error",
         accountant="rdp",
         seed=SEED,
     )

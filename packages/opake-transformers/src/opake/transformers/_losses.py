@@ -10,7 +10,7 @@ from opake.core.errors import ConfigurationError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TASKS", "base_model", "detect_task", "per_example_losses"]
+__all__ = ["TASKS", "base_model", "detect_task", "has_dropout", "per_example_losses"]
 
 TASKS = ("causal_lm", "sequence_classification")
 
@@ -19,6 +19,21 @@ def base_model(model: Any) -> Any:
     """The underlying transformers model of a PEFT (or plain) model."""
     get = getattr(model, "get_base_model", None)
     return get() if callable(get) else model
+
+
+def has_dropout(model: Any) -> bool:
+    """Whether ``model`` has an active dropout probability (an ``nn.Dropout`` module or a float
+    ``*dropout*`` attribute that attention layers read): per-example gradients then need
+    ``vmap(randomness="different")``, and the book-keeping engine's check cannot run."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float) and value > 0:
+                return True
+    return False
 
 
 def detect_task(model: Any) -> str:

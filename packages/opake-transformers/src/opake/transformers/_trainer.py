@@ -28,7 +28,7 @@ from transformers import Trainer, TrainerCallback
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.transformers._args import DPTrainingArguments
 from opake.transformers._collate import DPDataCollator, PoissonBatches
-from opake.transformers._losses import detect_task, per_example_losses
+from opake.transformers._losses import detect_task, has_dropout, per_example_losses
 
 if TYPE_CHECKING:
     from opake.dpsgd.training import DPTraining
@@ -388,7 +388,8 @@ class DPTrainer(Trainer):
             clipping_norm=clip,
             engine=a.engine,
             microbatch_size=a.microbatch_size,
-            randomness="different",
+            # dropout draws per-example masks under vmap; without it book-keeping can be exact
+            randomness="different" if has_dropout(model) else "error",
             accountant=a.accountant,
             accountant_options=dict(_PLD_OPTIONS) if a.accountant == "pld" else None,
             sampler=a.dp_sampler,
