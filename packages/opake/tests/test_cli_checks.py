@@ -63,7 +63,9 @@ def test_dropout_models_train_with_dropout_active(
 ):
     directory = gpt2_dir if which == "gpt2" else bert_dir
     out = tmp_path / "run"
-    argv = tiny_args("--model", str(directory), "--steps", "2", "--engine", engine, out=out)
+    argv = tiny_args(
+        "--no-plots", "--model", str(directory), "--steps", "2", "--engine", engine, out=out
+    )
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "dropout stays active" in err
@@ -75,13 +77,17 @@ def test_dropout_models_train_with_dropout_active(
 def test_dropout_with_explicit_bookkeeping_is_refused_and_no_dropout_opts_out(
     gpt2_dir, tiny_args, tmp_path, capsys
 ):
-    argv = tiny_args("--model", str(gpt2_dir), "--engine", "bookkeeping", out=tmp_path / "a")
+    argv = tiny_args(
+        "--no-plots", "--model", str(gpt2_dir), "--engine", "bookkeeping", out=tmp_path / "a"
+    )
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert "dropout" in err[0]
     out = tmp_path / "b"
-    argv = tiny_args("--model", str(gpt2_dir), "--steps", "1", "--no-dropout", out=out)
+    argv = tiny_args(
+        "--no-plots", "--model", str(gpt2_dir), "--steps", "1", "--no-dropout", out=out
+    )
     assert main(argv) == 0
     assert "dropout switched off" in capsys.readouterr().err
     assert json.loads((out / "summary.json").read_text())["clipping_engine"] == "bookkeeping"
@@ -102,16 +108,20 @@ def test_block_size_and_vocabulary_are_checked_against_the_model(
 ):
     from transformers import GPT2Config
 
-    line = _one_line_error(capsys, tiny_args("--model", str(gpt2_dir), "--block-size", "64"))
+    line = _one_line_error(
+        capsys, tiny_args("--no-plots", "--model", str(gpt2_dir), "--block-size", "64")
+    )
     assert "exceeds the context" in line
     assert "32 positions" in line
-    line = _one_line_error(capsys, tiny_args("--model", "llama-tiny", "--block-size", "4096"))
+    line = _one_line_error(
+        capsys, tiny_args("--no-plots", "--model", "llama-tiny", "--block-size", "4096")
+    )
     assert "at most 1024" in line
     config = GPT2Config(
         vocab_size=100, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
     )
     small = _save(config, tmp_path / "v")
-    line = _one_line_error(capsys, tiny_args("--model", str(small)))
+    line = _one_line_error(capsys, tiny_args("--no-plots", "--model", str(small)))
     assert "vocabulary has 100 entries" in line
 
 
@@ -123,9 +133,7 @@ def test_read_only_out_fails_in_one_line_before_the_plan(tiny_args, tmp_path):
     if os.access(locked, os.W_OK):  # root ignores permission bits; sysfs refuses even root
         target = Path("/sys/opake-cli-test-run")
     opake = Path(sys.executable).with_name("opake")
-    argv = [
-        a if a != str(tmp_path / "run") else str(target) for a in tiny_args(out=tmp_path / "run")
-    ]
+    argv = tiny_args("--no-plots", out=target)
     proc = subprocess.run(
         [str(opake), *argv], capture_output=True, text=True, timeout=300, check=False
     )
@@ -141,7 +149,16 @@ def test_read_only_out_fails_in_one_line_before_the_plan(tiny_args, tmp_path):
 def test_diverging_run_warns(tiny_args, tmp_path, capsys):
     out = tmp_path / "run"
     argv = tiny_args(
-        "--steps", "6", "--eval-every", "1", "--lr", "1e4", "--noise-multiplier", "1", out=out
+        "--no-plots",
+        "--steps",
+        "6",
+        "--eval-every",
+        "1",
+        "--lr",
+        "1e4",
+        "--noise-multiplier",
+        "1",
+        out=out,
     )
     assert main(argv) == 0
     assert "the run is diverging" in capsys.readouterr().err
@@ -151,7 +168,9 @@ def test_diverging_run_warns(tiny_args, tmp_path, capsys):
 
 def test_fixed_sampler_reaches_the_target_epsilon(tiny_args, tmp_path, capsys):
     out = tmp_path / "run"
-    argv = tiny_args("--sampler", "fixed", "--target-epsilon", "8", "--steps", "1", out=out)
+    argv = tiny_args(
+        "--no-plots", "--sampler", "fixed", "--target-epsilon", "8", "--steps", "1", out=out
+    )
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     # the truncation term used to cap ε at ln(999) ≈ 6.9 whatever the target

@@ -25,7 +25,9 @@ STEP_LINE = re.compile(r"opake train.*: step (\d+)/(\d+)")
 
 
 def _argv(tiny_args, out: Path, *extra: str) -> list[str]:
-    argv = tiny_args("--steps", str(STEPS), "--reproducible", "--eval-every", "8", *extra, out=out)
+    argv = tiny_args(
+        "--steps", str(STEPS), "--reproducible", "--eval-every", "8", "--no-plots", *extra, out=out
+    )
     argv.remove("--no-progress")  # the progress lines tell the test where the run is
     return argv
 

@@ -29,7 +29,7 @@ def _same_weights(a, b) -> bool:
 
 def test_default_run_is_secure_and_not_the_run_its_seed_would_replay(tiny_args, tmp_path, capsys):
     secure, seeded = tmp_path / "secure", tmp_path / "seeded"
-    assert main(tiny_args("--steps", "2", "--noise-multiplier", "1", out=secure)) == 0
+    assert main(tiny_args("--no-plots", "--steps", "2", "--noise-multiplier", "1", out=secure)) == 0
     plan = capsys.readouterr().err
     assert "random    secure" in plan
     summary = json.loads((secure / "summary.json").read_text())
@@ -37,7 +37,7 @@ def test_default_run_is_secure_and_not_the_run_its_seed_would_replay(tiny_args, 
     assert summary["settings"]["seed"] == 0
 
     argv = ("--steps", "2", "--noise-multiplier", "1", "--reproducible")
-    assert main(tiny_args(*argv, out=seeded)) == 0
+    assert main(tiny_args("--no-plots", *argv, out=seeded)) == 0
     assert "seeded (not private)" in capsys.readouterr().err
     assert json.loads((seeded / "summary.json").read_text())["randomness"] == (
         "seeded (not private)"
@@ -61,10 +61,12 @@ def test_secure_noise_flag_is_a_deprecated_no_op_and_contradicts_reproducible(
     tiny_args, tmp_path, capsys
 ):
     out = tmp_path / "run"
-    assert main(tiny_args("--steps", "1", "--secure-noise", out=out)) == 0
+    assert main(tiny_args("--no-plots", "--steps", "1", "--secure-noise", out=out)) == 0
     assert "--secure-noise is deprecated" in capsys.readouterr().err
     assert json.loads((out / "summary.json").read_text())["randomness"] == "secure"
-    assert main(tiny_args("--secure-noise", "--reproducible", out=tmp_path / "x")) == 2
+    assert (
+        main(tiny_args("--no-plots", "--secure-noise", "--reproducible", out=tmp_path / "x")) == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert "contradict" in err[0]
@@ -84,9 +86,9 @@ def test_resumed_secure_run_keeps_the_accountant_history(tiny_args, tmp_path, mo
         return real(step, **kwargs)
 
     monkeypatch.setattr(trainer, "_lr_at", lr_at)
-    assert main(tiny_args(*extra, out=parts)) == 130
+    assert main(tiny_args("--no-plots", *extra, out=parts)) == 130
     monkeypatch.undo()
-    assert main(tiny_args(*extra, "--resume", out=parts)) == 0
+    assert main(tiny_args("--no-plots", *extra, "--resume", out=parts)) == 0
     b = json.loads((parts / "summary.json").read_text())
     assert b["resumed_from_step"] == 2
     assert b["randomness"] == "secure"
