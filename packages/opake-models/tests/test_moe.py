@@ -171,17 +171,46 @@ def test_per_example_aux_loss_equals_transformers_one_example_at_a_time(family):
         testing.assert_grads_close(grads, expected, rtol=1e-5, atol=1e-7)
 
 
-def test_batch_wide_aux_loss_is_refused_under_bookkeeping():
-    """A batched logits forward with ``output_router_logits`` (transformers' batch-wide
-    load-balancing loss) cannot be book-kept: the engine refuses instead of mixing examples."""
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_logits_path_aux_loss_is_the_mean_of_per_example_ones(family):
+    """The patched model's logits path (padded 2-D mask) reports ``aux_loss`` = the mean of the
+    examples' own load-balancing losses — transformers' value for each example alone — and
+    under the vmap engine its per-example gradients equal transformers one at a time."""
+    from torch.func import grad, vmap
+
+    stock, patched = _aux_models(family)
+    ids, labels, mask = _batch(0)
+    with torch.no_grad():
+        out = patched(input_ids=ids, attention_mask=mask, labels=labels)
+        alone = [stock(input_ids=ids[i : i + 1], attention_mask=mask[i : i + 1]) for i in range(3)]
+    assert out.logits is not None
+    torch.testing.assert_close(out.aux_loss, torch.stack([a.aux_loss for a in alone]).mean())
+    fmodel, params = make_functional(patched)
+    oracle = _oracle(stock)
+
+    def one(p, ids, labels, mask):
+        return fmodel(p, input_ids=ids[None], attention_mask=mask[None], labels=labels[None]).loss
+
+    with torch.no_grad():
+        got = vmap(grad(one), in_dims=(None, 0, 0, 0))(params, ids, labels, mask)
+    want, _ = testing.per_example_grads_loop(
+        oracle, (params, {}, ids, labels, mask), batch_argnums=(2, 3, 4)
+    )
+    expected = {k: torch.stack([w[k] for w in want]) for k in want[0]}
+    testing.assert_grads_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_batch_wide_router_logit_capture_is_refused_under_bookkeeping():
+    """Asking transformers for the router logits of a *batched* forward (its capture feeds the
+    batch-wide load-balancing loss) while book-keeping records is refused, not mixed."""
     from opake.core.errors import OperationError
 
     _, patched = _aux_models("mixtral")
-    fmodel, trainable, frozen = make_functional(patched, partition_trainable=True)
+    fmodel, trainable, frozen = make_functional(patched.model, partition_trainable=True)
 
-    def losses(t, f, ids, labels, mask):
-        out = fmodel((t, f), input_ids=ids, attention_mask=mask, labels=labels)
-        return out.loss.expand(ids.shape[0])  # the batch's pooled loss, once per example
+    def losses(t, f, ids, labels, mask):  # the backbone, with transformers' capture on
+        out = fmodel((t, f), input_ids=ids, attention_mask=mask, output_router_logits=True)
+        return out.last_hidden_state.float().square().mean(dim=(1, 2))
 
     grad_fn, state = clipped_grad(
         BatchedLoss(losses, fmodel),

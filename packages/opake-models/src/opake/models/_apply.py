@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.models._masks import install_window_masks
-from opake.models._moe import example_aux_loss, install_moe
+from opake.models._moe import example_aux_loss, install_aux_logits_path, install_moe
 from opake.models._spec import CausalLMHead, FamilySpec, LogitTransform
 from opake.models._swaps import (
     KernelSlot,
@@ -289,6 +289,9 @@ def _moe(spec: FamilySpec, model: torch.nn.Module, report: FamilyReport, patcher
     report.applied.append(
         f"moe: {count} {spec.moe.block} blocks routed per example (dense experts under vmap)"
     )
+    if spec.moe.aux_loss and type(model).__name__ in spec.models:
+        install_aux_logits_path(model, patcher)
+        report.applied.append("moe: the router's load-balancing loss computed per example")
 
 
 def _swap_kernels(

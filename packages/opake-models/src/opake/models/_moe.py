@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "dense_experts",
     "example_aux_loss",
+    "install_aux_logits_path",
     "install_moe",
     "padding_of",
     "per_example_load_balancing",
@@ -400,11 +401,30 @@ def example_aux_loss(
     if not flag:
         return contextlib.nullcontext(None)
     arguments["output_router_logits"] = False
-    return _collecting(model, arguments.get("attention_mask"))
+    return _weighted(model, arguments.get("attention_mask"))
+
+
+def _coef(model: Any) -> float:
+    return float(getattr(model, "router_aux_loss_coef", model.config.router_aux_loss_coef))
+
+
+@contextlib.contextmanager
+def _weighted(model: Any, mask: Any) -> Iterator[Callable[[], torch.Tensor | None]]:
+    """:func:`_collecting`, yielding ``router_aux_loss_coef ×`` the per-example losses."""
+    coef = _coef(model)
+    with _collecting(model, mask) as raw:
+
+        def weighted() -> torch.Tensor | None:
+            losses = raw()
+            return None if losses is None else coef * losses
+
+        yield weighted
 
 
 @contextlib.contextmanager
 def _collecting(model: Any, mask: Any) -> Iterator[Callable[[], torch.Tensor | None]]:
+    """Collect the router logits of every MoE block run inside; yields a function returning
+    each example's load-balancing loss ``[B]`` (None when no block ran)."""
     collected: list[torch.Tensor] = []
     token = _COLLECT.set(collected)
 
@@ -415,10 +435,53 @@ def _collecting(model: Any, mask: Any) -> Iterator[Callable[[], torch.Tensor | N
         real = padding_of(mask, batch, steps, collected[0].device)
         experts = int(getattr(model, "num_experts", collected[0].shape[-1]))
         top_k = int(getattr(model, "num_experts_per_tok", model.config.num_experts_per_tok))
-        coef = float(getattr(model, "router_aux_loss_coef", model.config.router_aux_loss_coef))
-        return coef * per_example_load_balancing(collected, real, experts, top_k)
+        return per_example_load_balancing(collected, real, experts, top_k)
 
     try:
         yield losses
     finally:
         _COLLECT.reset(token)
+
+
+def install_aux_logits_path(model: Any, patcher: Patcher) -> None:
+    """Make the logits path's auxiliary loss per example too (this instance's ``forward``).
+
+    With ``output_router_logits`` on, transformers pools routing statistics over the batch (and
+    reads a 2-D mask only). The wrapped forward turns that capture off, collects the router
+    logits itself and reports ``aux_loss`` = the mean over examples of each example's own
+    load-balancing loss (for one example: transformers' value), added to ``loss`` with
+    ``router_aux_loss_coef`` when labels are given; ``router_logits`` holds the collected
+    ``[B·T, E]`` logits per layer.
+    """
+    import functools
+    import inspect
+
+    inner = model.forward
+    try:
+        names = list(inspect.signature(inner).parameters)
+    except (TypeError, ValueError):  # pragma: no cover - exotic forwards
+        names = []
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        arguments = {**dict(zip(names, args, strict=False)), **kwargs}
+        flag = arguments.get("output_router_logits")
+        if flag is None:
+            flag = bool(getattr(model.config, "output_router_logits", False))
+        if not flag:
+            return inner(*args, **kwargs)
+        kwargs["output_router_logits"] = False
+        with _collecting(model, arguments.get("attention_mask")) as losses:
+            out = inner(*args, **kwargs)
+            per_example = losses()
+        if per_example is None:
+            return out
+        coef = _coef(model)
+        aux = per_example.mean()
+        if getattr(out, "loss", None) is not None:
+            out["loss"] = out.loss + coef * aux.to(out.loss.dtype)
+        out["aux_loss"] = aux
+        return out
+
+    forward._opake_stage = "moe_aux_loss"  # type: ignore[attr-defined]
+    patcher.set_attr(model, "forward", forward)
