@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -70,6 +72,15 @@ def test_scores_are_the_projections_of_the_noisy_sums():
     assert np.allclose(scores["all_steps"], torch.stack(sums).sum(0).numpy())
     replayed = np.array([sums[0][0], sums[1][1], sums[1][2]])
     assert np.allclose(scores["replayed_steps"], replayed)
+    # the log likelihood ratio of a Poisson-subsampled Gaussian, step by step (σ = 0.5, q = 0.2)
+    lr = run.scores(noise_multiplier=0.5, sample_rate=0.2)["likelihood_ratio"]
+    expected = [
+        sum(math.log(0.8 + 0.2 * math.exp((float(s[i]) - 0.5) / 0.25)) for s in sums)
+        for i in range(3)
+    ]
+    assert np.allclose(lr, expected)
+    with pytest.raises(ConfigurationError, match="both"):
+        run.scores(noise_multiplier=0.5)
     with pytest.raises(ConfigurationError, match="replay"):
         run.scores([[5]])
 

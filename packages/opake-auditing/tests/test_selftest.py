@@ -71,7 +71,7 @@ def test_a_broken_mechanism_is_caught(fault, request):
     result = self_test(seed=0)
     assert result.claimed_epsilon == pytest.approx(2.0, abs=0.01)  # the claim is unchanged
     assert not result.consistent, result.summary()
-    assert result.epsilon_lower_bound > 2.5
+    assert result.epsilon_lower_bound > 2.2
 
 
 def test_the_fault_fixtures_really_break_the_mechanism(noise_skipped):

@@ -30,7 +30,7 @@ def test_gradient_audit_writes_json_and_plot(tiny_args, tmp_path, capsys):
     assert data["canary_kind"] == "gradient"
     assert 0.0 <= data["epsilon_lower_bound"] <= data["claimed_epsilon"]
     assert data["claimed_epsilon"] == pytest.approx(data["planned_epsilon"], rel=1e-3)
-    assert set(data["scores"]) == {"all_steps", "replayed_steps"}
+    assert set(data["scores"]) == {"all_steps", "likelihood_ratio", "replayed_steps"}
     assert (out / "audit.png").read_bytes()[:4] == b"\x89PNG"
     assert not (out / "checkpoint.pt").exists()  # an audit trains, scores and stops
 

@@ -249,14 +249,24 @@ class CanaryRun:
         """Steps observed so far."""
         return len(self._projections)
 
-    def scores(self, replay: Sequence[Iterable[int]] | None = None) -> dict[str, np.ndarray]:
+    def scores(
+        self,
+        replay: Sequence[Iterable[int]] | None = None,
+        *,
+        noise_multiplier: float | None = None,
+        sample_rate: float | None = None,
+    ) -> dict[str, np.ndarray]:
         """Each canary's score, per attack.
 
         ``"all_steps"``: the sum of its projections over every step (the attack on a secret
-        Poisson sampler). With ``replay`` (one batch of indices per step, from a sampler rebuilt
-        with a public seed), also ``"replayed_steps"``: the sum over the steps whose replayed
-        batch holds the canary's slot — the attack on a sampler whose batches do not depend on a
-        secret (with a secret sampler the replay is independent of the run and adds nothing).
+        Poisson sampler). With the run's public σ and q, also ``"likelihood_ratio"``: the log
+        likelihood ratio of "included" for a Poisson-subsampled Gaussian, ``Σ_t log(1 − q +
+        q·exp((x_t − ½)/σ²))`` with ``x_t`` the step's projection in units of C — the most
+        powerful test for one canary. With ``replay`` (one batch of indices per step, from a
+        sampler rebuilt with a public seed), also ``"replayed_steps"``: the sum over the steps
+        whose replayed batch holds the canary's slot — the attack on a sampler whose batches do
+        not depend on a secret (with a secret sampler the replay is independent of the run and
+        adds nothing).
         """
         import numpy as np
         import torch
@@ -265,6 +275,18 @@ class CanaryRun:
             raise OperationError("no step was observed: call run.observe(...) after each step")
         table = torch.stack(self._projections).numpy()  # [T, m]
         out = {"all_steps": table.sum(axis=0)}
+        if (noise_multiplier is None) != (sample_rate is None):
+            raise ConfigurationError(
+                "the likelihood-ratio score needs both noise_multiplier and sample_rate"
+            )
+        if noise_multiplier is not None and sample_rate is not None:
+            sigma = _positive("noise_multiplier", noise_multiplier)
+            q = _positive("sample_rate", sample_rate)
+            if q >= 1.0:
+                out["likelihood_ratio"] = ((table - 0.5) / sigma**2).sum(axis=0)
+            else:
+                log_in = math.log(q) + (table - 0.5) / sigma**2
+                out["likelihood_ratio"] = np.logaddexp(math.log1p(-q), log_in).sum(axis=0)
         if replay is not None:
             batches = list(replay)
             if len(batches) != table.shape[0]:

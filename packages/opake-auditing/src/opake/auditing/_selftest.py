@@ -114,7 +114,7 @@ def self_test(
     replay = replay_batches(run.total_size, sample_rate, steps)
     claimed = float(accountant.get_epsilon(delta))
     return one_run_audit(
-        run.scores(replay),
+        run.scores(replay, noise_multiplier=sigma, sample_rate=sample_rate),
         included,
         claimed_epsilon=claimed,
         delta=delta,

@@ -343,7 +343,11 @@ def run_audit(
         bar.update(1)
     bar.close()
     if run is not None:
-        scores: Any = run.scores(_replay(total, plan, max_batch))
+        scores: Any = run.scores(
+            _replay(total, plan, max_batch),
+            noise_multiplier=plan.noise_multiplier,
+            sample_rate=plan.sample_rate,
+        )
     else:
         assert before is not None
         scores = {"loss_reduction": (before - _canary_losses(model, canaries.examples, device))}
