@@ -13,7 +13,8 @@ sequences of 64 tokens; SGD), one process, in interleaved rounds:
 
 Each run takes ``--steps`` optimizer steps; a step's time is from the end of the previous step
 to the end of this one (data loading, collation, the step, the Trainer's bookkeeping), as wall
-time and as this process's CPU time (robust to other processes on the machine). The first
+time and as this process's CPU time (robust to other processes on the machine); the order
+of the methods rotates from round to round. The first
 ``--warmup`` steps of every run are dropped (first-call checks, engine choice). Reported: the
 median over all kept steps of all rounds, and the median over rounds of the per-round ratio
 ``dptrainer / composition`` (the Trainer's own overhead) and ``/ nonprivate``. Logging is off
@@ -216,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     kept: dict[str, list[tuple[float, float]]] = {m: [] for m in args.methods}
     per_round: dict[str, list[float]] = {m: [] for m in args.methods}
     for r in range(args.rounds):
-        for method in args.methods:
+        # rotate the order every round: no method always runs right after another's teardown
+        shift = r % len(args.methods)
+        for method in args.methods[shift:] + args.methods[:shift]:
             steps = RUNNERS[method](data, args)[args.warmup :]
             kept[method] += steps
             per_round[method].append(statistics.median(cpu for _, cpu in steps))
