@@ -91,6 +91,7 @@ def test_unreachable_epsilon_names_no_truncation(capsys):
     assert "truncation" not in err
 
 
+@pytest.mark.slow
 def test_progress_in_a_log_file_and_a_lora_run_as_the_next_model(tiny_args, tmp_path):
     """A log got hundreds of carriage-return bar updates; a LoRA run's model/ was an adapter
     alone, which --model refused ("no config.json")."""

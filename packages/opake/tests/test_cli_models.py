@@ -134,6 +134,7 @@ def _fill_hub_cache(cache, repo_id: str) -> None:
     (repo / "refs" / "main").write_text(commit)
 
 
+@pytest.mark.slow
 def test_hub_id_from_the_cache_and_one_line_offline_error(tmp_path, tiny_args):
     cache = tmp_path / "hub"
     _fill_hub_cache(cache, "opake-test/tiny-llama")

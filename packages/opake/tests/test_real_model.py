@@ -43,6 +43,7 @@ def _require_model() -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_two_dp_lora_steps_on_smollm2(tmp_path, monkeypatch, caplog, small_corpus):
     gguf = _require_model()
     pytest.importorskip("peft")
