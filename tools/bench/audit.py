@@ -1,6 +1,7 @@
 """Privacy audits: the resolution table (simulation) and `opake audit` at ε ∈ {1, 2, 4, 8}.
 
     python tools/bench/audit.py simulate                 # lower bound an ideal Gaussian allows
+    python tools/bench/audit.py whitebox                 # gradient canaries at opake train's q
     python tools/bench/audit.py runs                     # opake audit, white-box and black-box
     python tools/bench/audit.py runs --kinds gradient --epsilons 8 -- --steps 60
 
@@ -51,6 +52,36 @@ def simulate(canaries: list[int], epsilons: list[float], reps: int) -> None:
         )
         cells.append(f"{perfect.epsilon_lower_bound:.2f}")
         print(f"| {m} | " + " | ".join(cells) + " |", flush=True)
+
+
+def whitebox(epsilons: list[float], args: argparse.Namespace) -> None:
+    """Gradient canaries at the sampling of a given run, through opake-core's DP-SGD loop.
+
+    The canaries live in their own parameter, which the data's gradients never touch, so their
+    scores depend on q, the steps, σ, C and m only — not on the model: this is the white-box
+    part of ``opake audit`` at the same q, steps and δ, without the language model's cost.
+    """
+    from opake.auditing import self_test
+
+    print("| claimed ε | lower bound (95 %) | correct / guesses | attack | CPU |")
+    print("|---:|---:|---:|---|---:|")
+    for eps in epsilons:
+        cpu0 = time.process_time()
+        result = self_test(
+            epsilon=eps,
+            delta=args.delta,
+            canaries=args.canaries,
+            dataset_size=args.dataset_size,
+            sample_rate=args.sample_rate,
+            steps=args.steps,
+            seed=args.seed,
+        )
+        cpu = time.process_time() - cpu0
+        print(
+            f"| {result.claimed_epsilon:.3f} | {result.epsilon_lower_bound:.3f} | "
+            f"{result.correct} / {result.guesses} | {result.attack} | {cpu:.0f} s |",
+            flush=True,
+        )
 
 
 def _child_cpu() -> float:
@@ -105,10 +136,21 @@ def main() -> None:
     r.add_argument("--kinds", nargs="+", default=["gradient", "input"])
     r.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
     r.add_argument("extra", nargs="*", help="extra arguments for opake audit (after --)")
+    w = sub.add_parser("whitebox")
+    w.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
+    # the default opake train run: 6,556 blocks, q = 128 / 6,556, 240 steps, δ = 1/N²
+    w.add_argument("--dataset-size", type=int, default=6556)
+    w.add_argument("--sample-rate", type=float, default=128 / 6556)
+    w.add_argument("--steps", type=int, default=240)
+    w.add_argument("--delta", type=float, default=1 / 6556**2)
+    w.add_argument("--canaries", type=int, default=1000)
+    w.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     print(f"# {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
     if args.what == "simulate":
         simulate(args.canaries, args.epsilons, args.reps)
+    elif args.what == "whitebox":
+        whitebox(args.epsilons, args)
     else:
         runs(args.kinds, args.epsilons, args.extra)
 
