@@ -8,8 +8,9 @@ and cancel (``S ≫ N``: the same input at every position with output gradients 
 sign), the computed norm can be far too small, or zero, and the example is barely clipped.
 The clipped sum is a contraction over all tokens, whose rounding scales with ``√S`` too.
 
-So per example and parameter (leaf), with ``s = Σ_pieces Σ_t ‖a_t‖‖b_t‖`` (:func:`abs_norm`,
-one pass over the recorded tensors) and ``γ = MARGIN · 2⁻²⁴``:
+So per example and parameter (leaf), with ``s = Σ_pieces Σ_t ‖a_t‖‖b_t‖`` (``sq_norm_abs``:
+off the Gram product's diagonal on the Gram route, one pass over the recorded tensors
+otherwise) and ``γ = MARGIN · 2⁻²⁴``:
 
 - the clip factor is computed from the upper bound ``√(N̂ + γ s²) + γ s`` instead of ``√N̂``
   (the first term bounds the norm, the second the contraction's rounding): on ordinary data
