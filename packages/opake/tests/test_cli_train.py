@@ -162,6 +162,34 @@ def test_resume_is_identical_to_an_uninterrupted_run(tiny_args, tmp_path, monkey
         assert [r[key] for r in ra] == [r[key] for r in rb], key
 
 
+@pytest.mark.slow
+def test_a_checkpoint_of_an_earlier_version_resumes_identically(tiny_args, tmp_path, monkeypatch):
+    # checkpoints of opake train before it trained through DPTraining hold the same parts
+    # without DPTraining's configuration entry: they resume, bit for bit
+    full, parts = tmp_path / "full", tmp_path / "parts"
+    extra = ("--steps", "4", "--no-plots", "--reproducible")
+    assert main(tiny_args(*extra, out=full)) == 0
+    _interrupt_at(monkeypatch, 2)
+    assert main(tiny_args(*extra, out=parts)) == 130
+    monkeypatch.undo()
+    path = parts / trainer.CHECKPOINT_FILE
+    payload = torch.load(path, weights_only=False)
+    assert payload["step"] == 2
+    assert payload["extra"].pop("opake.training")["secure"] is False
+    torch.save(payload, path)
+
+    assert main(tiny_args(*extra, "--resume", out=parts)) == 0
+    a = json.loads((full / "summary.json").read_text())
+    b = json.loads((parts / "summary.json").read_text())
+    assert b["resumed_from_step"] == 2
+    for key in ("epsilon", "val_loss", "train_loss", "steps"):
+        assert a[key] == b[key], key
+    with (full / "metrics.csv").open() as fa, (parts / "metrics.csv").open() as fb:
+        ra, rb = list(csv.DictReader(fa)), list(csv.DictReader(fb))
+    for key in ("step", "train_loss", "val_loss", "epsilon", "batch_size"):
+        assert [r[key] for r in ra] == [r[key] for r in rb], key
+
+
 def test_resume_keeps_the_accountant_history(tiny_args, tmp_path):
     out = tmp_path / "run"
     assert main(tiny_args("--steps", "2", out=out)) == 0

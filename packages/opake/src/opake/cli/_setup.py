@@ -1,0 +1,221 @@
+"""The model side of an ``opake train`` run: build, patch, evaluate, the per-example loss,
+the microbatch tuning, and the warnings the first steps are expected to give."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from opake.cli._models import load_model
+from opake.core.errors import OpakePrivacyWarning
+
+if TYPE_CHECKING:
+    import torch
+
+    from opake.cli._plan import RunPlan
+
+_EVAL_BATCH = 64
+
+
+def _evaluate(
+    model: Any,
+    val: torch.Tensor,
+    device: torch.device,
+    autocast: Any,
+    forward_kwargs: dict[str, Any],
+) -> float:
+    import torch
+
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    count = 0
+    with torch.no_grad(), autocast():
+        for chunk in val.split(_EVAL_BATCH):
+            x = chunk.to(device)
+            out = model(input_ids=x, labels=x, **forward_kwargs)
+            tokens = x.shape[0] * (x.shape[1] - 1)
+            total += float(out.loss) * tokens
+            count += tokens
+    model.train(was_training)
+    return total / count
+
+
+def _autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]:
+    import torch
+
+    if precision == "fp32":
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def _build_model(plan: RunPlan, device: torch.device) -> tuple[Any, Any, Any]:
+    from transformers.utils import logging as hf_logging
+
+    s = plan.settings
+    hf_logging.disable_progress_bar()
+    with warnings.catch_warnings():
+        # peft and transformers deprecate each other's helpers; not the user's business
+        warnings.simplefilter("ignore", FutureWarning)
+        loaded = load_model(
+            s.model,
+            tokenizer=plan.tokenizer,
+            block_size=s.block_size,
+            lora_r=s.lora_r,
+            lora_alpha=s.lora_alpha,
+            seed=s.seed,
+        )
+    model = loaded.model.to(device)
+    report = None
+    if plan.patch:
+        from opake.patches import apply_model_patches
+
+        report = apply_model_patches(model, kernels=None if s.kernels == "auto" else s.kernels)
+    if s.checkpointing:
+        from opake.patches import apply_runtime_patches
+
+        apply_runtime_patches()
+        base: Any = model.get_base_model() if s.lora_r is not None else model  # type: ignore[operator]
+        kwargs = {"use_reentrant": False}
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return loaded, model, report
+
+
+def _tune_microbatch(
+    make: Callable[[int], Any],
+    args: tuple[Any, ...],
+    plan: RunPlan,
+    device: torch.device,
+    world_size: int,
+) -> tuple[int, str]:
+    import torch
+
+    from opake.profiling import tune_microbatch
+
+    # this rank's expected share of the global Poisson batch
+    batch = max(1, math.ceil(plan.sample_rate * plan.dataset_size / world_size))
+    # random tokens of the real shape: memory and time do not depend on the values, and the
+    # tuner never touches the private data
+    probe = torch.randint(
+        0,
+        int(plan.train.max()) + 1,
+        (batch, plan.settings.block_size),
+        generator=torch.Generator().manual_seed(0),
+    ).to(device)
+    result = tune_microbatch(
+        make,
+        (*args, probe),
+        batch_size=batch,
+        device=device,
+        steps=1,
+        warmup_steps=1,
+        compare_smaller=0,
+    )
+    assert result.microbatch_size is not None
+    return result.microbatch_size, result.table()
+
+
+def _zero_partner_lora_a(trainable: dict[str, torch.Tensor]) -> frozenset[str]:
+    """LoRA ``A`` matrices whose ``B`` partner is all zeros (PEFT's initialisation).
+
+    Their gradient is exactly zero until ``B`` moves, so the optimizer's first-step check
+    ("all-zero gradient ... updated by noise alone") is expected for them, not a sign that they
+    are unused: on the first step they do receive noise alone, which costs no privacy.
+    """
+    names = set()
+    for name in trainable:
+        if ".lora_A." in name:
+            partner = trainable.get(name.replace(".lora_A.", ".lora_B."))
+            if partner is not None and not bool(partner.count_nonzero()):
+                names.add(name)
+    return frozenset(names)
+
+
+def _reemit(
+    caught: list[warnings.WarningMessage], expected_zero: frozenset[str], names: Iterable[str]
+) -> None:
+    """Re-issue caught warnings, except a zero-gradient warning naming only *expected_zero*
+    among the trainable *names*."""
+    names = tuple(names)
+    for item in caught:
+        message = str(item.message)
+        mentioned = {name for name in names if name in message}
+        if (
+            issubclass(item.category, OpakePrivacyWarning)
+            and "all-zero gradient" in message
+            and mentioned
+            and mentioned <= expected_zero
+        ):
+            continue
+        warnings.warn_explicit(item.message, item.category, item.filename, item.lineno)
+
+
+def forward_options(patch_report: Any) -> dict[str, Any]:
+    """Keyword arguments of every forward: no KV cache; the loss-only head where patched."""
+    options: dict[str, Any] = {"use_cache": False}
+    if patch_report is not None and "linear_cross_entropy" in patch_report.kernels:
+        options["loss_only"] = True  # the loss without materialising the logits
+    return options
+
+
+def per_example_loss(
+    plan: RunPlan, fmodel: Any, forward_kwargs: dict[str, Any], autocast: Callable[[], Any]
+) -> Any:
+    """The loss given to the clipped-gradient function: one example's loss (vmap engine), or a
+    :class:`~opake.dpsgd.bookkeeping.BatchedLoss` (book-keeping where exact, else vmap)."""
+    import torch
+
+    from opake.dpsgd.bookkeeping import BatchedLoss, causal_lm_losses
+    from opake.dpsgd.optimizer import autocast_loss
+
+    def loss_fn(
+        trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        """The loss of ONE example (a block of token ids, no batch dimension)."""
+        ids = x.unsqueeze(0)
+        return fmodel((trainable, frozen), input_ids=ids, labels=ids, **forward_kwargs).loss
+
+    def batch_losses(
+        trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        """Per-example losses ``[B]`` of a batch, each over its own tokens only (fp32; the
+        forward under bf16 autocast with ``--precision bf16``)."""
+        with autocast():
+            if forward_kwargs.get("loss_only"):
+                # no logits at all: the book-keeping engine takes lm_head's per-example norms
+                # from the chunked kernel's recorded loss, vocabulary tile by tile
+                params = (trainable, frozen)
+                out = fmodel(params, input_ids=x, labels=x, per_example_loss=True, **forward_kwargs)
+                return out.loss.float()  # type: ignore[no-any-return]
+            out = fmodel((trainable, frozen), input_ids=x, use_cache=False)
+            return causal_lm_losses(out.logits, x)
+
+    precision = plan.settings.precision
+    if plan.engine == "vmap":
+        if precision == "fp32":
+            return loss_fn
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        return autocast_loss(loss_fn, dtype, argnums=0)
+    # one batched forward and backward per microbatch (book-keeping) where it is exact;
+    # "auto" falls back to per-example vmap otherwise — the same clipped sum either way
+    return BatchedLoss(batch_losses, fmodel)
+
+
+def inner_optimizer(plan: RunPlan, model: Any) -> torch.optim.Optimizer:
+    """The optimizer the DP step wraps (``--optimizer``, ``--lr``, ``--weight-decay``)."""
+    import torch
+
+    s = plan.settings
+    params = [p for p in model.parameters() if p.requires_grad]
+    if s.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=s.lr, momentum=0.9, weight_decay=s.weight_decay)
+    if s.optimizer == "adam":
+        return torch.optim.Adam(params, lr=s.lr, weight_decay=s.weight_decay)
+    return torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
