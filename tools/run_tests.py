@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 paths += [f"packages/{name}/tests", f"packages/{name}/src"]
         paths = [p for p in paths if (ROOT / p).exists()]
-        cmd = [py, "-m", "pytest", "--doctest-modules", *paths, *args.pytest_args]
+        cmd = [py, "-m", "pytest", "--doctest-modules", "--durations=30", *paths, *args.pytest_args]
         if _run(cmd, "pytest") != 0:
             failures.append("pytest")
     docs_cmd = [py, "-m", "mkdocs", "build", "--strict", "--site-dir", "build/site"]
