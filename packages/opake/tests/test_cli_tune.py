@@ -109,3 +109,17 @@ def test_usage_error_is_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
     assert "argument --batch-size: invalid int value: 'many'" in err
+
+
+def test_train_and_tune_resolve_devices_alike():
+    from opake.cli._plan import resolve_device
+    from opake.core.errors import ConfigurationError
+
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto", auto=True).type in {"cpu", "cuda", "mps"}
+    with pytest.raises(ConfigurationError, match="not a torch device; expected cpu, cuda"):
+        resolve_device("auto")  # opake train has no automatic device
+    with pytest.raises(ConfigurationError, match="--device meta: expected cpu, cuda"):
+        resolve_device("meta")
+    with pytest.raises(ConfigurationError, match="expected auto, cpu, cuda, cuda:N or mps"):
+        resolve_device("banana", auto=True)

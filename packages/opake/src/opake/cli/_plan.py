@@ -75,14 +75,29 @@ class RunPlan:
         return "seeded (not private)" if self.settings.reproducible else "secure"
 
 
-def _device(name: str) -> torch.device:
+def resolve_device(name: str, *, auto: bool = False) -> torch.device:
+    """``--device NAME`` as a ``torch.device`` that is usable here (one-line error otherwise).
+
+    With *auto*, ``"auto"`` picks CUDA, then MPS, then the CPU.
+
+    >>> resolve_device("cpu").type
+    'cpu'
+    """
     import torch
 
+    expected = ("auto, " if auto else "") + "cpu, cuda, cuda:N or mps"
+    if auto and name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        mps = getattr(torch.backends, "mps", None)
+        if mps is not None and mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
     try:
         device = torch.device(name)
-    except RuntimeError:
+    except (RuntimeError, ValueError):
         raise ConfigurationError(
-            f"--device {name!r}: not a torch device; expected cpu, cuda, cuda:N or mps"
+            f"--device {name!r}: not a torch device; expected {expected}"
         ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigurationError(f"--device {name}: CUDA is not available here; use --device cpu")
@@ -92,6 +107,8 @@ def _device(name: str) -> torch.device:
         )
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigurationError(f"--device {name}: MPS is not available here; use --device cpu")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigurationError(f"--device {name}: expected {expected}")
     return device
 
 
@@ -176,7 +193,7 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     """
     settings.check()
     out = _check_out(settings)
-    device = _device(settings.device)
+    device = resolve_device(settings.device)
     model_source, model_is_dir = resolve_model(settings.model)
     patch, notes = _check_kernels(settings.kernels, device, _model_type(settings.model))
     _check_environment(settings, device, notes)

@@ -79,35 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _device(name: str) -> torch.device:
-    import torch
-
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        mps = getattr(torch.backends, "mps", None)
-        if mps is not None and mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise ConfigurationError(
-            f"--device {name!r}: not a torch device; expected auto, cpu, cuda, cuda:N or mps"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigurationError(f"--device {name}: CUDA is not available here; use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ConfigurationError(
-            f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible"
-        )
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigurationError(f"--device {name}: MPS is not available here; use --device cpu")
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise ConfigurationError(f"--device {name}: expected auto, cpu, cuda, cuda:N or mps")
-    return device
-
-
 def _candidates(text: str | None, batch_size: int) -> list[int] | None:
     if text is None:
         return None
@@ -154,12 +125,13 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from opake.cli._models import load_model, resolve_model
+    from opake.cli._plan import resolve_device
     from opake.dpsgd.clipping import clipped_grad
     from opake.functional import make_functional
     from opake.profiling import NoMicrobatchFitsError, tune_microbatch
 
     source, is_dir = resolve_model(args.model)  # a bad --model fails before anything is built
-    device = _device(args.device)
+    device = resolve_device(args.device, auto=True)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # errors stay one line on stderr
