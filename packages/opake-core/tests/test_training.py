@@ -376,3 +376,35 @@ def test_load_takes_a_plain_checkpoint_of_the_same_parts_and_refuses_one_without
     with pytest.raises(CheckpointError, match="accountant"):
         third.load(tmp_path / "no_accountant.pt")
     assert third.accountant.steps == 0
+
+
+def test_fixed_shape_sampling_reaches_a_target_epsilon_above_ln_999():
+    # With a truncation budget of δ/1000 alone, the (1 + e^ε)·T·p charge exceeds δ for any
+    # ε > ln(999) ≈ 6.9: a target of 8 was silently capped. The budget now scales with the target.
+    model = tiny_mlp(seed=0)
+    fmodel, params = make_functional(model)
+    n, steps = 2000, 50
+    training = DPTraining(
+        _loss(fmodel),
+        torch.optim.SGD(model.parameters(), lr=LR),
+        params,
+        batch_args=2,
+        dataset_size=n,
+        expected_batch_size=20,
+        target_epsilon=8.0,
+        steps=steps,
+        delta=DELTA,
+        sampler="fixed",
+        seed=SEED,
+        **FAST,
+    )
+    planned = accounting.epsilon(
+        sample_rate=training.sample_rate,
+        noise_multiplier=training.noise_multiplier,
+        steps=steps,
+        delta=DELTA,
+        accountant="rdp",
+        max_batch_size=training.sampler.max_batch_size,
+        dataset_size=n,
+    )
+    assert 0.98 * 8.0 <= planned <= 8.0

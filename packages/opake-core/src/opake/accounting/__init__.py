@@ -41,7 +41,11 @@ from opake.accounting._accountant import (
 from opake.accounting._adaptive import effective_noise_multiplier, gradient_noise_multiplier
 from opake.accounting._api import CALIBRATION_RANGE, calibrate_noise, epsilon
 from opake.accounting._rdp import DEFAULT_RDP_ORDERS
-from opake.accounting._truncation import max_batch_size_for, truncation_probability
+from opake.accounting._truncation import (
+    max_batch_size_for,
+    truncation_budget_for,
+    truncation_probability,
+)
 
 __all__ = [
     "CALIBRATION_RANGE",
@@ -57,5 +61,6 @@ __all__ = [
     "gradient_noise_multiplier",
     "make_accountant",
     "max_batch_size_for",
+    "truncation_budget_for",
     "truncation_probability",
 ]

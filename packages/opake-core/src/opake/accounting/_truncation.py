@@ -22,6 +22,8 @@ smallest ε with δ_Poisson(ε) + (1 + e^ε)·Σ_phases T·p ≤ δ. Choosing ``
 
 from __future__ import annotations
 
+import math
+
 from opake.accounting._validate import (
     check_positive_int,
     check_sample_rate,
@@ -29,7 +31,7 @@ from opake.accounting._validate import (
 )
 from opake.core.errors import ConfigurationError
 
-__all__ = ["max_batch_size_for", "truncation_probability"]
+__all__ = ["max_batch_size_for", "truncation_budget_for", "truncation_probability"]
 
 
 def truncation_probability(*, dataset_size: int, sample_rate: float, max_batch_size: int) -> float:
@@ -48,6 +50,23 @@ def truncation_probability(*, dataset_size: int, sample_rate: float, max_batch_s
     q = check_sample_rate(sample_rate)
     b_max = check_positive_int(max_batch_size, "max_batch_size")
     return float(stats.binom.sf(b_max, n + 1, q))
+
+
+def truncation_budget_for(delta: float, target_epsilon: float | None = None) -> float:
+    """The budget for ``steps · P(batch > B_max)`` of fixed-shape sampling, from δ and the target ε.
+
+    The accountant charges ``(1 + e^ε)·T·p`` to δ; with a budget of δ/1000 alone that term
+    exceeds δ for ε above ln(999) ≈ 6.9, so a target ε of 8 could not be met. Scaling the budget
+    by ``1 + e^target`` keeps the term at a thousandth of δ at the target.
+
+    >>> truncation_budget_for(1e-5)
+    1e-08
+    >>> truncation_budget_for(1e-5, 8.0) < 1e-8 / 2980
+    True
+    """
+    if target_epsilon is None:
+        return delta / 1000
+    return max(delta / (1000 * (1.0 + math.exp(min(target_epsilon, 600.0)))), 1e-300)
 
 
 def max_batch_size_for(

@@ -238,7 +238,10 @@ class DPTraining:
                 max_batch_size = min(
                     n,
                     accounting.max_batch_size_for(
-                        dataset_size=n, sample_rate=q, steps=steps, truncation_budget=delta / 1000
+                        dataset_size=n,
+                        sample_rate=q,
+                        steps=steps,
+                        truncation_budget=accounting.truncation_budget_for(delta, target_epsilon),
                     ),
                 )
             accounting_extra = {"max_batch_size": max_batch_size, "dataset_size": n}

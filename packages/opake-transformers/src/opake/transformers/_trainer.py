@@ -360,9 +360,9 @@ class DPTrainer(Trainer):
         delta = a.target_delta if a.target_delta is not None else 1.0 / n**2
         max_batch = None
         if a.dp_sampler == "fixed":
-            from opake.accounting import max_batch_size_for
+            from opake.accounting import max_batch_size_for, truncation_budget_for
 
-            # the slots: truncation probability ≤ δ/1000 per run, rounded up to a multiple of
+            # the slots: truncation charge ≤ δ/1000 at the target ε, rounded up to a multiple of
             # the physical batches of all ranks (one static shape everywhere; more slots only
             # lower the truncation probability)
             chunks = a.gradient_accumulation_steps * a.world_size
@@ -370,7 +370,7 @@ class DPTrainer(Trainer):
                 dataset_size=n,
                 sample_rate=self._expected_batch_size() / n,
                 steps=self._planned_steps(),
-                truncation_budget=delta / 1000,
+                truncation_budget=truncation_budget_for(delta, a.target_epsilon),
             )
             max_batch = min(n, -(-needed // chunks) * chunks)
         training = DPTraining(

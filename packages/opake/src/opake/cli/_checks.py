@@ -26,7 +26,6 @@ __all__ = [
     "config_dropout",
     "disable_dropout",
     "epsilon_note",
-    "truncation_budget",
 ]
 
 #: longest block the named configs (llama-tiny, llama-small) are built for
@@ -95,18 +94,6 @@ def check_model_fits(spec: str, is_directory: bool, *, block_size: int, vocab_si
             f"produces ids up to {vocab_size - 1}; use the model's own tokenizer (saved in the "
             "model directory)"
         )
-
-
-def truncation_budget(delta: float, target_epsilon: float | None) -> float:
-    """The budget for ``steps · P(batch > B_max)`` of ``--sampler fixed``.
-
-    The accountant charges ``(1 + e^ε)·T·p`` to δ; with a budget of δ/1000 alone that term
-    exceeds δ for ε above ln(999) ≈ 6.9, so a target ε of 8 could not be met. Scaling the budget
-    by ``1 + e^target`` keeps the term at a thousandth of δ at the target.
-    """
-    if target_epsilon is None:
-        return delta / 1000
-    return max(delta / (1000 * (1.0 + math.exp(min(target_epsilon, 600.0)))), 1e-300)
 
 
 def epsilon_note(

@@ -19,7 +19,6 @@ from opake.cli._checks import (
     check_writable,
     config_dropout,
     epsilon_note,
-    truncation_budget,
 )
 from opake.cli._data import Corpus, load_corpus, make_blocks, split_blocks, unigram_entropy
 from opake.cli._models import load_tokenizer, resolve_model
@@ -328,7 +327,7 @@ def _privacy(
             dataset_size=n,
             sample_rate=q,
             steps=steps,
-            truncation_budget=truncation_budget(delta, settings.target_epsilon),
+            truncation_budget=accounting.truncation_budget_for(delta, settings.target_epsilon),
         )
         max_batch = min(max_batch, n)
         accounting_extra = {"max_batch_size": max_batch, "dataset_size": n}
