@@ -6,7 +6,7 @@
 
 A linear layer with input width d and output width p, applied to B sequences of T tokens, has
 per-example gradients ``G_i = Σ_t g_{i,t} ⊗ x_{i,t}`` (a ``p × d`` matrix). The engine
-(:mod:`opake.dpsgd._bk_rules`) gets ``‖G_i‖²`` one of two ways:
+(:mod:`opake.dpsgd.bookkeeping._rules`) gets ``‖G_i‖²`` one of two ways:
 
 * **ghost** (Gram identity): ``Σ_{t,s} (g_t·g_s)(x_t·x_s)`` — ``_inner_outer(piece, piece)``,
   two ``[B, T, T]`` Gram matrices, about ``2·B·T²·(d + p)`` flops;
@@ -70,7 +70,7 @@ def _routes(batch: int, steps: int, d: int, p: int) -> dict[str, Callable[[], An
     """The two norm routes over one random piece (output grads ``[B,T,p]``, inputs ``[B,T,d]``)."""
     import torch
 
-    from opake.dpsgd._bk_rules import OuterSum, _inner_outer, _materialise
+    from opake.dpsgd.bookkeeping._rules import OuterSum, _inner_outer, _materialise
 
     gen = torch.Generator().manual_seed(steps * 7919 + d * 31 + p)
     piece = OuterSum(
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from opake.dpsgd._bk_rules import ghost_is_cheaper
+    from opake.dpsgd.bookkeeping._rules import ghost_is_cheaper
 
     torch.set_num_threads(1)
     machine = _machine()

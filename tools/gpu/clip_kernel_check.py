@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from opake.dpsgd import _clip_kernel
+from opake.dpsgd.clipping import _kernel as _clip_kernel
 
 
 def _time(fn, *args, repeats: int = 20) -> float:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import opake.dpsgd._clip_engine as clip_engine
 import opake.dpsgd._noise as noise_module
+import opake.dpsgd.clipping._engine as clip_engine
 import opake.dpsgd.sampling as sampling
 from opake.auditing import self_test
 from opake.dpsgd._sampling import PoissonSampler

@@ -10,8 +10,8 @@ import torch
 
 from opake.core import testing
 from opake.core.errors import OperationError
-from opake.dpsgd._bk_rules import Dense, Implicit, OuterSum, inner
 from opake.dpsgd.bookkeeping import BatchedLoss, ImplicitGrad, implicit_use
+from opake.dpsgd.bookkeeping._rules import Dense, Implicit, OuterSum, inner
 from opake.dpsgd.clipping import clipped_grad
 from opake.functional import make_functional
 

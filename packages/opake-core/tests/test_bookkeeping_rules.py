@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opake.dpsgd._bk_rules import (
+from opake.dpsgd.bookkeeping._rules import (
     Dense,
     OuterSum,
     _inner_outer,

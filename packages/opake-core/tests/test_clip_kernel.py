@@ -20,7 +20,7 @@ import pytest
 
 from opake.core import testing
 from opake.core.errors import ConfigurationError
-from opake.dpsgd import _clip_kernel
+from opake.dpsgd.clipping import _kernel as _clip_kernel
 from opake.dpsgd.clipping import clipped_grad
 
 
@@ -32,10 +32,10 @@ def interpreted(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("OPAKE_CLIP_KERNEL", "interpret")
     monkeypatch.setattr(_clip_kernel, "_KERNEL", None)
-    monkeypatch.delitem(sys.modules, "opake.dpsgd._clip_kernel_triton", raising=False)
+    monkeypatch.delitem(sys.modules, "opake.dpsgd.clipping._kernel_triton", raising=False)
     yield
     _clip_kernel._KERNEL = None
-    sys.modules.pop("opake.dpsgd._clip_kernel_triton", None)  # defined under the interpreter
+    sys.modules.pop("opake.dpsgd.clipping._kernel_triton", None)  # defined under the interpreter
 
 
 def _torch_reference(grads, factors, sums):
@@ -95,7 +95,7 @@ def test_vmap_engine_uses_the_kernel_and_equals_the_loop(interpreted, monkeypatc
         calls.append(real(*args))
         return calls[-1]
 
-    import opake.dpsgd._clip_engine as engine
+    import opake.dpsgd.clipping._engine as engine
 
     monkeypatch.setattr(engine, "clip_accumulate", spy)
     grad_fn, state = clipped_grad(

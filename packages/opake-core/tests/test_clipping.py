@@ -368,7 +368,7 @@ def test_bad_call_arguments_raise():
 @pytest.mark.parametrize("fraction", [0.0, 1e9])
 def test_expanded_forward_and_vjp_paths_agree(mlp_problem, monkeypatch, fraction):
     """Both ways of computing per-example gradients match the loop (the size rule picks one)."""
-    import opake.dpsgd._clip_engine as engine
+    import opake.dpsgd.clipping._engine as engine
 
     loss_fn, params, x, y, clip = mlp_problem
 
@@ -401,7 +401,7 @@ def test_expanded_forward_and_vjp_paths_agree(mlp_problem, monkeypatch, fraction
 
 
 def test_expanded_forward_falls_back_to_vjp_for_good(monkeypatch):
-    import opake.dpsgd._clip_engine as engine
+    import opake.dpsgd.clipping._engine as engine
 
     monkeypatch.setattr(engine, "_EXPAND_FRACTION", 1e9)
     calls = {"batched": 0}

@@ -13,8 +13,8 @@ import torch
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.dpsgd import distributed as D
-from opake.dpsgd._dist_failure import _is_collective_failure
 from opake.dpsgd.clipping import ClippedGrads
+from opake.dpsgd.distributed._failure import _is_collective_failure
 from opake.dpsgd.optimizer import DPOptimizer
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opake.core.errors import InputTypeError
-from opake.dpsgd._dist_env import _world
+from opake.dpsgd.distributed._env import _world
 
 __all__ = ["RankMetrics", "gather_metrics"]
 

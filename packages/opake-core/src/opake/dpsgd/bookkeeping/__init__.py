@@ -27,7 +27,7 @@ The clipped sum ``Σ_i c_i ∇ℓ_i`` is then one contraction per layer of the r
 the ``c_i``-scaled output gradients (fp32). The clip factors come from bounds that fp32
 cancellation between tokens cannot shrink (``Σ_t ‖a_t‖‖b_t‖`` per example); an example whose
 bound is loose is measured and added exactly, from its gradient materialised in fp64
-(``opake.dpsgd._bk_certify``). The per-parameter norms of the example with the largest
+(``opake.dpsgd.bookkeeping._certify``). The per-parameter norms of the example with the largest
 non-zero gradient are compared with plain autograd on that example alone — on the first call,
 on every new structure and periodically; ``"auto"`` falls back to vmap when anything is
 unsupported or that check fails, ``"bookkeeping"`` raises, and a call where no example can be
@@ -62,15 +62,15 @@ True
 
 from __future__ import annotations
 
-from opake.dpsgd._bk_engine import (
+from opake.dpsgd.bookkeeping._engine import (
     BookkeepingPlan,
     ImplicitUse,
     LayerRule,
     bookkeeping_plan,
     implicit_use,
 )
-from opake.dpsgd._bk_loss import BatchedLoss, causal_lm_losses
-from opake.dpsgd._bk_rules import ImplicitGrad, ghost_is_cheaper
+from opake.dpsgd.bookkeeping._loss import BatchedLoss, causal_lm_losses
+from opake.dpsgd.bookkeeping._rules import ImplicitGrad, ghost_is_cheaper
 
 __all__ = [
     "BatchedLoss",

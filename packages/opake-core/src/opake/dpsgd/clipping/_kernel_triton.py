@@ -1,4 +1,4 @@
-"""The Triton kernel of :mod:`opake.dpsgd._clip_kernel` (imported only when it launches).
+"""The Triton kernel of :mod:`opake.dpsgd.clipping._kernel` (imported only when it launches).
 
 One program per (leaf, column block): ``sum[cols] += Σ_i factor[i, leaf] · g[i, cols]`` with
 non-finite entries of ``g`` read as 0, accumulated in fp32. ``grad_ptrs`` / ``sum_ptrs`` are

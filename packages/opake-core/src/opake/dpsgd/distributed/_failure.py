@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
-from opake.dpsgd._dist_env import _world
+from opake.dpsgd.distributed._env import _world
 
 __all__ = ["FailFast", "fail_fast"]
 

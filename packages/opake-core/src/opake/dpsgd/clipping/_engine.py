@@ -34,16 +34,16 @@ from opake.core.errors import (
     InputTypeError,
     OpakePrivacyWarning,
 )
-from opake.dpsgd._bk_engine import (
+from opake.dpsgd.bookkeeping._engine import (
     BookkeepingInconclusiveError,
     BookkeepingMismatchError,
     BookkeepingRunner,
 )
-from opake.dpsgd._bk_engine import choose as choose_engine
-from opake.dpsgd._bk_engine import prepare as prepare_engine
-from opake.dpsgd._clip_grads import ClipAux, ClippedGrads
-from opake.dpsgd._clip_kernel import clip_accumulate, kernel_runs_on
-from opake.dpsgd._clip_state import (
+from opake.dpsgd.bookkeeping._engine import choose as choose_engine
+from opake.dpsgd.bookkeeping._engine import prepare as prepare_engine
+from opake.dpsgd.clipping._grads import ClipAux, ClippedGrads
+from opake.dpsgd.clipping._kernel import clip_accumulate, kernel_runs_on
+from opake.dpsgd.clipping._state import (
     AdaptiveClipping,
     AutoSClipping,
     ClipState,

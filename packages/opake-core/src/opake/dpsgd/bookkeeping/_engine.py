@@ -5,7 +5,7 @@ forward hooks on every layer that uses a trainable parameter: the hook keeps the
 and routes its output through an identity autograd node whose backward keeps the output
 gradient. One ``backward`` of ``Σ_i loss_i`` (w.r.t. a scalar sink only, so autograd computes
 activation gradients and no weight gradient at all) then leaves, per layer use, the pieces of
-:mod:`opake.dpsgd._bk_rules`. Norms and the clipped sum come from those pieces.
+:mod:`opake.dpsgd.bookkeeping._rules`. Norms and the clipped sum come from those pieces.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, OperationError
-from opake.dpsgd._bk_certify import bounds, exact_add, exact_sq_norm, full_precision
-from opake.dpsgd._bk_loss import BatchedLoss
-from opake.dpsgd._bk_rules import (
+from opake.dpsgd.bookkeeping._certify import bounds, exact_add, exact_sq_norm, full_precision
+from opake.dpsgd.bookkeeping._loss import BatchedLoss
+from opake.dpsgd.bookkeeping._rules import (
     Dense,
     Implicit,
     ImplicitGrad,

@@ -29,9 +29,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, overload
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
-from opake.dpsgd._dist_comm import broadcast_tensors
-from opake.dpsgd._dist_optim import DistributedDPOptimizer, _BroadcastNoise, _NoiseProxy
 from opake.dpsgd._optim import DPOptimizer, StepReport
+from opake.dpsgd.distributed._comm import broadcast_tensors
+from opake.dpsgd.distributed._optim import DistributedDPOptimizer, _BroadcastNoise, _NoiseProxy
 
 if TYPE_CHECKING:
     from typing import Literal

@@ -21,9 +21,9 @@ in :class:`ClipAux` are not private.
 
 from __future__ import annotations
 
-from opake.dpsgd._clip_engine import ClippedGradFn, clipped_grad
-from opake.dpsgd._clip_grads import ClipAux, ClippedGrads
-from opake.dpsgd._clip_state import (
+from opake.dpsgd.clipping._engine import ClippedGradFn, clipped_grad
+from opake.dpsgd.clipping._grads import ClipAux, ClippedGrads
+from opake.dpsgd.clipping._state import (
     AdaptiveClipping,
     AdaptiveNoiseSplit,
     AutoSClipping,

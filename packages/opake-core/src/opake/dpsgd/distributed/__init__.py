@@ -33,18 +33,25 @@ Example:
 
 from __future__ import annotations
 
-from opake.dpsgd._dist_checkpoint import load_checkpoint_distributed, save_checkpoint_distributed
-from opake.dpsgd._dist_env import (
+from opake.dpsgd.distributed._checkpoint import (
+    load_checkpoint_distributed,
+    save_checkpoint_distributed,
+)
+from opake.dpsgd.distributed._env import (
     DEFAULT_TIMEOUT_SEC,
     DistributedContext,
     current_context,
     init_distributed,
     shared_randomness,
 )
-from opake.dpsgd._dist_failure import ABORT_EXIT_CODE, FailFast, fail_fast
-from opake.dpsgd._dist_fsdp import ShardedDPOptimizer, compute_template, gather_full_params
-from opake.dpsgd._dist_metrics import RankMetrics, gather_metrics
-from opake.dpsgd._dist_optim import DistributedDPOptimizer, check_replicas_in_sync, unwrap_ddp
+from opake.dpsgd.distributed._failure import ABORT_EXIT_CODE, FailFast, fail_fast
+from opake.dpsgd.distributed._fsdp import ShardedDPOptimizer, compute_template, gather_full_params
+from opake.dpsgd.distributed._metrics import RankMetrics, gather_metrics
+from opake.dpsgd.distributed._optim import (
+    DistributedDPOptimizer,
+    check_replicas_in_sync,
+    unwrap_ddp,
+)
 
 __all__ = [
     "ABORT_EXIT_CODE",

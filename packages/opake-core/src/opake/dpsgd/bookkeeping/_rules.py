@@ -121,7 +121,7 @@ class ImplicitGrad(Protocol):
     def abs_norms(self) -> torch.Tensor:
         """``Σ_t ‖d_{i,t}‖ ‖h_{i,t}‖`` ``[B]`` (fp64) when ``G_i = Σ_t d_{i,t} h_{i,t}ᵀ``: an
         upper bound of ``‖G_i‖`` that no cancellation shrinks (the scale of the rounding error
-        of every Gram-based result; see :mod:`opake.dpsgd._bk_certify`)."""
+        of every Gram-based result; see :mod:`opake.dpsgd.bookkeeping._certify`)."""
         ...
 
     def example_rows(self, index: int, start: int, stop: int) -> torch.Tensor:

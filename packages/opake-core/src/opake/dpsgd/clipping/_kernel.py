@@ -80,7 +80,7 @@ def _kernel() -> Any:
     """Import the kernel module on first use (``TRITON_INTERPRET`` is read at definition)."""
     global _KERNEL
     if _KERNEL is None:
-        from opake.dpsgd._clip_kernel_triton import scale_sum
+        from opake.dpsgd.clipping._kernel_triton import scale_sum
 
         if scale_sum is None:
             raise ConfigurationError(

@@ -34,7 +34,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from opake.dpsgd._bk_rules import Piece, example_rows
+from opake.dpsgd.bookkeeping._rules import Piece, example_rows
 
 if TYPE_CHECKING:
     import torch
@@ -109,7 +109,7 @@ def exact_sq_norm(pieces: Sequence[Piece], index: int, shape: Sequence[int]) -> 
     """``‖Ĝ‖²`` (fp64 0-d) of example ``index``'s leaf gradient ``Ĝ`` (fp32, built in fp64).
 
     >>> import torch
-    >>> from opake.dpsgd._bk_rules import OuterSum
+    >>> from opake.dpsgd.bookkeeping._rules import OuterSum
     >>> a = torch.tensor([[[1e8], [-1e8], [1.0]]])  # two huge tokens cancel exactly
     >>> piece = OuterSum(a, torch.ones(1, 3, 2))
     >>> float(exact_sq_norm([piece], 0, (1, 2)))

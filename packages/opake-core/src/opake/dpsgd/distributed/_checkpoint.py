@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, OperationError
-from opake.dpsgd._dist_comm import fingerprint
-from opake.dpsgd._dist_env import _world
-from opake.dpsgd._dist_optim import _gather_rows, _replica_tensors, unwrap_ddp
+from opake.dpsgd.distributed._comm import fingerprint
+from opake.dpsgd.distributed._env import _world
+from opake.dpsgd.distributed._optim import _gather_rows, _replica_tensors, unwrap_ddp
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -187,7 +187,7 @@ def save_checkpoint_distributed(
 
 
 def _refuse_sharded(model: Any) -> None:
-    from opake.dpsgd._dist_fsdp import _is_sharded
+    from opake.dpsgd.distributed._fsdp import _is_sharded
 
     tensors = _replica_tensors(model) if model is not None else []
     if any(_is_sharded(t) for _, t in tensors):
@@ -240,8 +240,8 @@ def load_checkpoint_distributed(
     """
     import torch
 
-    from opake.dpsgd._dist_optim import check_replicas_in_sync
     from opake.dpsgd.checkpoint import load_checkpoint
+    from opake.dpsgd.distributed._optim import check_replicas_in_sync
 
     model = unwrap_ddp(model)
     rank, world_size = _world(group)
