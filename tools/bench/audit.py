@@ -12,7 +12,8 @@ Gaussian mechanism (each canary's score μ·[in] + N(0, 1)), and the bound with 
 
 ``runs``: ``opake audit`` in a fresh process per (canary kind, ε) with ``--target-epsilon ε``
 (everything else the defaults of ``opake train``), its wall time and the child's CPU time
-(user + system), and the figures of ``audit.json``. One Markdown table each. Results are
+(user + system), and the figures of ``audit.json`` (``--keep DIR`` keeps each run's outputs). One
+Markdown table. Results are
 recorded in docs/benchmarks.md ("Privacy audit (opake audit)").
 """
 
@@ -89,13 +90,16 @@ def _child_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def runs(kinds: list[str], epsilons: list[float], extra: list[str]) -> None:
-    print("| canaries | claimed ε | lower bound (95 %) | correct / guesses | attack | wall | CPU |")
-    print("|---|---:|---:|---:|---|---:|---:|")
+def runs(kinds: list[str], epsilons: list[float], extra: list[str], keep: Path | None) -> None:
+    print(
+        "| canaries | claimed ε | lower bound | confidence | correct / guesses | attack | m "
+        "| steps | σ | q | wall | CPU |"
+    )
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for kind in kinds:
         for eps in epsilons:
             with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "audit"
+                out = (keep if keep is not None else Path(tmp)) / f"audit-{kind}-{eps:g}"
                 cmd = [
                     sys.executable,
                     "-m",
@@ -119,7 +123,9 @@ def runs(kinds: list[str], epsilons: list[float], extra: list[str]) -> None:
                 data = json.loads((out / "audit.json").read_text())
             print(
                 f"| {kind} | {data['claimed_epsilon']:.3f} | {data['epsilon_lower_bound']:.3f} "
-                f"| {data['correct']} / {data['guesses']} | {data['attack']} | {wall:.0f} s "
+                f"| {data['confidence']:.2f} | {data['correct']} / {data['guesses']} "
+                f"| {data['attack']} | {data['canaries']} | {data['steps']} "
+                f"| {data['noise_multiplier']:.3f} | {data['sample_rate']:.4g} | {wall:.0f} s "
                 f"| {cpu:.0f} s |",
                 flush=True,
             )
@@ -135,6 +141,7 @@ def main() -> None:
     r = sub.add_parser("runs")
     r.add_argument("--kinds", nargs="+", default=["gradient", "input"])
     r.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
+    r.add_argument("--keep", type=Path, default=None, help="keep each run's outputs here")
     r.add_argument("extra", nargs="*", help="extra arguments for opake audit (after --)")
     w = sub.add_parser("whitebox")
     w.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
@@ -152,7 +159,7 @@ def main() -> None:
     elif args.what == "whitebox":
         whitebox(args.epsilons, args)
     else:
-        runs(args.kinds, args.epsilons, args.extra)
+        runs(args.kinds, args.epsilons, args.extra, args.keep)
 
 
 if __name__ == "__main__":
