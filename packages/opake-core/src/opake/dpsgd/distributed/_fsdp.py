@@ -29,9 +29,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, overload
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
-from opake.dpsgd._optim import DPOptimizer, StepReport
 from opake.dpsgd.distributed._comm import broadcast_tensors
 from opake.dpsgd.distributed._optim import DistributedDPOptimizer, _BroadcastNoise, _NoiseProxy
+from opake.dpsgd.optimizer._dp_optimizer import DPOptimizer, StepReport
 
 if TYPE_CHECKING:
     from typing import Literal

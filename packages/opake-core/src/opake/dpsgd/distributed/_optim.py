@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
-from opake.dpsgd._optim import DPOptimizer, StepReport
 from opake.dpsgd.distributed._comm import all_reduce_tensors, broadcast_tensors, fingerprint
 from opake.dpsgd.distributed._env import _world
+from opake.dpsgd.optimizer._dp_optimizer import DPOptimizer, StepReport
 
 if TYPE_CHECKING:
     import torch

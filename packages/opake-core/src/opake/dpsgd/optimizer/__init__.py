@@ -20,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from opake.dpsgd._optim import DPOptimizer, StepReport
-from opake.dpsgd._precision import DEFAULT_FP16_LOSS_SCALE, autocast_loss
+from opake.dpsgd.optimizer._dp_optimizer import DPOptimizer, StepReport
+from opake.dpsgd.optimizer._precision import DEFAULT_FP16_LOSS_SCALE, autocast_loss
 
 __all__ = ["DEFAULT_FP16_LOSS_SCALE", "DPOptimizer", "StepReport", "autocast_loss"]

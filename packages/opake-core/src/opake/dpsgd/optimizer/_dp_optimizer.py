@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from opake.core.errors import (
@@ -17,223 +16,26 @@ from opake.core.errors import (
     OpakePrivacyWarning,
     OperationError,
 )
+from opake.dpsgd.optimizer._options import (
+    _accounting_options,
+    _check_delta,
+    _divisor_and_rate,
+    _from_sampler,
+    _name_parameters,
+    _positive_float,
+    _resolve_noise,
+    _sample_rate,
+)
+from opake.dpsgd.optimizer._physical import _accepts_keyword, _noised, _split_batch, _with_aux
+from opake.dpsgd.optimizer._report import StepReport
+from opake.dpsgd.optimizer._state import _STATE_VERSION, _checked_state
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["DPOptimizer", "StepReport"]
 
-_STATE_VERSION = 1
 _UNUSED_MODES = ("warn", "error")
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """What one logical DP step did.
-
-    Attributes:
-        step: number of logical steps taken so far, this one included.
-        noise_multiplier: σ used for this step.
-        sensitivity: L2 sensitivity of the summed clipped gradient (the ``max_norm`` carried by
-            the gradients, the largest one if physical batches disagreed).
-        noise_std: standard deviation of the Gaussian noise added to the *sum*, ``σ·sensitivity``.
-            The averaged gradient in ``.grad`` carries ``noise_std / expected_batch_size``.
-        expected_batch_size: the divisor applied after noise (``q·N`` for Poisson sampling).
-        sample_rate: the sampling rate recorded in the accountant (``None`` without accountant).
-        physical_batches: how many physical batches were accumulated into this step.
-        epsilon: ε spent so far at ``delta`` (only when an accountant and ``delta`` were given).
-        delta: the δ ``epsilon`` refers to.
-        skipped_params: optimizer parameters that received no gradient entry at all and were
-            therefore not updated (neither gradient nor noise).
-        aux: the per-physical-batch ``aux`` objects returned by the gradient function in
-            :meth:`DPOptimizer.logical_step` (diagnostics: **not** private).
-    """
-
-    step: int
-    noise_multiplier: float
-    sensitivity: float
-    noise_std: float
-    expected_batch_size: float
-    sample_rate: float | None
-    physical_batches: int
-    epsilon: float | None = None
-    delta: float | None = None
-    skipped_params: tuple[str, ...] = ()
-    aux: tuple[Any, ...] = ()
-
-
-def _positive_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InputTypeError(
-            f"{name}={value!r} ({type(value).__name__}): expected a real number; pass a float"
-        )
-    number = float(value)
-    if not number > 0.0 or not math.isfinite(number):
-        raise ConfigurationError(f"{name}={value!r}: expected a finite number > 0")
-    return number
-
-
-def _sample_rate(value: object) -> float:
-    rate = _positive_float("sample_rate", value)
-    if rate > 1.0:
-        raise ConfigurationError(
-            f"sample_rate={value!r}: expected a probability in (0, 1]; pass q = expected batch "
-            "size / dataset size"
-        )
-    return rate
-
-
-def _name_parameters(
-    optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor] | torch.nn.Module
-) -> dict[str, torch.Tensor]:
-    """Name every tensor the optimizer updates, from a module or a ``name -> tensor`` dict."""
-    import torch
-
-    if isinstance(params, torch.nn.Module):
-        named: Mapping[str, torch.Tensor] = dict(params.named_parameters())
-    elif isinstance(params, Mapping):
-        named = params
-    else:
-        raise InputTypeError(
-            f"params={type(params).__name__}: expected the nn.Module or the name -> tensor dict "
-            "(from make_functional) whose tensors the optimizer updates"
-        )
-    by_id: dict[int, str] = {}
-    by_storage: dict[tuple[Any, ...], str] = {}
-    for name, tensor in named.items():
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise InputTypeError(
-                f"params has an entry {name!r}: {type(tensor).__name__}; expected str -> Tensor"
-            )
-        by_id.setdefault(id(tensor), name)
-        if tensor.numel():
-            by_storage.setdefault(_storage_key(tensor), name)
-    names: dict[str, torch.Tensor] = {}
-    for g, group in enumerate(optimizer.param_groups):
-        for i, p in enumerate(group["params"]):
-            # the same tensor, or (make_functional's dicts) a detached alias of its storage
-            found = by_id.get(id(p))
-            if found is None and p.numel():
-                found = by_storage.get(_storage_key(p))
-            if found is None:
-                raise ConfigurationError(
-                    f"optimizer param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)}) is not "
-                    "one of the tensors in `params`; build the optimizer over the same tensors you "
-                    "pass here (the module's parameters, or the dict from make_functional)"
-                )
-            if found in names:
-                raise ConfigurationError(
-                    f"parameter {found!r} appears twice in the optimizer's param_groups; list "
-                    "each tensor once"
-                )
-            names[found] = p
-    if not names:
-        raise ConfigurationError("the optimizer has no parameters; nothing to train")
-    return names
-
-
-def _from_sampler(
-    sampler: Any,
-    *,
-    expected_batch_size: float | None,
-    sample_rate: float | None,
-    max_batch_size: int | None,
-    dataset_size: int | None,
-    accounted: bool,
-) -> tuple[float, float | None, int | None, int | None]:
-    """Read the divisor and the accounting description from a Poisson sampler."""
-    if getattr(sampler, "_kind", None) == "shuffle":
-        given = f" and sample_rate={sample_rate!r}" if sample_rate is not None else ""
-        raise ConfigurationError(
-            f"sampler=ShuffleSampler{given}: shuffled fixed-size batches are not Poisson "
-            "sampling, so they do not describe Poisson sampling and the ε of opake.accounting "
-            "(the Poisson-subsampled Gaussian at rate q) does not hold for them — every example "
-            "is in exactly one batch per epoch, and the amplification by subsampling that ε "
-            "counts on is absent; a sample_rate would be accounted as if it were there. Use "
-            "PoissonSampler or FixedShapePoissonSampler for private training"
-        )
-    kwargs = getattr(sampler, "accounting_kwargs", None)
-    expected = getattr(sampler, "expected_batch_size", None)
-    if not isinstance(kwargs, Mapping) or not isinstance(expected, int | float):
-        raise ConfigurationError(
-            f"sampler={type(sampler).__name__} does not describe Poisson sampling (no "
-            "expected_batch_size / accounting_kwargs): the accountant's ε assumes each example "
-            "joins each batch independently with probability q, which this sampler does not "
-            "say it does; use PoissonSampler or FixedShapePoissonSampler"
-        )
-    derived: dict[str, Any] = {"expected_batch_size": float(expected), **kwargs}
-    if not accounted:
-        derived = {k: v for k, v in derived.items() if k in ("expected_batch_size", "sample_rate")}
-    given = {
-        "expected_batch_size": expected_batch_size,
-        "sample_rate": sample_rate,
-        "max_batch_size": max_batch_size,
-        "dataset_size": dataset_size,
-    }
-    for name, value in given.items():
-        if value is None or name not in derived:
-            continue
-        if not math.isclose(float(value), float(derived[name]), rel_tol=1e-12):
-            raise ConfigurationError(
-                f"{name}={value!r} but the sampler has {name}={derived[name]!r}; drop the "
-                "explicit value (the sampler's is the one the batches are drawn with)"
-            )
-    rate = derived.get("sample_rate", sample_rate)
-    return (
-        float(derived["expected_batch_size"]),
-        rate if rate is None else float(rate),
-        derived.get("max_batch_size", max_batch_size),
-        derived.get("dataset_size", dataset_size),
-    )
-
-
-def _accounting_options(
-    accountant: Any,
-    *,
-    count_noise_multiplier: float | None,
-    max_batch_size: int | None,
-    dataset_size: int | None,
-) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    if count_noise_multiplier is not None:
-        options["count_noise_multiplier"] = _positive_float(
-            "count_noise_multiplier", count_noise_multiplier
-        )
-    if (max_batch_size is None) != (dataset_size is None):
-        raise ConfigurationError(
-            f"max_batch_size={max_batch_size!r}, dataset_size={dataset_size!r}: fixed-shape "
-            "sampling is accounted from both; pass both or neither"
-        )
-    for name, value in (("max_batch_size", max_batch_size), ("dataset_size", dataset_size)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigurationError(f"{name}={value!r}: expected a positive int")
-        options[name] = value
-    if options and accountant is None:
-        raise ConfigurationError(
-            f"{', '.join(options)} given without an accountant: they only describe how steps "
-            "are accounted; pass accountant= or drop them"
-        )
-    return options
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
-    return (
-        tensor.device,
-        tensor.dtype,
-        tensor.data_ptr(),
-        tuple(tensor.shape),
-        tuple(tensor.stride()),
-    )
-
-
-def _default_noise(
-    noise_multiplier: float, seed: int | None, secure: bool | None, randomness: Any
-) -> Any:
-    from opake.dpsgd.noise import GaussianNoise
-
-    return GaussianNoise(noise_multiplier, seed=seed, secure=secure, randomness=randomness)
 
 
 class DPOptimizer:
@@ -278,7 +80,7 @@ class DPOptimizer:
         secure: accepted for compatibility: ``True`` is the default; ``False`` needs ``seed``.
         offload_state: keep the optimizer's state (and a staging copy of the parameters) in
             CPU memory and run the update there; the update is the same computation, so it is
-            DP-neutral (see :mod:`opake.dpsgd._offload`).
+            DP-neutral (see :mod:`opake.dpsgd.optimizer._offload`).
         unused_params: ``"warn"`` (default) or ``"error"`` when a trainable parameter gets no
             gradient on the first step.
 
@@ -334,34 +136,11 @@ class DPOptimizer:
                 dataset_size=dataset_size,
                 accounted=accountant is not None,
             )
-        if expected_batch_size is None:
-            raise ConfigurationError(
-                "no expected_batch_size: pass expected_batch_size=q·N (the divisor of the noisy "
-                "sum) or the Poisson sampler as sampler="
-            )
-        self._expected_batch_size = _positive_float("expected_batch_size", expected_batch_size)
-        self._sample_rate = None if sample_rate is None else _sample_rate(sample_rate)
-        if accountant is not None and self._sample_rate is None:
-            raise ConfigurationError(
-                "accountant given without sample_rate: the accountant needs the Poisson rate q "
-                "of each step; pass sample_rate=expected_batch_size / dataset_size"
-            )
-        if accountant is not None and not callable(getattr(accountant, "step", None)):
-            raise InputTypeError(
-                f"accountant={type(accountant).__name__}: expected an opake.accounting "
-                "accountant (an object with step(noise_multiplier=, sample_rate=, num_steps=))"
-            )
-        if delta is not None:
-            if accountant is None:
-                raise ConfigurationError(
-                    f"delta={delta!r} without an accountant: ε can only be reported when an "
-                    "accountant records the steps; pass accountant= or drop delta"
-                )
-            delta = _positive_float("delta", delta)
-            if delta >= 1.0:
-                raise ConfigurationError(f"delta={delta!r}: expected a probability in (0, 1)")
+        self._expected_batch_size, self._sample_rate = _divisor_and_rate(
+            expected_batch_size, sample_rate, accountant
+        )
         self.accountant = accountant
-        self.delta = delta
+        self.delta = _check_delta(delta, accountant)
         self._accounting = _accounting_options(
             accountant,
             count_noise_multiplier=count_noise_multiplier,
@@ -373,38 +152,12 @@ class DPOptimizer:
                 f"unused_params={unused_params!r}: expected one of {', '.join(_UNUSED_MODES)}"
             )
         self._unused_mode = unused_params
-        if noise is None:
-            if noise_multiplier is None:
-                raise ConfigurationError(
-                    "no noise_multiplier: pass noise_multiplier=σ (opake.accounting."
-                    "calibrate_noise picks σ for a target ε) or a GaussianNoise as noise="
-                )
-            sigma = _positive_float("noise_multiplier", noise_multiplier)
-            noise = _default_noise(sigma, seed, secure, randomness)
-        else:
-            if seed is not None or secure is not None or randomness is not None:
-                raise ConfigurationError(
-                    "noise= given together with seed=/randomness=/secure=: the random source "
-                    "is the noise object's; configure it there and drop them"
-                )
-            if not callable(getattr(noise, "add", None)) or not isinstance(
-                getattr(noise, "noise_multiplier", None), int | float
-            ):
-                raise InputTypeError(
-                    f"noise={type(noise).__name__}: expected a GaussianNoise-like object with "
-                    "add(grads, sensitivity=) and a noise_multiplier"
-                )
-            if noise_multiplier is not None and not math.isclose(
-                _positive_float("noise_multiplier", noise_multiplier), noise.noise_multiplier
-            ):
-                raise ConfigurationError(
-                    f"noise_multiplier={noise_multiplier!r} but noise= has noise_multiplier="
-                    f"{noise.noise_multiplier!r}; pass one of them (the noise object's σ is used)"
-                )
-        self.noise = noise
+        self.noise = _resolve_noise(
+            noise, noise_multiplier, seed=seed, secure=secure, randomness=randomness
+        )
         self._offload = None
         if offload_state:
-            from opake.dpsgd._offload import CPUStateOffload
+            from opake.dpsgd.optimizer._offload import CPUStateOffload
 
             self._offload = CPUStateOffload(optimizer, self._params)
         self._sums: dict[str, torch.Tensor] = {}
@@ -732,114 +485,16 @@ class DPOptimizer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (validated first; nothing changes on error)."""
-        if not isinstance(state, Mapping):
-            raise InputTypeError(
-                f"DPOptimizer state={type(state).__name__}: expected the dict from state_dict()"
-            )
-        expected = {
-            "version",
-            "steps",
-            "unused_checked",
-            "param_names",
-            "noise_multiplier",
-            "expected_batch_size",
-            "sample_rate",
-            "optimizer",
-            "noise",
-        }
-        if set(state) != expected:
-            missing = sorted(expected - set(state))
-            extra = sorted(set(state) - expected)
-            raise ConfigurationError(
-                f"DPOptimizer state has missing keys {missing} and unexpected keys {extra}; pass "
-                "the dict from DPOptimizer.state_dict()"
-            )
-        if state["version"] != _STATE_VERSION:
-            raise ConfigurationError(
-                f"DPOptimizer state version {state['version']!r}: this Opake reads version "
-                f"{_STATE_VERSION}"
-            )
-        steps = state["steps"]
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ConfigurationError(f"DPOptimizer state steps={steps!r}: expected an int ≥ 0")
-        checked = state["unused_checked"]
-        if (
-            not isinstance(checked, list | tuple)
-            or len(checked) != 2
-            or not all(isinstance(flag, bool) for flag in checked)
-        ):
-            raise ConfigurationError(
-                f"DPOptimizer state unused_checked={checked!r}: expected two booleans"
-            )
-        if list(state["param_names"]) != list(self._params):
-            raise ConfigurationError(
-                f"DPOptimizer state was saved for parameters {list(state['param_names'])} but "
-                f"this optimizer updates {list(self._params)}; build the optimizer over the same "
-                "parameters, in the same order"
-            )
-        noise_state = state["noise"]
-        if (noise_state is None) != (not hasattr(self.noise, "load_state_dict")):
-            raise ConfigurationError(
-                "DPOptimizer state and this optimizer's noise object disagree on whether the "
-                "noise generator has a state; use the same kind of noise object"
-            )
-        expected_batch_size = _positive_float("expected_batch_size", state["expected_batch_size"])
-        sample_rate = None if state["sample_rate"] is None else _sample_rate(state["sample_rate"])
-        sigma = _positive_float("noise_multiplier", state["noise_multiplier"])
+        saved = _checked_state(state, list(self._params), self.noise)
         self.optimizer.load_state_dict(state["optimizer"])
-        if noise_state is not None:
-            self.noise.load_state_dict(noise_state)
+        if saved.noise is not None:
+            self.noise.load_state_dict(saved.noise)
         else:
-            self.noise.noise_multiplier = sigma
-        self._expected_batch_size = expected_batch_size
-        self._sample_rate = sample_rate
+            self.noise.noise_multiplier = saved.noise_multiplier
+        self._expected_batch_size = saved.expected_batch_size
+        self._sample_rate = saved.sample_rate
         if self._offload is not None:
             self._offload.reset_masters()
         self._clear()
-        self._steps = steps
-        self._missing_checked, self._zero_checked = (bool(flag) for flag in checked)
-
-
-def _noised(
-    noise: Any, sums: Mapping[str, torch.Tensor], sensitivity: float
-) -> Mapping[str, torch.Tensor]:
-    out = noise.add(dict(sums), sensitivity=sensitivity)
-    if isinstance(out, tuple):  # (grads, info) style
-        out = out[0]
-    if not isinstance(out, Mapping):
-        raise OperationError(
-            f"noise.add returned {type(out).__name__}; expected the name -> tensor dict"
-        )
-    return out
-
-
-def _split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(batch, tuple):
-        return batch, {}
-    if isinstance(batch, Mapping) and isinstance(batch.get("args"), tuple):
-        kwargs = {k: v for k, v in batch.items() if k != "args"}
-        if "state" in kwargs or "end_step" in kwargs:
-            raise ConfigurationError(
-                "a batch dict may not set 'state' or 'end_step': logical_step manages them"
-            )
-        return batch["args"], kwargs
-    raise InputTypeError(
-        f"batches yielded {type(batch).__name__}: expected a tuple of grad_fn arguments after "
-        "params, e.g. (x, y), or a dict {'args': (x, y), 'example_mask': mask}"
-    )
-
-
-def _accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
-    import inspect
-
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-
-
-def _with_aux(report: StepReport, aux: tuple[Any, ...]) -> StepReport:
-    from dataclasses import replace
-
-    return replace(report, aux=aux)
+        self._steps = saved.steps
+        self._missing_checked, self._zero_checked = saved.checked
