@@ -9,20 +9,20 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from opake.profiling import _memory
+from opake.profiling import _cpu, _devices, _memory
 
 MIB = 1024**2
 
 
 @pytest.fixture(autouse=True)
 def _isolate_memory_state():
-    mode = dict(_memory._CPU_PEAK_MODE)
-    sampled = dict(_memory._SAMPLED_PEAK)
+    mode = dict(_cpu._CPU_PEAK_MODE)
+    sampled = dict(_devices._SAMPLED_PEAK)
     yield
-    _memory._CPU_PEAK_MODE.clear()
-    _memory._CPU_PEAK_MODE.update(mode)
-    _memory._SAMPLED_PEAK.clear()
-    _memory._SAMPLED_PEAK.update(sampled)
+    _cpu._CPU_PEAK_MODE.clear()
+    _cpu._CPU_PEAK_MODE.update(mode)
+    _devices._SAMPLED_PEAK.clear()
+    _devices._SAMPLED_PEAK.update(sampled)
     assert not any(_memory._OPEN_WINDOWS.values()), "a step_perf window was left open"
 
 

@@ -13,7 +13,7 @@ import torch
 from opake.profiling import (
     ConfigurationError,
     PerfState,
-    _memory,
+    _devices,
     empty_cache,
     get_memory_stats,
     reset_peak_memory,
@@ -150,7 +150,7 @@ def fake_mps(monkeypatch):
 
 
 def test_mps_before_2_13_samples_the_peak(fake_mps, monkeypatch):
-    monkeypatch.setattr(_memory, "_torch_at_least", lambda major, minor: False)
+    monkeypatch.setattr(_devices, "_torch_at_least", lambda major, minor: False)
     with step_perf("mps", batch_size=4) as perf:
         fake_mps.alloc(3 * GB)
         fake_mps.free(3 * GB)  # between samples: a sampled peak cannot see it (documented)
@@ -172,8 +172,8 @@ def test_mps_before_2_13_samples_the_peak(fake_mps, monkeypatch):
 
 
 def test_mps_from_2_13_uses_accelerator_peak(fake_mps, monkeypatch):
-    monkeypatch.setattr(_memory, "_torch_at_least", lambda major, minor: True)
-    monkeypatch.setattr(_memory, "_accelerator_is", lambda kind: kind == "mps")
+    monkeypatch.setattr(_devices, "_torch_at_least", lambda major, minor: True)
+    monkeypatch.setattr(_devices, "_accelerator_is", lambda kind: kind == "mps")
     acc = torch.accelerator
     monkeypatch.setattr(acc, "memory_allocated", lambda *a: fake_mps.current)
     monkeypatch.setattr(acc, "max_memory_allocated", lambda *a: fake_mps.peak)

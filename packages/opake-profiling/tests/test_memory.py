@@ -16,7 +16,7 @@ import opake.profiling
 from opake.profiling import (
     InputTypeError,
     MemoryStats,
-    _memory,
+    _cpu,
     empty_cache,
     get_memory_stats,
     print_memory,
@@ -78,7 +78,7 @@ def test_cpu_peak_resets_and_tracks_an_allocation(fresh_block):
 
 
 def test_cpu_peak_falls_back_to_sampling_when_reset_is_not_permitted(monkeypatch, tmp_path):
-    monkeypatch.setattr(_memory, "_PROC_CLEAR_REFS", str(tmp_path / "missing" / "clear_refs"))
+    monkeypatch.setattr(_cpu, "_PROC_CLEAR_REFS", str(tmp_path / "missing" / "clear_refs"))
     reset_peak_memory("cpu")
     stats = get_memory_stats("cpu")
     assert not stats.peak_exact
@@ -96,7 +96,7 @@ def test_proc_descriptors_retry_transient_failures_and_remember_permanent_ones(
 ):
     status = tmp_path / "status"
     status.write_bytes(b"VmRSS:\t  2048 kB\nVmHWM:\t  4096 kB\n")
-    monkeypatch.setattr(_memory, "_PROC_STATUS", str(status))
+    monkeypatch.setattr(_cpu, "_PROC_STATUS", str(status))
     real_open = os.open
     calls = []
 
@@ -106,34 +106,34 @@ def test_proc_descriptors_retry_transient_failures_and_remember_permanent_ones(
             raise OSError(errno.EMFILE, "Too many open files")
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(_memory.os, "open", flaky_open)
-    assert _memory._read_proc_status() is None  # out of descriptors: not remembered
-    assert _memory._read_proc_status() == {"VmRSS": 2048 * 1024, "VmHWM": 4096 * 1024}
-    assert _memory._read_proc_status() is not None
+    monkeypatch.setattr(_cpu.os, "open", flaky_open)
+    assert _cpu._read_proc_status() is None  # out of descriptors: not remembered
+    assert _cpu._read_proc_status() == {"VmRSS": 2048 * 1024, "VmHWM": 4096 * 1024}
+    assert _cpu._read_proc_status() is not None
     assert len(calls) == 2  # the descriptor is kept once open
 
     # a failed read forgets (and closes) the descriptor: the next call reopens it
     def failing_pread(*args):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(_memory.os, "pread", failing_pread)
-    assert _memory._read_proc_status() is None
+    monkeypatch.setattr(_cpu.os, "pread", failing_pread)
+    assert _cpu._read_proc_status() is None
     monkeypatch.undo()
-    monkeypatch.setattr(_memory, "_PROC_STATUS", str(status))
-    assert _memory._read_proc_status() == {"VmRSS": 2048 * 1024, "VmHWM": 4096 * 1024}
+    monkeypatch.setattr(_cpu, "_PROC_STATUS", str(status))
+    assert _cpu._read_proc_status() == {"VmRSS": 2048 * 1024, "VmHWM": 4096 * 1024}
     # a file that does not exist is remembered as missing (no open per call)
     missing = str(tmp_path / "none")
-    monkeypatch.setattr(_memory, "_PROC_STATUS", missing)
-    assert _memory._read_proc_status() is None
-    assert _memory._PROC_FDS[(os.getpid(), missing, os.O_RDONLY)] is None
-    for key in [k for k in _memory._PROC_FDS if k[1] in (str(status), missing)]:
-        fd = _memory._PROC_FDS.pop(key)
+    monkeypatch.setattr(_cpu, "_PROC_STATUS", missing)
+    assert _cpu._read_proc_status() is None
+    assert _cpu._PROC_FDS[(os.getpid(), missing, os.O_RDONLY)] is None
+    for key in [k for k in _cpu._PROC_FDS if k[1] in (str(status), missing)]:
+        fd = _cpu._PROC_FDS.pop(key)
         if fd is not None:
             os.close(fd)
 
 
 def test_cpu_without_proc_uses_psutil(monkeypatch, tmp_path):
-    monkeypatch.setattr(_memory, "_PROC_STATUS", str(tmp_path / "no_status"))
+    monkeypatch.setattr(_cpu, "_PROC_STATUS", str(tmp_path / "no_status"))
     stats = get_memory_stats("cpu")
     assert stats.allocated_gb == pytest.approx(_rss_gb(), abs=16 * MB)
     # before any reset the lifetime peak (getrusage) is exact
@@ -146,8 +146,8 @@ def test_cgroup_limit_caps_total_and_free(monkeypatch, tmp_path):
     limit, current = 2 * 1024**3, 1024**3 + 512 * 1024**2
     (tmp_path / "memory.max").write_text(f"{limit}\n")
     (tmp_path / "memory.current").write_text(f"{current}\n")
-    monkeypatch.setattr(_memory, "_CGROUP_MAX", str(tmp_path / "memory.max"))
-    monkeypatch.setattr(_memory, "_CGROUP_CURRENT", str(tmp_path / "memory.current"))
+    monkeypatch.setattr(_cpu, "_CGROUP_MAX", str(tmp_path / "memory.max"))
+    monkeypatch.setattr(_cpu, "_CGROUP_CURRENT", str(tmp_path / "memory.current"))
     stats = get_memory_stats("cpu")
     assert stats.total_gb == pytest.approx(2.0)
     assert stats.free_gb == pytest.approx(0.5)
@@ -216,7 +216,7 @@ def test_print_memory_prints_one_labelled_line(capsys):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's")
 def test_empty_cache_returns_freed_heap_on_cpu():
-    if _memory._malloc_trim() is None:
+    if _cpu._malloc_trim() is None:
         pytest.skip("this libc has no malloc_trim")
     # glibc raises its mmap threshold to the size of a freed mapped chunk: after this, 256 KiB
     # tensors come from the malloc heap instead of mappings of their own
@@ -240,7 +240,7 @@ def test_empty_cache_returns_freed_heap_on_cpu():
 
 @pytest.mark.skipif(not HAS_PROC or not hasattr(os, "fork"), reason="needs /proc and fork")
 def test_a_forked_child_reads_its_own_figures():
-    parent_before = _memory._read_proc_status()  # opens and keeps the parent's descriptor
+    parent_before = _cpu._read_proc_status()  # opens and keeps the parent's descriptor
     assert parent_before is not None
     import psutil
 
@@ -250,9 +250,9 @@ def test_a_forked_child_reads_its_own_figures():
     if pid == 0:  # child: grow by 256 MiB; its figures must show it, the parent's would not
         try:  # (no torch here: its thread pools do not survive a fork)
             os.close(read_fd)
-            before = _memory._read_proc_status()["VmRSS"]
+            before = _cpu._read_proc_status()["VmRSS"]
             hog = b"\x01" * hog_bytes  # a fresh mapping, every page touched
-            after = _memory._read_proc_status()["VmRSS"]
+            after = _cpu._read_proc_status()["VmRSS"]
             truth = psutil.Process().memory_info().rss
             os.write(write_fd, f"{before} {after} {truth} {len(hog)}".encode())
         finally:
@@ -261,7 +261,7 @@ def test_a_forked_child_reads_its_own_figures():
     with os.fdopen(read_fd) as fh:
         child_before, child_after, truth, _ = (int(v) for v in fh.read().split())
     os.waitpid(pid, 0)
-    parent_after = _memory._read_proc_status()["VmRSS"]
+    parent_after = _cpu._read_proc_status()["VmRSS"]
     # Through the inherited (parent's) descriptor the child would read the parent, which sits
     # idle in a pipe read: no growth. (Absolute RSS cannot tell the two apart: a forked child
     # does not count the parent's file-backed pages until it touches them, so its RSS can be

@@ -20,7 +20,7 @@ from opake.profiling import (
     NoMicrobatchFitsError,
     OperationError,
     TuneResult,
-    _memory,
+    _cpu,
     _tuner,
     default_candidates,
     empty_cache,
@@ -131,7 +131,7 @@ def test_budget_picks_the_largest_size_that_fits():
 
 
 @needs_proc
-@pytest.mark.skipif(_memory._malloc_trim() is None, reason="needs glibc malloc (malloc_trim)")
+@pytest.mark.skipif(_cpu._malloc_trim() is None, reason="needs glibc malloc (malloc_trim)")
 def test_cpu_steps_do_not_count_what_earlier_steps_left_on_the_heap(monkeypatch):
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     libc.malloc.restype = ctypes.c_void_p
@@ -147,9 +147,9 @@ def test_cpu_steps_do_not_count_what_earlier_steps_left_on_the_heap(monkeypatch)
         libc.free(block)
     try:
         probe = torch.ones(96 * 1024**2 // 4)
-        held = _memory._read_proc_status()["VmRSS"]
+        held = _cpu._read_proc_status()["VmRSS"]
         del probe
-        if _memory._read_proc_status()["VmRSS"] < held - 48 * 1024**2:
+        if _cpu._read_proc_status()["VmRSS"] < held - 48 * 1024**2:
             pytest.skip("this malloc maps a 96 MiB tensor on its own even with room on the heap")
 
         def make(m):
@@ -290,6 +290,29 @@ def test_cpu_allocator_runtime_error_counts_as_oom():
 
     result = tune_microbatch(make, (1,), batch_size=4, device="cpu", steps=1, compare_smaller=0)
     assert [c.status for c in result.candidates] == ["oom", "fits"]
+
+
+def test_choice_and_fallbacks_are_logged(caplog):
+    def make(m):
+        def step(x):
+            if m > 2:
+                raise RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory")
+            return x
+
+        return step
+
+    with caplog.at_level("INFO", logger="opake.profiling"):
+        tune_microbatch(make, (1,), batch_size=4, device="cpu", steps=1, compare_smaller=0)
+    messages = [r.getMessage() for r in caplog.records if r.name == "opake.profiling"]
+    assert any("using the current RSS plus 80% of the free memory" in m for m in messages)
+    assert any("microbatch 4 on cpu does not fit (oom" in m for m in messages)
+    assert messages[-1] == "tune_microbatch: chose microbatch 2 of batch 4 on cpu"
+    caplog.clear()
+    with caplog.at_level("INFO", logger="opake.profiling"):
+        tune_microbatch(make, (1,), batch_size=2, device="cpu", steps=1, memory_budget_gb=64.0)
+    messages = [r.getMessage() for r in caplog.records if r.name == "opake.profiling"]
+    assert not any("free memory" in m for m in messages)  # a given budget is not a fallback
+    assert messages == ["tune_microbatch: chose microbatch 2 of batch 2 on cpu"]
 
 
 def test_other_errors_propagate():
@@ -530,7 +553,7 @@ def test_plot_keeps_the_memory_curve_readable_under_a_far_budget(budget, line_dr
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    from opake.profiling._tuner import FITS, TuneCandidate, TuneResult
+    from opake.profiling._tune_result import FITS, TuneCandidate, TuneResult
 
     peaks = {4: 0.62, 2: 0.55, 1: 0.5}
     candidates = tuple(TuneCandidate(m, FITS, 2, 0.1, 10.0 * m, p) for m, p in peaks.items())

@@ -7,15 +7,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from opake.profiling._devices import _Backend, _gb, resolve_device
 from opake.profiling._errors import ConfigurationError, InputTypeError, OperationError
-from opake.profiling._memory import (
-    _OPEN_WINDOWS,
-    _Backend,
-    _backend,
-    _gb,
-    _reset_window,
-    resolve_device,
-)
+from opake.profiling._memory import _OPEN_WINDOWS, _backend, _reset_window
 
 __all__ = ["MarkPerf", "PerfState", "StepPerf", "StepPerfContext", "step_perf"]
 
