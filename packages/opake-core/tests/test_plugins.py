@@ -15,7 +15,7 @@ from opake.core.errors import (
     OpakePluginWarning,
     OperationError,
 )
-from opake.core.plugins import KernelBackend, ModelFamily, hookimpl
+from opake.core.plugins import BookkeepingRule, KernelBackend, ModelFamily, hookimpl
 
 
 @pytest.fixture
@@ -136,6 +136,15 @@ class _Backends:
     @hookimpl
     def opake_kernel_backends(self):
         return list(self.bes)
+
+
+class _Rules:
+    def __init__(self, *rules):
+        self.rules = rules
+
+    @hookimpl
+    def opake_bookkeeping_rules(self):
+        return list(self.rules)
 
 
 def test_autoload_disabled_means_no_entry_points(fresh_plugins):
@@ -421,9 +430,11 @@ def _hook_specs() -> dict[str, object]:
 def _exercise() -> dict[str, tuple[object, object, object]]:
     fam = ModelFamily("ex", ("ex",), apply=_apply)
     be = KernelBackend("exbe", {"op": _apply}, ("cpu",))
+    rule = BookkeepingRule("exrule", _apply, _apply, {"weight": "dense"}, _apply)
     return {
         "opake_model_families": (plugins.model_families, _Families(fam), {"ex": fam}),
         "opake_kernel_backends": (plugins.kernel_backends, _Backends(be), {"exbe": be}),
+        "opake_bookkeeping_rules": (plugins.bookkeeping_rules, _Rules(rule), {"exrule": rule}),
     }
 
 

@@ -10,7 +10,8 @@ with :data:`hookimpl`, returning frozen descriptors:
 ...     return [ModelFamily("toy", ("toy",), apply="my_pkg.toy:apply")]
 
 Queries: :func:`plugin_manager`, :func:`model_families` (keyed by ``model_type``),
-:func:`kernel_backends` (keyed by name), :func:`select_kernel`. ``OPAKE_DISABLE_PLUGIN_AUTOLOAD=1``
+:func:`kernel_backends` (keyed by name), :func:`select_kernel`, :func:`bookkeeping_rules`
+(the plugins' book-keeping layer rules, keyed by name). ``OPAKE_DISABLE_PLUGIN_AUTOLOAD=1``
 skips entry points; ``OPAKE_BLOCK_PLUGINS=name,other`` skips the named ones;
 ``OPAKE_KERNEL_BACKEND=name`` forces a kernel backend. Every plugin is validated against the
 hookspecs when it loads (pluggy's ``check_pending``) and hooks are called through pluggy, so
@@ -22,13 +23,20 @@ from __future__ import annotations
 import pluggy
 
 from opake.core.plugins import hookspecs
-from opake.core.plugins._descriptors import KNOWN_DEVICES, KernelBackend, ModelFamily
+from opake.core.plugins._descriptors import (
+    KNOWN_DEVICES,
+    PIECE_KINDS,
+    BookkeepingRule,
+    KernelBackend,
+    ModelFamily,
+)
 from opake.core.plugins._manager import (
     BLOCK_PLUGINS_ENV,
     ENTRY_POINT_GROUP,
     BrokenPlugin,
     PluginInfo,
     blocked_plugins,
+    bookkeeping_rules,
     broken_plugins,
     kernel_backends,
     model_families,
@@ -52,12 +60,15 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "KERNEL_BACKEND_ENV",
     "KNOWN_DEVICES",
+    "PIECE_KINDS",
+    "BookkeepingRule",
     "BrokenPlugin",
     "KernelBackend",
     "KernelChoice",
     "ModelFamily",
     "PluginInfo",
     "blocked_plugins",
+    "bookkeeping_rules",
     "broken_plugins",
     "device_type_of",
     "hookimpl",

@@ -11,12 +11,15 @@ from typing import Any
 from opake.core._dotted import is_dotted_path, resolve_dotted
 from opake.core.errors import ConfigurationError, InputTypeError
 
-__all__ = ["KNOWN_DEVICES", "KernelBackend", "ModelFamily"]
+__all__ = ["KNOWN_DEVICES", "PIECE_KINDS", "BookkeepingRule", "KernelBackend", "ModelFamily"]
 
 _NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
 _MODEL_TYPE = re.compile(r"^[a-z0-9][a-z0-9_\-]*$")
 #: device types a kernel backend may declare
 KNOWN_DEVICES: tuple[str, ...] = ("cpu", "cuda", "mps", "xpu", "meta")
+#: the per-example gradient pieces a book-keeping rule may produce (``opake.dpsgd.bookkeeping``:
+#: ``OuterSum``, ``Dense``, ``Implicit``)
+PIECE_KINDS: tuple[str, ...] = ("outer", "dense", "implicit")
 
 
 def _check_name(kind: str, name: object) -> str:
@@ -219,3 +222,98 @@ class KernelBackend:
                 f"kernel backend {self.name!r} has no op {op!r}; it provides {sorted(self.ops)}."
             )
         return _resolve(self.ops[op], f"kernel backend {self.name!r} op {op!r}")
+
+
+@dataclass(frozen=True)
+class BookkeepingRule:
+    """How the book-keeping engine gets the per-example gradients of one kind of layer.
+
+    Args:
+        name: unique rule name, shown by ``bookkeeping_plan(...)`` (``"linear"``).
+        matches: ``matches(module, attrs) -> bool | str`` (or a dotted path to it): ``True``
+            when the rule handles ``module`` whose differentiated parameter attributes are
+            ``attrs`` (a ``frozenset``), ``False`` when the module is not its kind, or a
+            string saying why a module of its kind cannot be handled (the engine then reports
+            the layer unsupported: no later rule is tried).
+        pieces: ``pieces(use) -> {attr: piece}`` (or a dotted path): from a recorded
+            ``opake.dpsgd.bookkeeping.LayerUse`` (inputs, output gradient) the per-example
+            gradient piece of every differentiated attribute.
+        produces: ``attr -> piece kind`` (one of :data:`PIECE_KINDS`); the key ``"*"`` stands
+            for any attribute. A module with a differentiated attribute outside it never
+            matches, and a piece of another kind raises.
+        example: ``example() -> opake.dpsgd.bookkeeping.RuleExample`` (or a dotted path): a
+            small module the rule handles and the inputs it takes; the generated conformance
+            test runs every registered rule on it against a per-example autograd loop.
+        priority: rules are tried from the highest priority down (built-in closed-form rules
+            have 0, the per-layer fallback -100); give a rule that should win over a built-in
+            one a positive priority.
+        keeps_output: the engine keeps the layer's (detached) output for ``pieces``.
+        broadcast: a first input of batch 1 in a larger batch (position ids) is expanded to
+            the batch before recording (off for rules that take inputs as they are).
+
+    Example:
+        >>> rule = BookkeepingRule(
+        ...     "toy-scale",
+        ...     matches="my_pkg.rules:matches",
+        ...     pieces="my_pkg.rules:pieces",
+        ...     produces={"weight": "dense"},
+        ...     example="my_pkg.rules:example",
+        ... )
+        >>> rule.name, dict(rule.produces)
+        ('toy-scale', {'weight': 'dense'})
+    """
+
+    name: str
+    matches: Callable[..., Any] | str
+    pieces: Callable[..., Any] | str
+    produces: Mapping[str, str]
+    example: Callable[..., Any] | str
+    priority: int = 0
+    keeps_output: bool = False
+    broadcast: bool = True
+
+    def __post_init__(self) -> None:
+        _check_name("BookkeepingRule", self.name)
+        owner = f"BookkeepingRule {self.name!r}"
+        for what in ("matches", "pieces", "example"):
+            _check_callable_or_path(owner, what, getattr(self, what))
+        if not isinstance(self.produces, Mapping) or not self.produces:
+            raise InputTypeError(
+                f"{owner}: produces must be a non-empty mapping of parameter attribute (or "
+                f"'*') to a piece kind in {PIECE_KINDS}, got {self.produces!r}."
+            )
+        for attr, kind in self.produces.items():
+            if not isinstance(attr, str) or not (attr == "*" or attr.isidentifier()):
+                raise ConfigurationError(
+                    f"{owner}: produces key {attr!r} is not a parameter attribute name or '*'."
+                )
+            if kind not in PIECE_KINDS:
+                raise ConfigurationError(
+                    f"{owner}: produces[{attr!r}]={kind!r}; expected one of {PIECE_KINDS}."
+                )
+        object.__setattr__(self, "produces", MappingProxyType(dict(self.produces)))
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise InputTypeError(f"{owner}: priority must be an int, got {self.priority!r}.")
+        for flag in ("keeps_output", "broadcast"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InputTypeError(f"{owner}: {flag} must be a bool.")
+
+    def kind_of(self, attr: str) -> str | None:
+        """The piece kind this rule produces for ``attr`` (None: the attribute is not its).
+
+        >>> BookkeepingRule("r", "m:f", "m:g", {"*": "dense"}, "m:h").kind_of("scale")
+        'dense'
+        """
+        return self.produces.get(attr, self.produces.get("*"))
+
+    def load_matches(self) -> Callable[..., Any]:
+        """The ``matches`` callable (imported if given as a dotted path)."""
+        return _resolve(self.matches, f"BookkeepingRule {self.name!r} matches")
+
+    def load_pieces(self) -> Callable[..., Any]:
+        """The ``pieces`` callable (imported if given as a dotted path)."""
+        return _resolve(self.pieces, f"BookkeepingRule {self.name!r} pieces")
+
+    def load_example(self) -> Callable[..., Any]:
+        """The ``example`` callable (imported if given as a dotted path)."""
+        return _resolve(self.example, f"BookkeepingRule {self.name!r} example")

@@ -15,7 +15,7 @@ import pluggy
 
 from opake.core.errors import ConfigurationError, InputTypeError, OpakePluginWarning
 from opake.core.plugins import hookspecs
-from opake.core.plugins._descriptors import KernelBackend, ModelFamily
+from opake.core.plugins._descriptors import BookkeepingRule, KernelBackend, ModelFamily
 
 __all__ = [
     "BLOCK_PLUGINS_ENV",
@@ -23,6 +23,7 @@ __all__ = [
     "BrokenPlugin",
     "PluginInfo",
     "blocked_plugins",
+    "bookkeeping_rules",
     "broken_plugins",
     "kernel_backends",
     "model_families",
@@ -71,6 +72,7 @@ class _State:
         self.blocked: list[str] = []
         self.families: dict[str, ModelFamily] | None = None
         self.backends: dict[str, KernelBackend] | None = None
+        self.rules: dict[str, BookkeepingRule] | None = None
 
 
 _state = _State()
@@ -205,6 +207,7 @@ def register_plugin(plugin: object, name: str | None = None) -> str:
         _state.infos.append(PluginInfo(registered, None, None, repr(plugin)))
         _state.families = None
         _state.backends = None
+        _state.rules = None
         return registered
 
 
@@ -217,6 +220,7 @@ def reset_plugins() -> None:
         _state.blocked = []
         _state.families = None
         _state.backends = None
+        _state.rules = None
 
 
 def plugins() -> list[PluginInfo]:
@@ -318,3 +322,25 @@ def kernel_backends() -> dict[str, KernelBackend]:
                     backends[be.name] = (plugin, be)
             _state.backends = {name: be for name, (_, be) in backends.items()}
         return dict(_state.backends)
+
+
+def bookkeeping_rules() -> dict[str, BookkeepingRule]:
+    """The book-keeping layer rules of all plugins, keyed by name (duplicates raise).
+
+    The engine's own rules are not among them: ``opake.dpsgd.bookkeeping.registered_rules()``
+    gives the built-in and the plugins' rules together, in the order they are tried.
+    """
+    pm = plugin_manager()
+    with _state.lock:
+        if _state.rules is None:
+            rules: dict[str, tuple[str, BookkeepingRule]] = {}
+            for plugin, results in _per_plugin(pm, "opake_bookkeeping_rules"):
+                for rule in _collect(results, BookkeepingRule, "opake_bookkeeping_rules"):
+                    if rule.name in rules:
+                        raise ConfigurationError(
+                            f"book-keeping rule {rule.name!r} is registered twice: by plugin "
+                            f"{rules[rule.name][0]!r} and by plugin {plugin!r}."
+                        )
+                    rules[rule.name] = (plugin, rule)
+            _state.rules = {name: rule for name, (_, rule) in rules.items()}
+        return dict(_state.rules)

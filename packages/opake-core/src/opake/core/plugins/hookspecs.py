@@ -13,7 +13,8 @@ defines is an error (the plugin is skipped with a warning), unless it is marked
 ``@hookimpl(optionalhook=True)`` — the way to implement a hook of a newer Opake and still load
 on an older one.
 The rest of Opake never calls these hooks directly; it uses the typed queries in
-:mod:`opake.core.plugins` (``model_families()``, ``kernel_backends()``).
+:mod:`opake.core.plugins` (``model_families()``, ``kernel_backends()``,
+``bookkeeping_rules()``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,14 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from opake.core.plugins._descriptors import KernelBackend, ModelFamily
+    from opake.core.plugins._descriptors import BookkeepingRule, KernelBackend, ModelFamily
 
-__all__ = ["hookspec", "opake_kernel_backends", "opake_model_families"]
+__all__ = [
+    "hookspec",
+    "opake_bookkeeping_rules",
+    "opake_kernel_backends",
+    "opake_model_families",
+]
 
 #: marker for hook specifications of project ``opake``
 hookspec = pluggy.HookspecMarker("opake")
@@ -58,6 +64,24 @@ def opake_kernel_backends() -> Iterable[KernelBackend]:  # type: ignore[empty-bo
     Returns:
         An iterable of :class:`~opake.core.plugins.KernelBackend`. Backend names must be unique
         across all plugins; a clash raises :class:`~opake.core.errors.ConfigurationError`.
+
+    Since: 0.1.0
+    """
+
+
+@hookspec
+def opake_bookkeeping_rules() -> Iterable[BookkeepingRule]:  # type: ignore[empty-body]
+    """Return the book-keeping layer rules this plugin provides (for its own layers).
+
+    Called once, the first time :func:`opake.core.plugins.bookkeeping_rules` is queried after
+    plugins are loaded (results are cached until the plugin manager is reset). The book-keeping
+    engine tries them with its built-in rules, highest priority first; a generated conformance
+    test runs every registered rule's ``example`` against a per-example autograd loop.
+
+    Returns:
+        An iterable of :class:`~opake.core.plugins.BookkeepingRule`. Rule names must be unique
+        across all plugins and the built-in rules; a clash raises
+        :class:`~opake.core.errors.ConfigurationError` naming both.
 
     Since: 0.1.0
     """

@@ -33,6 +33,10 @@ on every new structure and periodically; ``"auto"`` falls back to vmap when anyt
 unsupported or that check fails, ``"bookkeeping"`` raises, and a call where no example can be
 compared runs on vmap. :func:`bookkeeping_plan` shows the rule of every layer.
 
+Layer rules are a registry (:mod:`opake.dpsgd.bookkeeping.rules`, one module per rule; a plugin
+adds rules for its own layers through the ``opake_bookkeeping_rules`` hook):
+:func:`registered_rules` lists them in the order they are tried.
+
 The loss must return per-example losses for a batch (:class:`BatchedLoss`): reduce over each
 example's tokens (:func:`causal_lm_losses`), never over the batch. The model must keep the
 batch on dimension 0 of every hooked layer's input (an input of batch 1 broadcast over the
@@ -62,6 +66,7 @@ True
 
 from __future__ import annotations
 
+from opake.core.plugins import BookkeepingRule
 from opake.dpsgd.bookkeeping._engine import (
     BookkeepingPlan,
     ImplicitUse,
@@ -70,16 +75,24 @@ from opake.dpsgd.bookkeeping._engine import (
     implicit_use,
 )
 from opake.dpsgd.bookkeeping._loss import BatchedLoss, causal_lm_losses
-from opake.dpsgd.bookkeeping._rules import ImplicitGrad, ghost_is_cheaper
+from opake.dpsgd.bookkeeping._registry import registered_rules
+from opake.dpsgd.bookkeeping._rules import Dense, ImplicitGrad, OuterSum, ghost_is_cheaper
+from opake.dpsgd.bookkeeping._use import LayerUse, RuleExample
 
 __all__ = [
     "BatchedLoss",
     "BookkeepingPlan",
+    "BookkeepingRule",
+    "Dense",
     "ImplicitGrad",
     "ImplicitUse",
     "LayerRule",
+    "LayerUse",
+    "OuterSum",
+    "RuleExample",
     "bookkeeping_plan",
     "causal_lm_losses",
     "ghost_is_cheaper",
     "implicit_use",
+    "registered_rules",
 ]

@@ -1,0 +1,65 @@
+"""What one microbatch leaves behind, and its clipped sum."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from opake.dpsgd.bookkeeping._certify import exact_add, full_precision
+from opake.dpsgd.bookkeeping._rules import Piece, weighted_sum
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BookkeepingChunk"]
+
+
+@dataclass
+class BookkeepingChunk:
+    """What one microbatch leaves: losses, per-leaf squared norms and the pieces for the sum.
+
+    ``leaf_sq`` are the computed squared norms (reported); ``clip_sq`` bound the squared norm
+    of what each example adds to each leaf (clip with these, see :mod:`._bk_certify`);
+    ``exact`` marks the (example, leaf) pairs that take the exact route.
+    """
+
+    loss: torch.Tensor
+    leaf_sq: torch.Tensor  # [m, leaves] float64
+    aux: Any
+    pieces: dict[str, list[Piece]] = field(default_factory=dict)
+    clip_sq: torch.Tensor | None = None  # [m, leaves] float64; None: leaf_sq
+    exact: torch.Tensor | None = None  # [m, leaves] bool; None: no exact route
+
+    def weighted(
+        self,
+        names: tuple[str, ...],
+        leaf_factor: torch.Tensor,
+        keep: torch.Tensor,
+        like: Mapping[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """``Σ_i leaf_factor[i, j] G_i`` for each leaf ``j`` (fp32, the leaf's shape)."""
+        import torch
+
+        out: dict[str, torch.Tensor] = {}
+        exact = self.exact
+        routed: list[list[int]] = [[] for _ in names]
+        if exact is not None:
+            for i, j in (exact & keep[:, None]).nonzero().tolist():
+                routed[j].append(i)
+        everything = bool(keep.all())  # one host sync; skips the masking copies
+        with full_precision():
+            for j, name in enumerate(names):
+                shape = like[name].shape
+                total = torch.zeros(shape, dtype=torch.float32, device=leaf_factor.device)
+                own = self.pieces.get(name, ())
+                mask = None if everything and not routed[j] else keep
+                if routed[j]:
+                    assert exact is not None
+                    mask = keep & ~exact[:, j]
+                for piece in own:
+                    total += weighted_sum(piece, leaf_factor[:, j], mask).reshape(shape)
+                for i in routed[j]:
+                    exact_add(own, i, leaf_factor[i, j], total)
+                out[name] = total
+        return out

@@ -1,0 +1,88 @@
+"""The registry of layer rules: the built-in modules of :mod:`.rules` and the plugins' rules."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from opake.core.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import torch
+
+    from opake.core.plugins import BookkeepingRule
+
+__all__ = ["BUILTIN_RULES", "builtin_rules", "registered_rules", "rule_for"]
+
+#: the built-in rule modules (``opake.dpsgd.bookkeeping.rules.<name>``, each exporting ``RULE``)
+BUILTIN_RULES: tuple[str, ...] = (
+    "linear",
+    "conv1d",
+    "embedding",
+    "layer_norm",
+    "rms_norm",
+    "per_layer",
+)
+
+
+def builtin_rules() -> tuple[BookkeepingRule, ...]:
+    """The built-in rules, in :data:`BUILTIN_RULES` order.
+
+    >>> [rule.name for rule in builtin_rules()][:2]
+    ['linear', 'conv1d']
+    """
+    from opake.core.plugins import BookkeepingRule
+
+    out = []
+    for name in BUILTIN_RULES:
+        rule = importlib.import_module(f"opake.dpsgd.bookkeeping.rules.{name}").RULE
+        if not isinstance(rule, BookkeepingRule) or rule.name != name:  # pragma: no cover
+            raise ConfigurationError(f"rules.{name}.RULE must be a BookkeepingRule named {name!r}")
+        out.append(rule)
+    return tuple(out)
+
+
+def registered_rules() -> tuple[BookkeepingRule, ...]:
+    """Every rule the engine tries, in order: highest ``priority`` first, built-in rules before
+    plugins' rules of the same priority. A name registered twice raises
+    :class:`~opake.core.errors.ConfigurationError` naming both.
+
+    >>> names = [rule.name for rule in registered_rules()]
+    >>> names[0], names[-1]
+    ('linear', 'per_layer')
+    """
+    from opake.core.plugins import bookkeeping_rules
+
+    rules = list(builtin_rules())
+    seen = {rule.name for rule in rules}
+    for name, rule in bookkeeping_rules().items():
+        if name in seen:
+            raise ConfigurationError(
+                f"book-keeping rule {name!r} is registered by a plugin and is also a built-in "
+                "rule; rename the plugin's rule"
+            )
+        rules.append(rule)
+    order = {id(rule): i for i, rule in enumerate(rules)}
+    return tuple(sorted(rules, key=lambda r: (-r.priority, order[id(r)])))
+
+
+def rule_for(
+    module: torch.nn.Module, attrs: frozenset[str], rules: tuple[BookkeepingRule, ...]
+) -> tuple[BookkeepingRule | None, str]:
+    """The first of ``rules`` that matches ``module`` with differentiated ``attrs``:
+    ``(rule, "")``, or ``(None, why)`` when a rule refused the module (explicitly, by a reason)
+    or none matched."""
+    for rule in rules:
+        if any(rule.kind_of(attr) is None for attr in attrs):
+            continue
+        verdict = rule.load_matches()(module, attrs)
+        if isinstance(verdict, str):
+            return None, verdict
+        if verdict is True:
+            return rule, ""
+        if verdict is not False:
+            raise ConfigurationError(
+                f"book-keeping rule {rule.name!r}: matches() returned {verdict!r}; expected "
+                "True, False or a string saying why the module cannot be handled"
+            )
+    return None, f"no book-keeping rule matches {type(module).__name__} with {sorted(attrs)}"
