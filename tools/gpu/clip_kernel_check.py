@@ -1,4 +1,5 @@
-"""The fused clip-and-accumulate Triton kernel on CUDA: equal to the torch path, and its time.
+"""The fused clip-and-accumulate op (opake-kernels' Triton backend) on CUDA: equal to the torch
+path of the clipping engine, and its time.
 
     python tools/gpu/clip_kernel_check.py
 
@@ -16,6 +17,7 @@ import time
 import torch
 
 from opake.dpsgd.clipping import _kernel as _clip_kernel
+from opake.kernels import kernel_choice
 
 
 def _time(fn, *args, repeats: int = 20) -> float:
@@ -34,6 +36,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 1
+    choice = kernel_choice("clip_accumulate", "cuda")
+    print(f"clip_accumulate on cuda: backend {choice.backend!r} ({choice.reason})")
+    if not _clip_kernel.kernel_runs_on(torch.device("cuda")):
+        print("the fused kernel is not selected on this machine")
+        return 1
     gen = torch.Generator(device="cuda").manual_seed(0)
     m, hidden, layers = 16, 512, 4
     shapes = [(hidden, hidden)] * (4 * layers) + [(hidden,)] * (2 * layers) + [(3 * hidden, hidden)]
@@ -50,7 +57,7 @@ def main() -> int:
             want = (factors[:, j].double() @ flat).reshape(s.shape)
             worst = max(worst, float((s.double() - want).abs().max() / want.abs().max()))
         fused = _time(_clip_kernel.clip_accumulate, grads, factors, sums)
-        torch_path = _time(_clip_kernel._torch_path, grads, factors, sums)
+        torch_path = _time(_clip_kernel.torch_clip_accumulate, grads, factors, sums)
         numel = sum(g.numel() for g in grads)
         print(
             f"{dtype}: {len(grads)} leaves, {numel / 1e6:.1f}M per-example entries: fused "

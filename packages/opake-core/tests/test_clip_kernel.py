@@ -1,12 +1,13 @@
-"""The fused multi-tensor clip-and-accumulate kernel, run on CPU in the Triton interpreter.
+"""The vmap engine's clip-and-accumulate: the kernel op when a backend provides one, else torch.
 
-``OPAKE_CLIP_KERNEL=interpret`` with ``TRITON_INTERPRET=1`` launches the same Triton kernel
-that runs on CUDA, interpreted on CPU tensors; each test defines the kernel anew (Triton reads
-``TRITON_INTERPRET`` when a kernel is defined) and drops it afterwards.
+The fused Triton kernel itself is tested in opake-kernels; here: which path the engine takes,
+the torch fallback without opake-kernels, and the engine with the fused kernel (run on CPU in the
+Triton interpreter when no GPU is present) against the per-example reference.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -18,62 +19,55 @@ if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ:
 
 import pytest
 
-from opake.core import testing
-from opake.core.errors import ConfigurationError
+from opake.core import ops, testing
+from opake.core.errors import ConfigurationError, OperationError
+from opake.core.plugins import KernelBackend, reset_plugins
 from opake.dpsgd.clipping import _kernel as _clip_kernel
 from opake.dpsgd.clipping import clipped_grad
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plugins():
+    reset_plugins()
+    yield
+    reset_plugins()
+
+
 @pytest.fixture
 def interpreted(monkeypatch):
+    """The ``triton`` backend chosen explicitly; on CPU in the interpreter."""
+    pytest.importorskip("opake.kernels")
     tl = pytest.importorskip("triton.language")
-    if type(tl.zeros).__name__ != "InterpretedFunction":
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 (a CUDA machine)")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("OPAKE_CLIP_KERNEL", "interpret")
-    monkeypatch.setattr(_clip_kernel, "_KERNEL", None)
-    monkeypatch.delitem(sys.modules, "opake.dpsgd.clipping._kernel_triton", raising=False)
-    yield
-    _clip_kernel._KERNEL = None
-    sys.modules.pop("opake.dpsgd.clipping._kernel_triton", None)  # defined under the interpreter
-
-
-def _torch_reference(grads, factors, sums):
-    return [
-        s.double()
-        + (
-            factors[:, j].double() @ g.reshape(g.shape[0], -1).double().nan_to_num(0.0, 0.0, 0.0)
-        ).reshape(s.shape)
-        for j, (g, s) in enumerate(zip(grads, sums, strict=True))
-    ]
-
-
-@pytest.mark.usefixtures("interpreted")
-def test_kernel_equals_the_torch_path_across_leaves_dtypes_and_blocks():
-    gen = torch.Generator().manual_seed(0)
-    m = 4
-    shapes = [(3,), (5, 7), (700,), (2, 513)]  # within one block, and across block edges
-    grads = [torch.randn(m, *shape, generator=gen) for shape in shapes]
-    grads[1][2, 1, 3] = float("nan")
-    grads[2][0, 10] = float("inf")
-    grads[3][1, 0, 0] = float("-inf")
-    grads.append(torch.randn(m, 6, 4, generator=gen).half())  # a second dtype: its own launch
-    factors = torch.rand(m, len(grads), generator=gen)
-    factors[2] = 0.0  # a non-finite example has factor 0: 0·NaN must not poison the sum
-    sums = [torch.randn(g.shape[1:], generator=gen) for g in grads]
-    expected = _torch_reference(grads, factors, sums)
-    assert _clip_kernel.clip_accumulate(grads, factors, sums) == "triton"
-    for got, want in zip(sums, expected, strict=True):
-        assert torch.isfinite(got).all()
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    if type(tl.zeros).__name__ != "InterpretedFunction" and not torch.cuda.is_available():
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 and there is no GPU")
+    if type(tl.zeros).__name__ == "InterpretedFunction":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("OPAKE_KERNEL_BACKEND", "triton")
+    reset_plugins()  # the triton backend registers the CPU only under the interpreter
 
 
 def test_torch_path_without_opt_in(monkeypatch):
-    monkeypatch.delenv("OPAKE_CLIP_KERNEL", raising=False)
+    monkeypatch.delenv("OPAKE_KERNEL_BACKEND", raising=False)
     grads = [torch.tensor([[1.0, float("nan")], [2.0, 3.0]])]
     sums = [torch.ones(2)]
     assert _clip_kernel.clip_accumulate(grads, torch.tensor([[2.0], [0.5]]), sums) == "torch"
     torch.testing.assert_close(sums[0], torch.tensor([4.0, 2.5]))
+    assert not _clip_kernel.kernel_runs_on(torch.device("cpu"))  # the reference: inline
+
+
+def test_torch_fallback_without_a_backend_for_the_op(monkeypatch, caplog):
+    """opake-kernels not installed: no backend provides the op; the torch path runs, logged."""
+    monkeypatch.setenv("OPAKE_DISABLE_PLUGIN_AUTOLOAD", "1")  # as if nothing is installed
+    reset_plugins()
+    monkeypatch.setattr(_clip_kernel, "_reported", set())
+    monkeypatch.delenv("OPAKE_KERNEL_BACKEND", raising=False)
+    caplog.set_level(logging.INFO, logger="opake.core")
+    sums = [torch.zeros(2)]
+    grads = [torch.tensor([[1.0, float("inf")], [3.0, 4.0]])]
+    assert _clip_kernel.clip_accumulate(grads, torch.tensor([[0.5], [0.0]]), sums) == "torch"
+    assert sums[0].tolist() == [0.5, 0.0]
+    assert not _clip_kernel.kernel_runs_on(torch.device("cpu"))
+    assert any("install opake-kernels" in r.getMessage() for r in caplog.records)
 
 
 def test_vmap_engine_uses_the_kernel_and_equals_the_loop(interpreted, monkeypatch, mlp, mlp_batch):
@@ -82,7 +76,7 @@ def test_vmap_engine_uses_the_kernel_and_equals_the_loop(interpreted, monkeypatc
     def no_torch_path(*_):
         raise AssertionError("the torch scale-and-sum ran instead of the fused kernel")
 
-    monkeypatch.setattr(_clip_kernel, "_torch_path", no_torch_path)
+    monkeypatch.setattr(_clip_kernel, "torch_clip_accumulate", no_torch_path)
     fmodel, params = make_functional(mlp)
 
     def loss_fn(p, x, y):
@@ -110,12 +104,23 @@ def test_vmap_engine_uses_the_kernel_and_equals_the_loop(interpreted, monkeypatc
 
 
 def test_bad_settings_are_loud(monkeypatch):
-    monkeypatch.setenv("OPAKE_CLIP_KERNEL", "fast")
-    with pytest.raises(ConfigurationError, match="OPAKE_CLIP_KERNEL='fast'"):
+    monkeypatch.setenv("OPAKE_KERNEL_BACKEND", "fast")
+    with pytest.raises(ConfigurationError, match="'fast'"):
         _clip_kernel.kernel_runs_on(torch.device("cpu"))
-    monkeypatch.setenv("OPAKE_CLIP_KERNEL", "interpret")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ConfigurationError, match="TRITON_INTERPRET=1"):
-        _clip_kernel.kernel_runs_on(torch.device("cpu"))
+    monkeypatch.delenv("OPAKE_KERNEL_BACKEND")
     with pytest.raises(ConfigurationError, match="one sum per gradient"):
         _clip_kernel.clip_accumulate([torch.ones(2, 3)], torch.ones(2, 2), [torch.zeros(3)])
+
+
+def test_an_explicit_backend_without_the_op_raises(monkeypatch):
+    from opake.core.plugins import hookimpl, register_plugin
+
+    class Toy:
+        @hookimpl
+        def opake_kernel_backends(self):
+            return [KernelBackend("toy", {ops.RMS_NORM: "math:hypot"}, devices=("cpu",))]
+
+    register_plugin(Toy(), name="toy-backend")
+    monkeypatch.setenv("OPAKE_KERNEL_BACKEND", "toy")
+    with pytest.raises(OperationError, match="has no op 'clip_accumulate'"):
+        _clip_kernel.kernel_runs_on(torch.device("cpu"))

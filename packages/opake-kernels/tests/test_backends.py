@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from opake.core import ops
 from opake.core.plugins import KernelBackend, hookimpl, register_plugin
 from opake.kernels import OPS
 from opake.kernels.testing import Sizes, check_backend, loop_grads, vmap_grads
@@ -20,12 +21,14 @@ DTYPES = (torch.float32, torch.float16)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_chunked_backend_matches_reference(dtype):
     report = check_backend("chunked", dtypes=(dtype,))
-    assert len(report) == len(OPS) + 1  # geglu is checked exact and tanh
+    assert len(report) == len(OPS) + 2  # geglu is checked exact and tanh; and clip_accumulate
     assert all("ok" in line for line in report)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("op", [op for op in OPS if op != "linear_cross_entropy"])
+@pytest.mark.parametrize(
+    "op", [op for op in (*OPS, ops.CLIP_ACCUMULATE) if op != ops.LINEAR_CROSS_ENTROPY]
+)
 def test_triton_backend_matches_reference(op, dtype, devices):
     report = check_backend("triton", ops=(op,), dtypes=(dtype,), device=devices["triton"])
     assert report

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from opake.core import ops
 from opake.core.errors import ConfigurationError, OperationError
 from opake.core.plugins import KernelBackend, hookimpl, kernel_backends, register_plugin
 from opake.kernels import (
@@ -24,8 +25,13 @@ from opake.kernels import _triton_support as support
 def test_three_backends_are_registered_with_every_op():
     backends = kernel_backends()
     for name in ("torch", "triton"):
-        assert set(backends[name].ops) == set(OPS)
-    assert set(backends["chunked"].ops) == {*OPS, EXAMPLE_GRADS_OP, RECORDED_OP}
+        assert set(backends[name].ops) == {*OPS, ops.CLIP_ACCUMULATE}
+    assert set(backends["chunked"].ops) == {
+        *OPS,
+        EXAMPLE_GRADS_OP,
+        RECORDED_OP,
+        ops.CLIP_ACCUMULATE,
+    }
     assert backends["chunked"].priority > backends["torch"].priority
     assert "cpu" in backends["chunked"].devices
     assert "mps" in backends["chunked"].devices

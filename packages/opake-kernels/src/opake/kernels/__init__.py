@@ -7,7 +7,8 @@ dispatches to a backend: ``torch`` (reference), ``chunked`` (portable, bounded m
 nor triton; backends are imported when first chosen.
 :func:`linear_cross_entropy_example_grads` (the ``chunked`` backend) serves the book-keeping
 clipping engine: the per-example gradients of the projection inside a linear cross-entropy,
-held implicitly.
+held implicitly; :func:`clip_accumulate` is the vmap engine's fused scale-and-sum. Op names are
+the constants of :mod:`opake.core.ops`.
 
 >>> import opake.kernels
 >>> opake.kernels.__version__
@@ -19,6 +20,7 @@ held implicitly.
 from __future__ import annotations
 
 from opake.kernels._api import (
+    clip_accumulate,
     cross_entropy,
     geglu,
     kernel_choice,
@@ -38,6 +40,7 @@ __all__ = [
     "RECORDED_OP",
     "REDUCTIONS",
     "__version__",
+    "clip_accumulate",
     "cross_entropy",
     "geglu",
     "kernel_choice",

@@ -7,9 +7,10 @@ then the ``torch`` reference. An explicit backend that cannot run raises ``Opera
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from opake.core import ops
 from opake.core.errors import InputTypeError
 from opake.core.plugins import KernelChoice, select_kernel
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "clip_accumulate",
     "cross_entropy",
     "geglu",
     "kernel_choice",
@@ -52,6 +54,39 @@ def kernel_choice(op: str, device: object = None, backend: str | None = None) ->
     'torch'
     """
     return select_kernel(op, device, backend)
+
+
+def clip_accumulate(
+    grads: Sequence[torch.Tensor],
+    factors: torch.Tensor,
+    sums: Sequence[torch.Tensor],
+    *,
+    backend: str | None = None,
+) -> str:
+    """``sums[j] += Σ_i factors[i, j] · nan_to_num(grads[j][i])`` in place, for every leaf ``j``.
+
+    The vmap clipping engine's scale-and-sum: ``grads[j]`` is ``[m, *shape_j]`` (per-example
+    gradients of leaf ``j``), ``factors`` ``[m, leaves]`` (each example's clipping factor per
+    leaf, 0 for an example that must not contribute), ``sums[j]`` the fp32 ``shape_j``
+    accumulator. Non-finite gradient entries are read as 0, so a zero factor always removes an
+    example. The ``triton`` backend does every leaf in one launch per dtype; the others run the
+    reference. Returns the name of the path that ran (``"triton"`` or ``"torch"``).
+
+    >>> import torch
+    >>> from opake.kernels import clip_accumulate
+    >>> sums = [torch.zeros(2)]
+    >>> clip_accumulate([torch.tensor([[1.0, float("nan")], [3.0, 4.0]])],
+    ...                 torch.tensor([[0.5], [1.0]]), sums, backend="torch")
+    'torch'
+    >>> sums[0].tolist()
+    [3.5, 4.0]
+    """
+    from opake.kernels.torch._clip import check_clip_args
+
+    check_clip_args(grads, factors, sums)
+    where = sums[0] if sums else factors  # the accumulators' device decides
+    impl = _impl(ops.CLIP_ACCUMULATE, "sums", where, backend)
+    return str(impl(grads, factors, sums))
 
 
 def linear_cross_entropy(
@@ -101,7 +136,7 @@ def linear_cross_entropy(
         >>> linear_cross_entropy(h, w, labels, reduction="per_example").tolist()
         [1.6094379425048828, 1.6094379425048828]
     """
-    impl = _impl("linear_cross_entropy", "hidden", hidden, backend)
+    impl = _impl(ops.LINEAR_CROSS_ENTROPY, "hidden", hidden, backend)
     return impl(
         hidden,
         weight,
@@ -168,7 +203,7 @@ def linear_cross_entropy_example_grads(
         >>> [round(x, 4) for x in grads.sq_norms()[0].tolist()]  # ‖h‖²·‖Σ_t (p_t - onehot_t)‖²
         [4.8, 4.8]
     """
-    impl = _impl("linear_cross_entropy_example_grads", "hidden", hidden, backend)
+    impl = _impl(ops.LINEAR_CROSS_ENTROPY_EXAMPLE_GRADS, "hidden", hidden, backend)
     return impl(
         hidden,
         weight,
@@ -205,7 +240,7 @@ def cross_entropy(
     >>> round(cross_entropy(torch.zeros(2, 4), torch.tensor([1, -100])).item(), 4)
     1.3863
     """
-    impl = _impl("cross_entropy", "logits", logits, backend)
+    impl = _impl(ops.CROSS_ENTROPY, "logits", logits, backend)
     return impl(
         logits,
         labels,
@@ -235,7 +270,7 @@ def rms_norm(
     >>> rms_norm(torch.full((1, 2), 2.0), torch.ones(2), eps=1e-12).tolist()
     [[1.0, 1.0]]
     """
-    impl = _impl("rms_norm", "x", x, backend)
+    impl = _impl(ops.RMS_NORM, "x", x, backend)
     return impl(x, weight, eps=eps, offset=offset)
 
 
@@ -247,7 +282,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) 
     >>> swiglu(torch.zeros(2), torch.ones(2)).tolist()
     [0.0, 0.0]
     """
-    impl = _impl("swiglu", "gate", gate, backend)
+    impl = _impl(ops.SWIGLU, "gate", gate, backend)
     return impl(gate, up)
 
 
@@ -265,7 +300,7 @@ def geglu(
     >>> geglu(torch.zeros(2), torch.ones(2), approximate="tanh").tolist()
     [0.0, 0.0]
     """
-    impl = _impl("geglu", "gate", gate, backend)
+    impl = _impl(ops.GEGLU, "gate", gate, backend)
     return impl(gate, up, approximate=approximate)
 
 
@@ -282,5 +317,5 @@ def rope(
     >>> rope(torch.tensor([[1.0, 2.0]]), torch.zeros(1, 2), torch.ones(1, 2)).tolist()
     [[-2.0, 1.0]]
     """
-    impl = _impl("rope", "x", x, backend)
+    impl = _impl(ops.ROPE, "x", x, backend)
     return impl(x, cos, sin)

@@ -1,35 +1,31 @@
 """opake-kernels' plugin: registers its backends through the public hook, like a third party.
 
-Ops are dotted paths, imported only when selected, so loading plugins imports neither torch nor
-triton.
+Ops are named by the contract :mod:`opake.core.ops` and given as dotted paths, imported only when
+selected, so loading plugins imports neither torch nor triton.
 """
 
 from __future__ import annotations
 
+from opake.core import ops
 from opake.core.plugins import KernelBackend, hookimpl
 from opake.kernels._triton_support import triton_available, triton_devices, triton_priority
 
 __all__ = ["EXAMPLE_GRADS_OP", "OPS", "RECORDED_OP", "opake_kernel_backends"]
 
 #: the ops every opake-kernels backend implements (one signature per op, see the guide)
-OPS: tuple[str, ...] = (
-    "linear_cross_entropy",
-    "cross_entropy",
-    "rms_norm",
-    "swiglu",
-    "geglu",
-    "rope",
-)
+OPS: tuple[str, ...] = ops.MODEL_OPS
 _EVERYWHERE = ("cpu", "cuda", "mps", "xpu")
 #: the book-keeping engine's op: per-example gradients of the projection inside a linear CE,
 #: held implicitly (only the portable ``chunked`` backend implements it; it runs everywhere)
-EXAMPLE_GRADS_OP = "linear_cross_entropy_example_grads"
+EXAMPLE_GRADS_OP = ops.LINEAR_CROSS_ENTROPY_EXAMPLE_GRADS
 #: and the loss whose backward computes those norms in the hidden-gradient pass
-RECORDED_OP = "linear_cross_entropy_recorded"
+RECORDED_OP = ops.LINEAR_CROSS_ENTROPY_RECORDED
+#: the vmap engine's scale-and-sum; ``chunked`` uses the reference (one product per leaf)
+_CLIP_REFERENCE = f"opake.kernels.torch:{ops.CLIP_ACCUMULATE}"
 
 
-def _ops(module: str) -> dict[str, str]:
-    return {op: f"{module}:{op}" for op in OPS}
+def _ops(module: str, names: tuple[str, ...] = (*OPS, ops.CLIP_ACCUMULATE)) -> dict[str, str]:
+    return {op: f"{module}:{op}" for op in names}
 
 
 @hookimpl
@@ -40,9 +36,8 @@ def opake_kernel_backends() -> list[KernelBackend]:
         KernelBackend(
             "chunked",
             {
-                **_ops("opake.kernels.chunked"),
-                EXAMPLE_GRADS_OP: f"opake.kernels.chunked:{EXAMPLE_GRADS_OP}",
-                RECORDED_OP: f"opake.kernels.chunked:{RECORDED_OP}",
+                **_ops("opake.kernels.chunked", (*OPS, EXAMPLE_GRADS_OP, RECORDED_OP)),
+                ops.CLIP_ACCUMULATE: _CLIP_REFERENCE,
             },
             devices=_EVERYWHERE,
             priority=10,

@@ -22,12 +22,15 @@ from typing import Any
 import torch
 from torch.func import grad, vmap
 
+from opake.core import ops
 from opake.core.plugins import kernel_backends
 
 __all__ = [
     "Sizes",
     "check_backend",
     "loop_grads",
+    "reference",
+    "reference_example_grads",
     "tolerances",
     "vmap_grads",
 ]
@@ -292,7 +295,7 @@ def _check_gated(c: _Ctx, op: str) -> None:
     a = (torch.randn(*shape, generator=gen) * 2).to(device=device, dtype=dtype)
     u = torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
     red = _weighted_sum(gen, shape, device)
-    kinds: tuple[dict[str, Any], ...] = ({},) if op == "swiglu" else ({}, {"approximate": "tanh"})
+    kinds: tuple[dict[str, Any], ...] = ({},) if op == ops.SWIGLU else ({}, {"approximate": "tanh"})
     for kw in kinds:
 
         def f(aa: Tensor, uu: Tensor, k: Any = kw) -> Tensor:
@@ -301,7 +304,7 @@ def _check_gated(c: _Ctx, op: str) -> None:
         def f_ref(aa: Tensor, uu: Tensor, k: Any = kw) -> Tensor:
             return ref(aa, uu, **k)
 
-        name = "silu" if op == "swiglu" else kw.get("approximate", "none")
+        name = "silu" if op == ops.SWIGLU else kw.get("approximate", "none")
         _compare(
             f"{op} {dtype} {name}", f, f_ref, [a, u], argnums=(0, 1), batched=(0, 1),
             dtype=dtype, reduce_out=red,
@@ -329,6 +332,88 @@ def _check_rope(c: _Ctx) -> None:
         batched=(0, 1, 2), dtype=dtype, reduce_out=red,
     )  # fmt: skip
     c.report.append(f"rope {dtype}: values, grads, vmap per-example grads ok")
+
+
+def _check_clip(c: _Ctx) -> None:
+    """Factors in [0, 1], a zero-factor example full of NaN/Inf, leaves across block edges."""
+    impl, ref, dtype, device, gen = c.impl, c.ref, c.dtype, c.device, c.gen
+    m, shapes = c.sizes.batch + 1, [(3,), (5, 7), (2, 513)]
+    grads = [
+        torch.randn(m, *shape, generator=gen).to(device=device, dtype=dtype) for shape in shapes
+    ]
+    grads[0][1, 0] = float("nan")
+    grads[1][-1].fill_(float("inf"))
+    grads[2][-1, 0, 0] = float("nan")
+    factors = torch.rand(m, len(shapes), generator=gen)
+    factors[-1] = 0.0  # an example that must not contribute, whatever it holds
+    factors = factors.to(device)
+    start = [torch.randn(shape, generator=gen).to(device) for shape in shapes]
+    got, want = [t.clone() for t in start], [t.clone() for t in start]
+    impl(grads, factors, got)
+    ref(grads, factors, want)
+    for j, (a, b) in enumerate(zip(got, want, strict=True)):
+        _close(f"clip_accumulate {dtype} leaf {j}", a, b, torch.float32)
+    c.report.append(f"clip_accumulate {dtype}: values (NaN/Inf rows, zero factors) ok")
+
+
+_CHECKS: dict[str, Callable[[_Ctx], None]] = {
+    ops.LINEAR_CROSS_ENTROPY: _check_lce,
+    ops.CROSS_ENTROPY: _check_ce,
+    ops.RMS_NORM: _check_rms,
+    ops.SWIGLU: lambda c: _check_gated(c, ops.SWIGLU),
+    ops.GEGLU: lambda c: _check_gated(c, ops.GEGLU),
+    ops.ROPE: _check_rope,
+    ops.CLIP_ACCUMULATE: _check_clip,
+}
+
+
+def reference_example_grads(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    token_grads: Tensor,
+    *,
+    bias: Tensor | None = None,
+    **options: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """The oracle of the implicit per-example gradient ops, explicitly: ``[B, V, H]`` and
+    ``[B, V]`` (or ``None``), example ``i``'s gradient of ``Σ_t token_grads[i, t] · loss[i, t]``
+    by plain autograd through the ``torch`` reference loss, one example at a time.
+
+    >>> h, w = torch.ones(2, 3, 4), torch.zeros(5, 4)
+    >>> y, g = torch.tensor([[0, 1, 2], [3, 4, -100]]), torch.ones(2, 3)
+    >>> gw, gb = reference_example_grads(h, w, y, g)
+    >>> [round(x, 4) for x in gw.square().sum((1, 2)).tolist()], gb
+    ([4.8, 4.8], None)
+    """
+    loss = kernel_backends()["torch"].load_op(ops.LINEAR_CROSS_ENTROPY)
+    gws: list[Tensor] = []
+    gbs: list[Tensor] = []
+    for i in range(hidden.shape[0]):
+        w = weight.detach().clone().requires_grad_(True)
+        b = None if bias is None else bias.detach().clone().requires_grad_(True)
+        tok = loss(hidden[i], w, labels[i], bias=b, reduction="none", **options)
+        leaves = [w] if b is None else [w, b]
+        got = torch.autograd.grad((tok * token_grads[i]).sum(), leaves)
+        gws.append(got[0])
+        if b is not None:
+            gbs.append(got[1])
+    return torch.stack(gws), (torch.stack(gbs) if gbs else None)
+
+
+def reference(op: str) -> Callable[..., Any]:
+    """The reference implementation of a contract op (:mod:`opake.core.ops`): the ``torch``
+    backend's, or :func:`reference_example_grads` for the implicit per-example gradient ops.
+
+    >>> reference("rms_norm").__module__
+    'opake.kernels.torch._reference'
+    """
+    if op in (ops.LINEAR_CROSS_ENTROPY_EXAMPLE_GRADS, ops.LINEAR_CROSS_ENTROPY_RECORDED):
+        return reference_example_grads
+    ref = kernel_backends()["torch"]
+    if op not in ref.ops:
+        raise KeyError(f"{op!r} is not an op of the contract opake.core.ops ({ops.ALL_OPS})")
+    return ref.load_op(op)
 
 
 def check_backend(
@@ -360,17 +445,9 @@ def check_backend(
             if op not in ref.ops:
                 report.append(f"{op}: the torch reference has no such op (skipped)")
                 continue
-            ctx = _Ctx(be.load_op(op), ref.load_op(op), s, dtype, device, gen, report)
-            if op == "linear_cross_entropy":
-                _check_lce(ctx)
-            elif op == "cross_entropy":
-                _check_ce(ctx)
-            elif op == "rms_norm":
-                _check_rms(ctx)
-            elif op in ("swiglu", "geglu"):
-                _check_gated(ctx, op)
-            elif op == "rope":
-                _check_rope(ctx)
-            else:
+            check = _CHECKS.get(op)
+            if check is None:
                 report.append(f"{op}: no reference check known for this op (skipped)")
+                continue
+            check(_Ctx(be.load_op(op), ref.load_op(op), s, dtype, device, gen, report))
     return report

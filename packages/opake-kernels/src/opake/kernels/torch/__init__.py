@@ -11,6 +11,7 @@ intermediates, so use them as the oracle and the fallback, not for memory.
 
 from __future__ import annotations
 
+from opake.kernels.torch._clip import clip_accumulate
 from opake.kernels.torch._reference import (
     cross_entropy,
     geglu,
@@ -20,4 +21,12 @@ from opake.kernels.torch._reference import (
     swiglu,
 )
 
-__all__ = ["cross_entropy", "geglu", "linear_cross_entropy", "rms_norm", "rope", "swiglu"]
+__all__ = [
+    "clip_accumulate",
+    "cross_entropy",
+    "geglu",
+    "linear_cross_entropy",
+    "rms_norm",
+    "rope",
+    "swiglu",
+]

@@ -9,6 +9,7 @@ Triton; set ``TRITON_INTERPRET`` before the import if you want the interpreter.
 
 from __future__ import annotations
 
+from opake.kernels.triton._clip import clip_accumulate
 from opake.kernels.triton._ops import (
     LCEBlocks,
     cross_entropy,
@@ -22,6 +23,7 @@ from opake.kernels.triton._ops import (
 
 __all__ = [
     "LCEBlocks",
+    "clip_accumulate",
     "cross_entropy",
     "geglu",
     "lce_blocks",
