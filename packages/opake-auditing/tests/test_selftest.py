@@ -13,7 +13,7 @@ import opake.dpsgd._noise as noise_module
 import opake.dpsgd.clipping._engine as clip_engine
 import opake.dpsgd.sampling as sampling
 from opake.auditing import self_test
-from opake.dpsgd._sampling import PoissonSampler
+from opake.dpsgd.sampling import PoissonSampler
 
 
 @pytest.fixture

@@ -29,6 +29,6 @@ Example:
 
 from __future__ import annotations
 
-from opake.dpsgd._training import DPTraining, PrivacyBudgetExhausted, StepResult
+from opake.dpsgd.training._dp_training import DPTraining, PrivacyBudgetExhausted, StepResult
 
 __all__ = ["DPTraining", "PrivacyBudgetExhausted", "StepResult"]

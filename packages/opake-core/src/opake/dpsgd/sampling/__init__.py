@@ -27,15 +27,10 @@ Example:
 
 from __future__ import annotations
 
-from opake.dpsgd._sampling import (
-    PADDING_INDEX,
-    EmptyBatchCollate,
-    FixedShapePoissonSampler,
-    PaddedDataset,
-    PoissonSampler,
-    ShuffleSampler,
-    padding_mask,
-)
+from opake.dpsgd.sampling._base import PADDING_INDEX
+from opake.dpsgd.sampling._data import EmptyBatchCollate, PaddedDataset, padding_mask
+from opake.dpsgd.sampling._poisson import FixedShapePoissonSampler, PoissonSampler
+from opake.dpsgd.sampling._shuffle import ShuffleSampler
 
 __all__ = [
     "PADDING_INDEX",

@@ -1,0 +1,53 @@
+"""How many more logical steps fit in a privacy budget (for ``DPTraining.steps_left``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def _steps_within(epsilon_after: Callable[[int], float], guess: int, target: float) -> int:
+    """Largest k ≥ 0 with ``epsilon_after(k) ≤ target`` (exponential + binary search).
+
+    ``epsilon_after(k)`` is ε after the history plus ``k`` more steps (non-decreasing in k);
+    ``guess`` is the planned steps left (≤ 0: no plan), checked first.
+
+    Example:
+        >>> _steps_within(lambda k: 0.5 * k, guess=0, target=3.2)
+        6
+    """
+    if guess > 0 and epsilon_after(guess) <= target:
+        # σ calibrated for the planned run: usually exactly the planned steps fit
+        if epsilon_after(guess + 1) > target:
+            return guess
+        low, high = guess + 1, 2 * guess + 2
+    elif epsilon_after(1) > target:
+        return 0
+    else:
+        low, high = 1, 2
+    while epsilon_after(high) <= target:
+        low, high = high, high * 2
+        if high > 1 << 40:
+            return high
+    while high - low > 1:
+        mid = (low + high) // 2
+        if epsilon_after(mid) <= target:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def _trial_epsilon(
+    accountant: Any,
+    noise_multiplier: float,
+    extra_steps: int,
+    accounting: Mapping[str, Any],
+    delta: float,
+) -> float:
+    """ε at ``delta`` after ``extra_steps`` more steps, on a copy of the accountant."""
+    from opake.accounting import accountant_from_state_dict
+
+    trial = accountant_from_state_dict(accountant.state_dict())
+    trial.step(noise_multiplier=noise_multiplier, num_steps=extra_steps, **accounting)
+    return float(trial.get_epsilon(delta))

@@ -1,0 +1,270 @@
+"""Validation of :class:`~opake.dpsgd.training.DPTraining`'s arguments and the pieces built
+from them (accountant, σ, fixed-shape bound, sampler).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+from opake.core.errors import ConfigurationError, InputTypeError
+
+_SAMPLERS = ("poisson", "fixed")
+_ACCOUNTANTS = ("pld", "rdp")
+_ENGINES = ("auto", "vmap", "bookkeeping")
+
+
+def _positive(name: str, value: object, *, integer: bool = False) -> Any:
+    if integer:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise InputTypeError(f"{name}={value!r} ({type(value).__name__}): expected an int > 0")
+        if int(value) < 1:
+            raise ConfigurationError(f"{name}={value!r}: expected an int ≥ 1")
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InputTypeError(f"{name}={value!r} ({type(value).__name__}): expected a number > 0")
+    number = float(value)
+    if not (number > 0.0 and math.isfinite(number)):
+        raise ConfigurationError(f"{name}={value!r}: expected a finite number > 0")
+    return number
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ConfigurationError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+    return str(value)
+
+
+def _rate(expected: float | None, rate: float | None, n: int) -> float:
+    if (expected is None) == (rate is None):
+        raise ConfigurationError(
+            "pass exactly one of expected_batch_size (q·N, global) and sample_rate (q)"
+        )
+    if expected is not None:
+        b = _positive("expected_batch_size", expected)
+        if b > n:
+            raise ConfigurationError(
+                f"expected_batch_size={expected!r} exceeds dataset_size={n}; the expected "
+                "Poisson batch must be at most the dataset"
+            )
+        return float(b / n)
+    q = _positive("sample_rate", rate)
+    if q > 1.0:
+        raise ConfigurationError(f"sample_rate={rate!r}: expected a probability in (0, 1]")
+    return float(q)
+
+
+def _make_accountant(accountant: Any, options: Mapping[str, Any] | None) -> Any:
+    from opake import accounting
+
+    if isinstance(accountant, str):
+        _choice("accountant", accountant, _ACCOUNTANTS)
+        return accounting.make_accountant(accountant, **dict(options or {}))
+    if options:
+        raise ConfigurationError(
+            "accountant_options are for a named accountant; configure the accountant object"
+        )
+    if not isinstance(accountant, accounting.PrivacyAccountant):
+        raise InputTypeError(
+            f"accountant={type(accountant).__name__}: expected 'pld', 'rdp' or an "
+            "opake.accounting accountant"
+        )
+    if accountant.steps:
+        raise ConfigurationError(
+            "the accountant already holds steps; pass a fresh one (resume with load())"
+        )
+    return accountant
+
+
+def _check_delta(delta: object) -> float:
+    value = float(_positive("delta", delta))
+    if value >= 1.0:
+        raise ConfigurationError(f"delta={value!r}: expected a probability in (0, 1)")
+    return value
+
+
+def _fixed_shape(
+    sampler: str,
+    max_batch_size: int | None,
+    n: int,
+    q: float,
+    steps: int | None,
+    *,
+    delta: float,
+    target: float | None,
+) -> dict[str, Any]:
+    """What the accountant records for fixed-shape sampling (``B_max`` and N); ``{}`` otherwise.
+
+    Without ``max_batch_size``, ``B_max`` is chosen for the planned run with a truncation budget
+    from ``truncation_budget_for(delta, target_epsilon)``.
+    """
+    from opake import accounting
+
+    if sampler != "fixed":
+        if max_batch_size is not None:
+            raise ConfigurationError("max_batch_size is for sampler='fixed'; drop it or use it")
+        return {}
+    if max_batch_size is None:
+        if steps is None:
+            raise ConfigurationError(
+                "sampler='fixed' without max_batch_size needs steps= (B_max is chosen "
+                "for the planned run); pass max_batch_size or steps"
+            )
+        max_batch_size = min(
+            n,
+            accounting.max_batch_size_for(
+                dataset_size=n,
+                sample_rate=q,
+                steps=steps,
+                truncation_budget=accounting.truncation_budget_for(delta, target),
+            ),
+        )
+    return {"max_batch_size": max_batch_size, "dataset_size": n}
+
+
+def _calibrated_sigma(
+    accountant: Any,
+    noise_multiplier: float | None,
+    target_epsilon: float | None,
+    steps: int | None,
+    q: float,
+    *,
+    delta: float,
+    extra: dict[str, Any],
+) -> float:
+    """σ: the one given, or calibrated so that ``steps`` steps spend ``target_epsilon``."""
+    from opake import accounting
+
+    if noise_multiplier is not None:
+        return float(_positive("noise_multiplier", noise_multiplier))
+    if target_epsilon is None:
+        raise ConfigurationError(
+            "no noise: pass noise_multiplier=σ, or target_epsilon= with steps= to calibrate σ"
+        )
+    if steps is None:
+        raise ConfigurationError(
+            f"target_epsilon={target_epsilon!r} without noise_multiplier needs steps= (the "
+            "planned number of logical steps) to calibrate σ"
+        )
+    kind = accountant.kind
+    return accounting.calibrate_noise(
+        target_epsilon=_positive("target_epsilon", target_epsilon),
+        delta=delta,
+        sample_rate=q,
+        steps=_positive("steps", steps, integer=True),
+        accountant=kind,
+        accountant_options=accountant.options(),
+        **extra,
+    )
+
+
+def _make_sampler(
+    kind: str,
+    n: int,
+    q: float,
+    extra: Mapping[str, Any],
+    context: Any,
+    *,
+    steps_per_epoch: int | None,
+    seed: int | None,
+) -> Any:
+    """This rank's sampler of the global Poisson batches.
+
+    Secure (``seed=None``): batch membership from a key rank 0 drew and shared, never stored;
+    an int seed: reproducible and not private.
+    """
+    from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler
+
+    keyed: dict[str, Any] = (
+        {"randomness": context.shared_randomness()} if seed is None else {"seed": seed}
+    )
+    shard: dict[str, Any] = context.sampler_kwargs()
+    if kind == "fixed":
+        return FixedShapePoissonSampler(
+            n, q, extra["max_batch_size"], steps_per_epoch=steps_per_epoch, **keyed, **shard
+        )
+    return PoissonSampler(n, q, steps_per_epoch=steps_per_epoch, **keyed, **shard)
+
+
+def _check_arguments(
+    unknown: Mapping[str, Any],
+    args: object,
+    params: object,
+    dataset_size: object,
+    batch_args: object,
+) -> tuple[int, int]:
+    """Check ``DPTraining``'s keywords, fixed arguments and parameters; returns N and batch_args."""
+    if unknown:
+        raise ConfigurationError(
+            f"DPTraining() got an unknown keyword argument {next(iter(unknown))!r}"
+        )
+    if not isinstance(args, tuple):
+        raise InputTypeError(f"args={type(args).__name__}: expected a tuple")
+    if not isinstance(params, Mapping) or not params:
+        raise InputTypeError(
+            f"params={type(params).__name__}: expected the non-empty name -> tensor dict of "
+            "trainable tensors (make_functional(model, partition_trainable=True))"
+        )
+    n = _positive("dataset_size", dataset_size, integer=True)
+    return n, _positive("batch_args", batch_args, integer=True)
+
+
+def _check_choices(*, engine: object, sampler: object, seed: object) -> None:
+    _choice("engine", engine, _ENGINES)
+    _choice("sampler", sampler, _SAMPLERS)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise InputTypeError(f"seed={seed!r}: expected None (secure) or an int ≥ 0")
+
+
+def _optional_positive(name: str, value: object, *, integer: bool = False) -> Any:
+    return None if value is None else _positive(name, value, integer=integer)
+
+
+def _accounting_of(sampler: Any, extra: Mapping[str, Any], clip_state: Any) -> dict[str, Any]:
+    """What the accountant records with each step beside σ and q."""
+    count_sigma = getattr(clip_state, "count_noise_multiplier", None)
+    accounting = {**sampler.accounting_kwargs, **extra}
+    if count_sigma is not None:
+        accounting["count_noise_multiplier"] = count_sigma
+    return accounting
+
+
+def _check_new_params(
+    old: Mapping[str, Any], old_args: tuple[Any, ...], params: object, args: object
+) -> tuple[Any, ...]:
+    """Check ``DPTraining.set_params``'s tensors against the old ones; returns the new args."""
+    if not isinstance(params, Mapping) or set(params) != set(old):
+        raise ConfigurationError(
+            "set_params(): expected the same parameter names as at construction"
+        )
+    for name, value in params.items():
+        if tuple(value.shape) != tuple(old[name].shape):
+            raise ConfigurationError(
+                f"set_params(): {name!r} has shape {tuple(value.shape)}, expected "
+                f"{tuple(old[name].shape)}"
+            )
+    if args is None:
+        return old_args
+    if not isinstance(args, tuple) or len(args) != len(old_args):
+        raise ConfigurationError(
+            f"set_params(args=...): expected a tuple of {len(old_args)} argument(s)"
+        )
+    return args
+
+
+def _physical_batch(item: object) -> tuple[tuple[Any, ...], Any] | None:
+    """``(batched arguments, example_mask)`` of one physical batch of ``logical_step``; ``None``
+    when ``item`` is neither a tuple nor a dict (the caller drops the step and raises)."""
+    if isinstance(item, Mapping):
+        extra = set(item) - {"args", "example_mask"}
+        if extra or not isinstance(item.get("args"), tuple):
+            raise ConfigurationError(
+                "a physical batch dict holds 'args' (a tuple) and optionally "
+                f"'example_mask'; got keys {sorted(item)}"
+            )
+        return item["args"], item.get("example_mask")
+    if isinstance(item, tuple):
+        return item, None
+    return None
