@@ -93,7 +93,7 @@ _SLOW_WRITER = textwrap.dedent(
     """
     import io, sys, time
     import torch
-    from opake.dpsgd import _checkpoint
+    from opake.dpsgd.checkpoint import _checkpoint
 
     def slow_write(payload, handle):
         buffer = io.BytesIO()

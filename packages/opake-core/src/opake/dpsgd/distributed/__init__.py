@@ -47,11 +47,8 @@ from opake.dpsgd.distributed._env import (
 from opake.dpsgd.distributed._failure import ABORT_EXIT_CODE, FailFast, fail_fast
 from opake.dpsgd.distributed._fsdp import ShardedDPOptimizer, compute_template, gather_full_params
 from opake.dpsgd.distributed._metrics import RankMetrics, gather_metrics
-from opake.dpsgd.distributed._optim import (
-    DistributedDPOptimizer,
-    check_replicas_in_sync,
-    unwrap_ddp,
-)
+from opake.dpsgd.distributed._optim import DistributedDPOptimizer
+from opake.dpsgd.distributed._replicas import check_replicas_in_sync, unwrap_ddp
 
 __all__ = [
     "ABORT_EXIT_CODE",

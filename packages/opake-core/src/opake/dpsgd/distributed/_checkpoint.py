@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from opake.core.errors import ConfigurationError, OperationError
 from opake.dpsgd.distributed._comm import fingerprint
 from opake.dpsgd.distributed._env import _world
-from opake.dpsgd.distributed._optim import _gather_rows, _replica_tensors, unwrap_ddp
+from opake.dpsgd.distributed._replicas import _gather_rows, _replica_tensors, unwrap_ddp
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -102,7 +102,6 @@ def save_checkpoint_distributed(
         >>> save_checkpoint_distributed(path, step=3, model=torch.nn.Linear(2, 1)).name
         'ckpt.pt'
     """
-    import torch
     import torch.distributed as dist
 
     from opake.dpsgd.checkpoint import save_checkpoint
@@ -113,18 +112,50 @@ def save_checkpoint_distributed(
     extra_out: dict[str, Any] = dict(extra or {})
     if RANK_STATE_KEY in extra_out:
         raise ConfigurationError(f"extra key {RANK_STATE_KEY!r} is reserved for Opake")
+    state: dict[str, Any] = {
+        "step": step,
+        "model": model,
+        "optimizer": optimizer,
+        "accountant": accountant,
+        "sampler": sampler,
+        "clip_state": clip_state,
+        "rng": rng,
+    }
     if world_size == 1:
-        return save_checkpoint(
-            path,
-            step=step,
-            model=model,
-            optimizer=optimizer,
-            accountant=accountant,
-            sampler=sampler,
-            clip_state=clip_state,
-            extra=extra or None,
-            rng=rng,
+        return save_checkpoint(path, **state, extra=extra or None)
+    _check_ready(model, optimizer, group=group, world_size=world_size, check_sync=check_sync)
+    if rng:
+        states: list[Any] = [None] * world_size
+        dist.all_gather_object(states, _local_rng(), group=group)
+        extra_out[RANK_STATE_KEY] = {"world_size": world_size, "rng": states}
+    error: str | None = None
+    written: Path | None = None
+    failure: BaseException | None = None
+    if rank == 0:
+        try:
+            written = save_checkpoint(path, **state, extra=extra_out or None)
+        except Exception as exc:  # reported to every rank below, then re-raised here
+            failure = exc
+            error = f"{type(exc).__name__}: {exc}"
+    outcome: list[Any] = [error]
+    dist.broadcast_object_list(outcome, src=_src(group), group=group)
+    if failure is not None:
+        raise failure
+    if outcome[0] is not None:
+        raise OperationError(
+            f"save_checkpoint_distributed: rank 0 could not write {os.fspath(path)!r}: "
+            f"{outcome[0]} (the previous checkpoint, if any, is intact)"
         )
+    return written if written is not None else Path(path)
+
+
+def _check_ready(
+    model: Any, optimizer: Any, *, group: Any, world_size: int, check_sync: bool
+) -> None:
+    """One all-gather (also the barrier): refuse unless every rank stepped and, with
+    ``check_sync``, every rank's model equals rank 0's."""
+    import torch
+
     pending = int(getattr(optimizer, "pending_batches", 0) or 0)
     local_fp = (
         fingerprint([t for _, t in _replica_tensors(model)])
@@ -151,39 +182,6 @@ def save_checkpoint_distributed(
                 "rank 0's; rank 0 would save a state the other ranks do not share (nothing was "
                 "written). Check that every rank uses DistributedDPOptimizer with the same seeds"
             )
-    if rng:
-        states: list[Any] = [None] * world_size
-        dist.all_gather_object(states, _local_rng(), group=group)
-        extra_out[RANK_STATE_KEY] = {"world_size": world_size, "rng": states}
-    error: str | None = None
-    written: Path | None = None
-    failure: BaseException | None = None
-    if rank == 0:
-        try:
-            written = save_checkpoint(
-                path,
-                step=step,
-                model=model,
-                optimizer=optimizer,
-                accountant=accountant,
-                sampler=sampler,
-                clip_state=clip_state,
-                extra=extra_out or None,
-                rng=rng,
-            )
-        except Exception as exc:  # reported to every rank below, then re-raised here
-            failure = exc
-            error = f"{type(exc).__name__}: {exc}"
-    outcome: list[Any] = [error]
-    dist.broadcast_object_list(outcome, src=_src(group), group=group)
-    if failure is not None:
-        raise failure
-    if outcome[0] is not None:
-        raise OperationError(
-            f"save_checkpoint_distributed: rank 0 could not write {os.fspath(path)!r}: "
-            f"{outcome[0]} (the previous checkpoint, if any, is intact)"
-        )
-    return written if written is not None else Path(path)
 
 
 def _refuse_sharded(model: Any) -> None:
@@ -241,7 +239,7 @@ def load_checkpoint_distributed(
     import torch
 
     from opake.dpsgd.checkpoint import load_checkpoint
-    from opake.dpsgd.distributed._optim import check_replicas_in_sync
+    from opake.dpsgd.distributed._replicas import check_replicas_in_sync
 
     model = unwrap_ddp(model)
     rank, world_size = _world(group)

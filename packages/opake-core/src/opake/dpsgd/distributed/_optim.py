@@ -10,14 +10,22 @@ parameters. See ``docs/guide/distributed.md``.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
-from opake.dpsgd.distributed._comm import all_reduce_tensors, broadcast_tensors, fingerprint
+from opake.dpsgd.distributed._agree import _config_problems, _local_config
+from opake.dpsgd.distributed._comm import all_reduce_tensors, broadcast_tensors
 from opake.dpsgd.distributed._env import _world
+from opake.dpsgd.distributed._replicas import (
+    _comm_device,
+    _gather_rows,
+    _replica_tensors,
+    _structure_hash,
+    check_replicas_in_sync,
+    unwrap_ddp,
+)
 from opake.dpsgd.optimizer._dp_optimizer import DPOptimizer, StepReport
 
 if TYPE_CHECKING:
@@ -28,114 +36,6 @@ __all__ = ["DistributedDPOptimizer", "check_replicas_in_sync", "unwrap_ddp"]
 NoiseSync = Literal["auto", "replicated", "broadcast"]
 _NOISE_SYNC = ("auto", "replicated", "broadcast")
 _DDP_PREFIX = "module."
-
-
-def unwrap_ddp(module: Any) -> Any:
-    """The module inside a ``DistributedDataParallel`` wrapper (any other object unchanged).
-
-    Build ``make_functional`` on the unwrapped module: DDP's ``forward`` may run collectives
-    (buffer broadcasts) once per call, and under Poisson sampling ranks make different numbers
-    of forward calls, which would deadlock. Opake reduces the clipped sums itself.
-
-    Example:
-        >>> import torch
-        >>> net = torch.nn.Linear(2, 1)
-        >>> unwrap_ddp(net) is net
-        True
-    """
-    import torch
-
-    while isinstance(module, torch.nn.parallel.DistributedDataParallel):
-        module = module.module
-    return module
-
-
-def _comm_device(group: Any) -> torch.device:
-    """Where collective buffers live: the current CUDA device for nccl, else CPU."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized() and str(dist.get_backend(group)) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _gather_rows(row: torch.Tensor, *, group: Any, world_size: int) -> torch.Tensor:
-    """All-gather one float64 row per rank: a ``[world_size, n]`` CPU tensor."""
-    import torch
-    import torch.distributed as dist
-
-    device = _comm_device(group)
-    local = row.to(device=device, dtype=torch.float64).contiguous()
-    rows = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(rows, local, group=group)
-    return torch.stack(rows).cpu()
-
-
-def _structure_hash(named: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """48-bit hash of names, shapes and dtypes (exact in float64)."""
-    digest = hashlib.sha256()
-    for name, tensor in named:
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-    return int.from_bytes(digest.digest()[:6], "big")
-
-
-def _replica_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
-    """The tensors every replica must hold identically: parameters (and buffers of a module)."""
-    import torch
-
-    if isinstance(params, torch.nn.Module):
-        named: list[tuple[str, torch.Tensor]] = list(params.named_parameters())
-        named += [(f"buffer:{n}", b) for n, b in params.named_buffers()]
-        return named
-    if isinstance(params, Mapping):
-        return [(str(n), t) for n, t in params.items() if isinstance(t, torch.Tensor)]
-    raise InputTypeError(
-        f"params={type(params).__name__}: expected the nn.Module (or its DistributedDataParallel "
-        "wrapper) or the name -> tensor dict from make_functional"
-    )
-
-
-def check_replicas_in_sync(
-    params: Any, *, group: Any = None, what: str = "parameters"
-) -> tuple[float, float]:
-    """Raise :class:`OperationError` on every rank if the replicas' tensors differ.
-
-    ``params`` is a module (parameters and buffers) or a ``name -> tensor`` dict. Compares a
-    float64 fingerprint of every rank's tensors (one small all-gather); the check is exact, so
-    any drift — different seeds, a rank that skipped a step, a non-deterministic update — is
-    reported. Returns this rank's fingerprint. A single process always passes.
-
-    Example:
-        >>> import torch
-        >>> from opake.dpsgd.distributed import check_replicas_in_sync
-        >>> _ = check_replicas_in_sync(torch.nn.Linear(2, 1))  # one process: trivially in sync
-    """
-    import torch
-
-    named = _replica_tensors(unwrap_ddp(params))
-    local = fingerprint([t for _, t in named])
-    rank, world_size = _world(group)
-    if world_size == 1:
-        return local
-    rows = _gather_rows(
-        torch.tensor(local, dtype=torch.float64), group=group, world_size=world_size
-    )
-    reference = rows[0]
-    differing = [
-        r
-        for r in range(world_size)
-        if not bool(torch.equal(rows[r], reference))
-        and not (bool(torch.isnan(rows[r]).any()) and bool(torch.isnan(reference).any()))
-    ]
-    if differing:
-        raise OperationError(
-            f"the {what} differ between ranks: rank(s) {differing} do not match rank 0 (this is "
-            f"rank {rank}). Data-parallel DP-SGD needs identical replicas: start every rank from "
-            "the same weights (DistributedDPOptimizer broadcasts rank 0's), use the same noise "
-            "seed, and call step() on every rank for every logical step"
-        )
-    return local
 
 
 class _NoiseProxy:
@@ -352,78 +252,10 @@ class DistributedDPOptimizer(DPOptimizer):
         """One all-gather of every rank's configuration; raise on every rank if they differ."""
         import torch.distributed as dist
 
-        noise = options.get("noise")
-        sampler = options.get("sampler")
-        randomness = options.get("randomness")
-        # the default: a secure key drawn on rank 0 and shared (never stored), so every rank
-        # draws the same noise without a broadcast of the noised sum
-        share_key = (
-            noise is None
-            and options.get("seed") is None
-            and randomness is None
-            and not options.get("secure")
-        )
-        mine: dict[str, Any] = {
-            "structure": self._structure,
-            "noise_sync": mode,
-            "noise_seed": options.get("seed") if noise is None else getattr(noise, "seed", None),
-            "noise_key": None if randomness is None else randomness.fingerprint,
-            "noise_multiplier": options.get(
-                "noise_multiplier", getattr(noise, "noise_multiplier", None)
-            ),
-            "expected_batch_size": options.get("expected_batch_size"),
-            "sample_rate": options.get("sample_rate"),
-            "sampler": None,
-            "shard": None,
-            "proposed_key": _fresh_key() if share_key and self._rank == 0 else None,
-        }
-        if sampler is not None:
-            state = sampler.state_dict() if callable(getattr(sampler, "state_dict", None)) else {}
-            source = getattr(sampler, "randomness", None)
-            mine["sampler"] = {
-                "type": type(sampler).__name__,
-                "seed": getattr(sampler, "seed", None),
-                "key": getattr(source, "fingerprint", None),
-                "config": state.get("config"),
-                "position": getattr(sampler, "position", None),
-            }
-            mine["shard"] = (getattr(sampler, "rank", None), getattr(sampler, "world_size", None))
+        mine = _local_config(options, mode, structure=self._structure, rank=self._rank)
         everyone: list[Any] = [None] * self._world_size
         dist.all_gather_object(everyone, mine, group=self._group)
-        problems = []
-        wrong_shard = [
-            f"rank {r} has a sampler for shard {conf['shard']}"
-            for r, conf in enumerate(everyone)
-            if conf["shard"] is not None and conf["shard"] != (r, self._world_size)
-        ]
-        if wrong_shard:
-            problems.append(
-                f"{', '.join(wrong_shard)}: build each rank's sampler with rank=<its rank>, "
-                f"world_size={self._world_size} (otherwise examples are counted on several ranks "
-                "and the sensitivity is no longer the clipping bound)"
-            )
-        for key in (
-            "structure",
-            "noise_sync",
-            "noise_seed",
-            "noise_key",
-            "noise_multiplier",
-            "sampler",
-        ):
-            values = [conf[key] for conf in everyone]
-            differing = [r for r, v in enumerate(values) if v != values[0]]
-            if differing:
-                problems.append(
-                    f"{_AGREE_HINTS[key]} differs between rank 0 and rank(s) {differing}"
-                )
-        for key in ("expected_batch_size", "sample_rate"):
-            values = [conf[key] for conf in everyone]
-            if any(
-                (v is None) != (values[0] is None)
-                or (v is not None and not math.isclose(float(v), float(values[0]), rel_tol=1e-12))
-                for v in values
-            ):
-                problems.append(f"{key} differs between ranks: {values}")
+        problems = _config_problems(everyone, self._world_size)
         if problems:
             raise ConfigurationError(
                 "DistributedDPOptimizer: the ranks are not configured alike: "
@@ -582,19 +414,3 @@ class DistributedDPOptimizer(DPOptimizer):
 
         report, state = super().logical_step(local_grad_fn, params, batches, state=state)
         return report, state.end_step(reduce=self.all_reduce_sum)
-
-
-_AGREE_HINTS = {
-    "structure": "the model (parameter names, shapes, dtypes)",
-    "noise_sync": "noise_sync",
-    "noise_seed": "the noise seed",
-    "noise_key": "the noise key (randomness=)",
-    "noise_multiplier": "noise_multiplier",
-    "sampler": "the sampler (type, seed or key, configuration or position)",
-}
-
-
-def _fresh_key() -> bytes:
-    from opake.dpsgd._randomness import Randomness
-
-    return Randomness.secure().export_key()

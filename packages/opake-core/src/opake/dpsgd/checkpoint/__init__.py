@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-from opake.dpsgd._checkpoint import (
+from opake.dpsgd.checkpoint._checkpoint import (
     Checkpoint,
     CheckpointError,
     atomic_write,

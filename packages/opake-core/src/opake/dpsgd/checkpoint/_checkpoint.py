@@ -1,0 +1,222 @@
+"""Save and load the whole DP training state (implementation of :mod:`opake.dpsgd.checkpoint`).
+
+:func:`save_checkpoint` encodes each component, checks that it is plain data and writes the file
+atomically; :func:`load_checkpoint` reads and validates the file and every component before
+restoring any of them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from opake.core.errors import InputTypeError
+from opake.dpsgd.checkpoint._components import (
+    _decode_value,
+    _encode_value,
+    _loader,
+    _model_state,
+    _restore_model,
+    _restore_rng,
+    _rng_state,
+    _self_describing,
+    _stateful,
+)
+from opake.dpsgd.checkpoint._file import (
+    _STATEFUL,
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    _check_plain,
+    _read,
+    atomic_write,
+)
+
+__all__ = ["Checkpoint", "CheckpointError", "atomic_write", "load_checkpoint", "save_checkpoint"]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What :func:`load_checkpoint` read (the live objects passed to it are restored in place).
+
+    Attributes:
+        path: the file read.
+        step: the training step recorded at save time.
+        clip_state: the clipping state (``None`` when the file has none).
+        extra: the user's ``extra`` dict.
+        components: names of the components stored in the file.
+    """
+
+    path: Path
+    step: int
+    clip_state: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    components: tuple[str, ...] = ()
+
+
+def _write_payload(payload: dict[str, Any], handle: IO[bytes]) -> None:
+    import torch
+
+    torch.save(payload, handle)
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    step: int,
+    model: Any = None,
+    optimizer: Any = None,
+    accountant: Any = None,
+    sampler: Any = None,
+    clip_state: Any = None,
+    extra: Mapping[str, Any] | None = None,
+    rng: bool = True,
+) -> Path:
+    """Write the whole training state to ``path`` atomically (see :func:`atomic_write`).
+
+    Args:
+        path: destination file; its directory must exist.
+        step: the training step reached (returned by :func:`load_checkpoint`).
+        model: an ``nn.Module`` (parameters and buffers) or a ``name -> tensor`` dict.
+        optimizer: a :class:`~opake.dpsgd.optimizer.DPOptimizer` (wrapped optimizer, noise
+            generator, step count) or any object with ``state_dict``/``load_state_dict``.
+        accountant: the privacy accountant (its full history).
+        sampler: the batch sampler (its RNG and position).
+        clip_state: the clipping state returned by the last ``grad_fn`` call.
+        extra: user data (tensors and plain values only), returned as ``Checkpoint.extra``.
+        rng: also save the global torch / numpy / Python RNG states (dropout, data order).
+
+    Example:
+        >>> import pathlib, tempfile, torch
+        >>> from opake.dpsgd.checkpoint import load_checkpoint, save_checkpoint
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.pt"
+        >>> net = torch.nn.Linear(2, 1)
+        >>> _ = save_checkpoint(path, step=7, model=net)
+        >>> load_checkpoint(path, model=torch.nn.Linear(2, 1)).step
+        7
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InputTypeError(f"step={step!r}: expected an int ≥ 0 (the training step reached)")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise InputTypeError(f"extra={type(extra).__name__}: expected a dict of plain values")
+    components: dict[str, Any] = {}
+    if model is not None:
+        components["model"] = _model_state(model)
+    for name, obj in (("optimizer", optimizer), ("accountant", accountant), ("sampler", sampler)):
+        if obj is not None:
+            components[name] = _stateful(name, obj)
+    if clip_state is not None:
+        components["clip_state"] = _encode_value(clip_state)
+    if rng:
+        components["rng"] = _rng_state()
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "components": components,
+        "extra": dict(extra or {}),
+    }
+    for name, value in components.items():
+        _check_plain(value, f"checkpoint component {name!r}")
+    _check_plain(payload["extra"], "extra")
+    return atomic_write(path, lambda handle: _write_payload(payload, handle))
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    model: Any = None,
+    optimizer: Any = None,
+    accountant: Any = None,
+    sampler: Any = None,
+    clip_state: Any = None,
+    rng: bool = True,
+    strict: bool = True,
+    map_location: Any = "cpu",
+) -> Checkpoint:
+    """Read ``path``, validate it, and restore it into the live objects given.
+
+    ``model``, ``optimizer``, ``accountant`` and ``sampler`` are restored in place. The
+    clipping state is returned as ``Checkpoint.clip_state``: Opake's clip states
+    (``opake.dpsgd.clipping``) are rebuilt from the file alone (``clip_state=``, if given, only
+    checks the type); other state objects are rebuilt from the ``clip_state=`` template.
+    With ``rng=True`` the global torch / numpy / Python RNG states are restored too.
+
+    With ``strict=True`` (the default) every component stored in the file must be given: a run
+    resumed without its accountant would restart ε from zero and under-report the privacy spent.
+    A component given but absent from the file is always an error. The model is validated
+    (names, shapes, dtypes) before anything is modified.
+
+    Raises:
+        CheckpointError: unreadable, damaged or foreign file; a mismatch with the live objects.
+    """
+    target = Path(path)
+    payload = _read(target, map_location)
+    components: dict[str, Any] = payload["components"]
+    given = {
+        "model": model,
+        "optimizer": optimizer,
+        "accountant": accountant,
+        "sampler": sampler,
+        "clip_state": clip_state,
+    }
+    absent = [name for name, obj in given.items() if obj is not None and name not in components]
+    if absent:
+        raise CheckpointError(
+            f"{str(target)!r} holds no {', '.join(absent)} (it has "
+            f"{', '.join(components) or 'nothing'}); save them with save_checkpoint or do not "
+            "pass them"
+        )
+    if strict:
+        unrestored = [
+            name
+            for name in components
+            if name in given
+            and given[name] is None
+            and not (name == "clip_state" and _self_describing(components[name]))
+        ]
+        if unrestored:
+            raise CheckpointError(
+                f"{str(target)!r} holds {', '.join(unrestored)} but load_checkpoint was not given "
+                f"{'it' if len(unrestored) == 1 else 'them'}; pass every saved component (a "
+                "run resumed without its accountant would under-report ε), or strict=False"
+            )
+    appliers: list[Callable[[], None]] = []
+    if model is not None:
+        appliers.append(_restore_model(model, components["model"]))
+    for name in _STATEFUL:
+        obj = given[name]
+        if obj is None:
+            continue
+        saved = components[name]
+        if not isinstance(saved, Mapping) or "state" not in saved:
+            raise CheckpointError(f"checkpoint component {name!r} is malformed")
+        if not callable(getattr(obj, "load_state_dict", None)):
+            raise InputTypeError(
+                f"{name}={type(obj).__name__}: expected an object with load_state_dict()"
+            )
+        if saved.get("kind") != type(obj).__name__:
+            raise CheckpointError(
+                f"checkpoint {name} was saved from a {saved.get('kind')} but is being restored "
+                f"into a {type(obj).__name__}; use the same kind of object"
+            )
+        appliers.append(_loader(obj, saved["state"], name))
+    if rng and "rng" in components:
+        appliers.append(_restore_rng(components["rng"]))
+    restored_clip = None
+    if "clip_state" in components and (
+        clip_state is not None or _self_describing(components["clip_state"])
+    ):
+        restored_clip = _decode_value(clip_state, components["clip_state"])
+    for apply in appliers:
+        apply()
+    return Checkpoint(
+        path=target,
+        step=payload["step"],
+        clip_state=restored_clip,
+        extra=payload["extra"],
+        components=tuple(components),
+    )

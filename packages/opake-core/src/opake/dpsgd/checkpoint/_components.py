@@ -1,0 +1,229 @@
+"""The components of a checkpoint: model tensors, stateful objects, the clip state, RNG states.
+
+Each ``_restore_*`` / ``_loader`` validates a saved component and returns the function that
+applies it, so that :func:`~opake.dpsgd.checkpoint.load_checkpoint` changes nothing until every
+component was checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from opake.core.errors import ConfigurationError, InputTypeError
+
+if TYPE_CHECKING:
+    import torch
+from opake.dpsgd.checkpoint._file import CheckpointError
+
+
+def _model_state(model: Any) -> dict[str, Any]:
+    import torch
+
+    if isinstance(model, torch.nn.Module):
+        return {"kind": "module", "tensors": dict(model.state_dict())}
+    if isinstance(model, Mapping):
+        tensors = {}
+        for name, value in model.items():
+            if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+                raise InputTypeError(
+                    f"model has an entry {name!r}: {type(value).__name__}; expected an nn.Module "
+                    "or a name -> tensor dict"
+                )
+            tensors[name] = value.detach()
+        return {"kind": "tensors", "tensors": tensors}
+    raise InputTypeError(
+        f"model={type(model).__name__}: expected an nn.Module or a name -> tensor dict (the "
+        "params from make_functional)"
+    )
+
+
+def _restore_model(model: Any, saved: Any) -> Callable[[], None]:
+    """Validate ``saved`` against ``model``; return the function that copies it in."""
+    import torch
+
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("tensors"), Mapping):
+        raise CheckpointError("checkpoint component 'model' is malformed (no tensor dict)")
+    tensors: Mapping[str, Any] = saved["tensors"]
+    if isinstance(model, torch.nn.Module):
+        live: Mapping[str, torch.Tensor] = model.state_dict()
+    elif isinstance(model, Mapping):
+        live = model
+    else:
+        raise InputTypeError(
+            f"model={type(model).__name__}: expected an nn.Module or a name -> tensor dict"
+        )
+    missing = sorted(set(live) - set(tensors))
+    unexpected = sorted(set(tensors) - set(live))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint model does not match: missing {missing[:8]}, unexpected {unexpected[:8]}"
+            f"{' (and more)' if len(missing) > 8 or len(unexpected) > 8 else ''}; restore into "
+            "the same architecture (and the same make_functional partition) that was saved"
+        )
+    for name, value in tensors.items():
+        target = live[name]
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"checkpoint model entry {name!r} is not a tensor")
+        if value.shape != target.shape or value.dtype != target.dtype:
+            raise CheckpointError(
+                f"checkpoint model entry {name!r} is {value.dtype} {tuple(value.shape)} but the "
+                f"live tensor is {target.dtype} {tuple(target.shape)}"
+            )
+
+    def apply() -> None:
+        with torch.no_grad():
+            for name, value in tensors.items():
+                live[name].copy_(value)
+
+    return apply
+
+
+def _stateful(name: str, obj: Any) -> dict[str, Any]:
+    state_dict = getattr(obj, "state_dict", None)
+    if not callable(state_dict) or not callable(getattr(obj, "load_state_dict", None)):
+        raise InputTypeError(
+            f"{name}={type(obj).__name__}: expected an object with state_dict() and "
+            "load_state_dict()"
+        )
+    return {"kind": type(obj).__name__, "state": state_dict()}
+
+
+def _is_opake_clip_state(value: Any) -> bool:
+    return (
+        type(value).__module__.startswith("opake.dpsgd.")
+        and callable(getattr(value, "to_dict", None))
+        and isinstance(getattr(type(value), "kind", None), str)
+    )
+
+
+def _encode_value(value: Any) -> dict[str, Any]:
+    """Encode a small state object (clip state): opake clip state, state_dict, dataclass, ..."""
+    if _is_opake_clip_state(value):
+        return {"kind": "clip_state", "type": type(value).__name__, "state": value.to_dict()}
+    if callable(getattr(value, "state_dict", None)):
+        return {"kind": "state_dict", "type": type(value).__name__, "state": value.state_dict()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return {"kind": "dataclass", "type": type(value).__name__, "state": fields}
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):
+        return {"kind": "namedtuple", "type": type(value).__name__, "state": dict(value._asdict())}
+    return {"kind": "plain", "type": type(value).__name__, "state": value}
+
+
+def _decode_value(template: Any, saved: Any) -> Any:
+    if not isinstance(saved, Mapping) or not {"kind", "type", "state"} <= set(saved):
+        raise CheckpointError("checkpoint component 'clip_state' is malformed")
+    kind, type_name, state = saved["kind"], saved["type"], saved["state"]
+    if kind == "clip_state":
+        from opake.dpsgd.clipping import clip_state_from_dict
+
+        if template is not None and type(template).__name__ != type_name:
+            raise CheckpointError(
+                f"checkpoint clip_state is a {type_name} but the template given is a "
+                f"{type(template).__name__}; pass the state of the same clipping method"
+            )
+        try:
+            return clip_state_from_dict(state)
+        except (ValueError, TypeError) as err:
+            raise CheckpointError(f"checkpoint clip_state is invalid: {err}") from err
+    if template is None:
+        raise CheckpointError(
+            f"checkpoint clip_state is a {type_name}, which is rebuilt from a template: pass "
+            "clip_state= (an instance of the same type) to load_checkpoint"
+        )
+    if kind != "plain" and type(template).__name__ != type_name:
+        raise CheckpointError(
+            f"checkpoint clip_state is a {type_name} but the template given is a "
+            f"{type(template).__name__}; pass the state returned by the same clipped_grad setup"
+        )
+    if kind == "state_dict":
+        loaded = template.load_state_dict(state)
+        return template if loaded is None else loaded
+    if kind in ("dataclass", "namedtuple"):
+        names = (
+            {f.name for f in dataclasses.fields(template)}
+            if kind == "dataclass"
+            else set(template._fields)
+        )
+        if set(state) != names:
+            raise CheckpointError(
+                f"checkpoint clip_state fields {sorted(state)} differ from the template's "
+                f"{sorted(names)}"
+            )
+        if kind == "dataclass":
+            return dataclasses.replace(template, **state)
+        return template._replace(**state)
+    if kind == "plain":
+        return state
+    raise CheckpointError(f"checkpoint clip_state has unknown kind {kind!r}")
+
+
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    np_state: tuple[Any, ...] = np.random.get_state(legacy=True)  # type: ignore[assignment]
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {
+            "name": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+    }
+    return state
+
+
+def _restore_rng(saved: Any) -> Callable[[], None]:
+    import numpy as np
+    import torch
+
+    if not isinstance(saved, Mapping) or not {"torch", "python", "numpy", "cuda"} <= set(saved):
+        raise CheckpointError("checkpoint component 'rng' is malformed")
+
+    def to_tuple(value: Any) -> Any:
+        return tuple(to_tuple(v) for v in value) if isinstance(value, list | tuple) else value
+
+    def apply() -> None:
+        torch.set_rng_state(saved["torch"])
+        random.setstate(to_tuple(saved["python"]))
+        np_saved = saved["numpy"]
+        np.random.set_state(
+            (
+                np_saved["name"],
+                np_saved["keys"].numpy().astype(np.uint32),
+                np_saved["pos"],
+                np_saved["has_gauss"],
+                np_saved["cached_gaussian"],
+            )
+        )
+        if saved["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["cuda"])
+
+    return apply
+
+
+def _self_describing(saved: Any) -> bool:
+    """An opake clip state is rebuilt from the file alone; other kinds need a template."""
+    return isinstance(saved, Mapping) and saved.get("kind") == "clip_state"
+
+
+def _loader(obj: Any, state: Any, name: str) -> Callable[[], None]:
+    def apply() -> None:
+        try:
+            obj.load_state_dict(state)
+        except (KeyError, TypeError, ValueError) as err:
+            if isinstance(err, ConfigurationError | InputTypeError):
+                raise CheckpointError(f"checkpoint {name} does not fit: {err}") from err
+            raise CheckpointError(
+                f"checkpoint {name} does not fit {type(obj).__name__}: {err}"
+            ) from err
+
+    return apply
