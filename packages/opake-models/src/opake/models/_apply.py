@@ -21,6 +21,7 @@ Every change is recorded in a :class:`~opake.patches.Patcher` and undone, newest
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["FamilyReport", "apply_family", "unwrap_model"]
+
+_log = logging.getLogger("opake.models")
 
 _REPORT_ATTR = "_opake_family_report"
 
@@ -237,6 +240,7 @@ def apply_family(spec: FamilySpec, model: Any, options: PatchOptions | None = No
     base: Any = unwrap_model(model)
     previous = vars(base).get(_REPORT_ATTR)
     if isinstance(previous, FamilyReport) and previous.active:
+        _log.debug("family %r: %s is already patched", spec.name, type(base).__name__)
         return previous  # idempotent: the instance is already patched
     check_structure(spec, base)
     report = FamilyReport(spec.name, base.config.model_type, spec.task, layer=spec.layer)
@@ -260,7 +264,26 @@ def apply_family(spec: FamilySpec, model: Any, options: PatchOptions | None = No
     except BaseException:
         patcher.undo()
         raise
+    _log_report(report, type(base).__name__)
     return report
+
+
+def _log_report(report: FamilyReport, model_class: str) -> None:
+    """Log the family chosen for the model and every part applied, every kernel backend chosen
+    and every part skipped with its reason (INFO on ``opake.models``)."""
+    _log.info(
+        "family %r for %s (model_type %r, %s)",
+        report.family,
+        model_class,
+        report.model_type,
+        report.task,
+    )
+    for line in report.applied:
+        _log.info("family %r: applied %s", report.family, line)
+    for op, (backend, reason) in report.kernels.items():
+        _log.info("family %r: kernel %r -> backend %r (%s)", report.family, op, backend, reason)
+    for part, why in report.skipped.items():
+        _log.info("family %r: %s not applied: %s", report.family, part, why)
 
 
 def _windows(

@@ -133,7 +133,8 @@ class _RmsForward:
 
     def __call__(self, module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         eps = float(getattr(module, self.eps_attr))
-        return self.slot(hidden_states, module.weight, eps=eps, offset=self.offset)
+        out: torch.Tensor = self.slot(hidden_states, module.weight, eps=eps, offset=self.offset)
+        return out
 
 
 def swap_rms_norms(
@@ -171,7 +172,8 @@ class _GatedForward:
         else:
             gate = getattr(module, mlp.gate)(x)  # type: ignore[arg-type]
             up = getattr(module, mlp.up)(x)  # type: ignore[arg-type]
-        return getattr(module, mlp.down)(self.slot(gate, up, **dict(self.kwargs)))  # type: ignore[arg-type]
+        out: torch.Tensor = getattr(module, mlp.down)(self.slot(gate, up, **dict(self.kwargs)))  # type: ignore[arg-type]
+        return out
 
 
 _OP_FOR_ACTIVATION = {
