@@ -31,7 +31,6 @@ Example:
 from __future__ import annotations
 
 from opake.accounting._accountant import (
-    Phase,
     PLDAccountant,
     PrivacyAccountant,
     RDPAccountant,
@@ -40,6 +39,7 @@ from opake.accounting._accountant import (
 )
 from opake.accounting._adaptive import effective_noise_multiplier, gradient_noise_multiplier
 from opake.accounting._api import CALIBRATION_RANGE, calibrate_noise, epsilon
+from opake.accounting._phase import Phase
 from opake.accounting._rdp import DEFAULT_RDP_ORDERS
 from opake.accounting._truncation import (
     max_batch_size_for,

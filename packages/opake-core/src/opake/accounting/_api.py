@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from opake.accounting._accountant import PrivacyAccountant, make_accountant
@@ -106,22 +106,9 @@ def calibrate_noise(
         >>> round(sigma, 2)
         1.02
     """
-    target = check_epsilon(target_epsilon, "target_epsilon", positive=True)
-    delta = check_delta(delta)
-    q = check_sample_rate(sample_rate)
-    n_steps = check_steps(steps, "steps")
-    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float):
-        raise InputTypeError(f"tolerance={tolerance!r}: expected a float")
-    if not 1e-9 <= float(tolerance) <= 0.5:
-        raise ConfigurationError(
-            f"tolerance={tolerance!r}: expected a relative tolerance on σ in [1e-9, 0.5]"
-        )
-    if count_noise_multiplier is not None:
-        check_noise_multiplier(count_noise_multiplier, "count_noise_multiplier")
-    if n_steps == 0:
-        raise ConfigurationError(
-            "steps=0: no step spends privacy, so there is no noise multiplier to calibrate"
-        )
+    target, delta, q, n_steps = _calibration_inputs(
+        target_epsilon, delta, sample_rate, steps, tolerance=tolerance, count=count_noise_multiplier
+    )
     _accountant(accountant, accountant_options)  # fail early on a bad name or options
 
     def eps_at(sigma: float) -> float:
@@ -137,7 +124,6 @@ def calibrate_noise(
             accountant_options=accountant_options,
         )
 
-    low_limit, high_limit = CALIBRATION_RANGE
     start = 1.0
     if accountant != "rdp" and count_noise_multiplier is None and max_batch_size is None:
         # RDP is cheap and (almost always) looser: its σ is a good upper starting point.
@@ -152,6 +138,69 @@ def calibrate_noise(
             )
         except ConfigurationError:
             start = 1.0
+    lo, hi = _bracket(
+        eps_at,
+        start,
+        target=target,
+        delta=delta,
+        setting=f"q={q}, steps={n_steps}",
+        count_noise=bool(count_noise_multiplier),
+        truncated=max_batch_size is not None,
+    )
+    while hi / lo - 1.0 > tolerance:
+        mid = math.sqrt(lo * hi)
+        if eps_at(mid) <= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _calibration_inputs(
+    target_epsilon: object,
+    delta: object,
+    sample_rate: object,
+    steps: object,
+    *,
+    tolerance: object,
+    count: float | None,
+) -> tuple[float, float, float, int]:
+    """Check :func:`calibrate_noise`'s inputs; returns the target, δ, q and the step count."""
+    target = check_epsilon(target_epsilon, "target_epsilon", positive=True)
+    checked_delta = check_delta(delta)
+    q = check_sample_rate(sample_rate)
+    n_steps = check_steps(steps, "steps")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float):
+        raise InputTypeError(f"tolerance={tolerance!r}: expected a float")
+    if not 1e-9 <= float(tolerance) <= 0.5:
+        raise ConfigurationError(
+            f"tolerance={tolerance!r}: expected a relative tolerance on σ in [1e-9, 0.5]"
+        )
+    if count is not None:
+        check_noise_multiplier(count, "count_noise_multiplier")
+    if n_steps == 0:
+        raise ConfigurationError(
+            "steps=0: no step spends privacy, so there is no noise multiplier to calibrate"
+        )
+    return target, checked_delta, q, n_steps
+
+
+def _bracket(
+    eps_at: Callable[[float], float],
+    start: float,
+    *,
+    target: float,
+    delta: float,
+    setting: str,
+    count_noise: bool,
+    truncated: bool,
+) -> tuple[float, float]:
+    """σ_lo < σ_hi in :data:`CALIBRATION_RANGE` with ``ε(σ_hi) ≤ target < ε(σ_lo)``.
+
+    Steps geometrically from ``start`` (by 1.25 from an RDP estimate, by 2 from 1.0); raises
+    when the target is unreachable, or met by every σ of the range.
+    """
+    low_limit, high_limit = CALIBRATION_RANGE
     factor = 2.0 if start == 1.0 else 1.25
     hi = min(max(start, low_limit), high_limit)
     lo: float | None = None
@@ -161,12 +210,12 @@ def calibrate_noise(
         if hi >= high_limit:
             raise ConfigurationError(
                 f"target_epsilon={target} at δ={delta} is unreachable: even σ={high_limit:g} "
-                f"gives ε={eps_hi:.6g} (q={q}, steps={n_steps}"
-                + (", with adaptive clipping's count noise" if count_noise_multiplier else "")
-                + (", with fixed-shape truncation" if max_batch_size is not None else "")
+                f"gives ε={eps_hi:.6g} ({setting}"
+                + (", with adaptive clipping's count noise" if count_noise else "")
+                + (", with fixed-shape truncation" if truncated else "")
                 + "); raise δ or the target"
-                + (", or lower the count noise's cost" if count_noise_multiplier else "")
-                + (", or raise max_batch_size" if max_batch_size is not None else "")
+                + (", or lower the count noise's cost" if count_noise else "")
+                + (", or raise max_batch_size" if truncated else "")
             )
         hi = min(hi * factor, high_limit)
         eps_hi = eps_at(hi)
@@ -182,10 +231,4 @@ def calibrate_noise(
             lo = candidate
         else:
             hi = candidate
-    while hi / lo - 1.0 > tolerance:
-        mid = math.sqrt(lo * hi)
-        if eps_at(mid) <= target:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return lo, hi
