@@ -176,7 +176,11 @@ def _rng_state() -> dict[str, Any]:
             "has_gauss": int(np_state[3]),
             "cached_gaussian": float(np_state[4]),
         },
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        "cuda": (
+            torch.cuda.get_rng_state_all()
+            if torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+            else None
+        ),
     }
     return state
 

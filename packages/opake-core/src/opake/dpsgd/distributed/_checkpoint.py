@@ -47,7 +47,11 @@ def _local_rng() -> dict[str, Any]:
             int(has_gauss),
             float(cached),
         ],
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        "cuda": (
+            torch.cuda.get_rng_state_all()
+            if torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+            else None
+        ),
     }
 
 

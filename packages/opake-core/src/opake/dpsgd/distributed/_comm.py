@@ -130,7 +130,7 @@ def fingerprint(tensors: Sequence[torch.Tensor]) -> tuple[float, float]:
     parts: dict[torch.device, list[torch.Tensor]] = {}
     for k, tensor in enumerate(tensors):
         flat = tensor.detach().reshape(-1)
-        for j, chunk in enumerate(flat.split(FINGERPRINT_CHUNK)):
+        for j, chunk in enumerate(torch.split(flat, FINGERPRINT_CHUNK)):
             wide = chunk.to(torch.float64)
             weight = 1.0 + 1e-3 * k + 1e-7 * j
             pair = torch.stack([wide.sum(), (wide * wide).sum() * weight])

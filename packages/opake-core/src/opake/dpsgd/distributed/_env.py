@@ -157,7 +157,7 @@ def _device_for(backend: str | None, local_rank: int, device: object) -> torch.d
 
     if device is not None:
         try:
-            resolved = torch.device(device)  # type: ignore[call-overload]
+            resolved: torch.device = torch.device(device)  # type: ignore[call-overload]
         except (TypeError, RuntimeError) as err:
             raise InputTypeError(
                 f"device={device!r}: expected a torch.device or a string like 'cpu' or 'cuda'"
@@ -278,7 +278,7 @@ def init_distributed(
             "(or set MASTER_ADDR and MASTER_PORT to rank 0's address and a free port)"
         )
     if backend is None:
-        wants_cpu = device is not None and torch.device(device).type == "cpu"  # type: ignore[call-overload]
+        wants_cpu = device is not None and torch.device(device).type == "cpu"
         backend = "nccl" if torch.cuda.is_available() and not wants_cpu else "gloo"
     resolved = _device_for(backend, local_rank, device)
     if backend == "nccl" and resolved.type != "cuda":
@@ -325,7 +325,7 @@ def shared_randomness(group: Any = None) -> Any:
         return Randomness.secure()
     import torch.distributed as dist
 
-    box = [Randomness.secure().export_key() if rank == 0 else None]
+    box: list[Any] = [Randomness.secure().export_key() if rank == 0 else None]
     dist.broadcast_object_list(box, src=_global_rank_zero(group), group=group)
     return Randomness.from_key(box[0])
 

@@ -123,7 +123,8 @@ class FailFast:
             generation = _generation
         base = self._store_arg if self._store_arg is not None else _default_store()
         # every rank enters its guards in the same order, so generation numbers line up
-        self._store = dist.PrefixStore(f"{_PREFIX}/{generation}", base)
+        prefix = f"{_PREFIX}/{generation}"
+        self._store = dist.PrefixStore(prefix, base)  # type: ignore[attr-defined]
         self._key = "failed"
         self._ack = "acks"
 

@@ -97,9 +97,9 @@ def _from_sampler(
 ) -> tuple[float, float | None, int | None, int | None]:
     """Read the divisor and the accounting description from a Poisson sampler."""
     if getattr(sampler, "_kind", None) == "shuffle":
-        given = f" and sample_rate={sample_rate!r}" if sample_rate is not None else ""
+        rate_note = f" and sample_rate={sample_rate!r}" if sample_rate is not None else ""
         raise ConfigurationError(
-            f"sampler=ShuffleSampler{given}: shuffled fixed-size batches are not Poisson "
+            f"sampler=ShuffleSampler{rate_note}: shuffled fixed-size batches are not Poisson "
             "sampling, so they do not describe Poisson sampling and the ε of opake.accounting "
             "(the Poisson-subsampled Gaussian at rate q) does not hold for them — every example "
             "is in exactly one batch per epoch, and the amplification by subsampling that ε "

@@ -48,7 +48,7 @@ def _grad_scale_function() -> Any:
             generate_vmap_rule = True
 
             @staticmethod
-            def forward(x: torch.Tensor, factor: float) -> torch.Tensor:  # type: ignore[override]
+            def forward(x: torch.Tensor, factor: float) -> torch.Tensor:
                 return x.view_as(x)
 
             @staticmethod
@@ -56,7 +56,7 @@ def _grad_scale_function() -> Any:
                 ctx.factor = inputs[1]
 
             @staticmethod
-            def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+            def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
                 return grad * ctx.factor, None
 
         _GRAD_SCALE = GradScale

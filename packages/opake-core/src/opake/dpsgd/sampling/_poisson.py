@@ -100,7 +100,8 @@ class PoissonSampler(_BaseSampler):
         return np.flatnonzero(joined).astype(np.int64)
 
     def _batch(self, step: int) -> list[int]:
-        return self.global_batch(step)[self._rank :: self._world_size].tolist()
+        batch: list[int] = self.global_batch(step)[self._rank :: self._world_size].tolist()
+        return batch
 
     def _config(self) -> dict[str, Any]:
         return {
@@ -211,7 +212,8 @@ class FixedShapePoissonSampler(PoissonSampler):
     def _batch(self, step: int) -> list[int]:
         slots, truncated = self.global_slots(step)
         self._truncated += int(truncated)
-        return slots[self._rank :: self._world_size].tolist()
+        batch: list[int] = slots[self._rank :: self._world_size].tolist()
+        return batch
 
     def _config(self) -> dict[str, Any]:
         return {**super()._config(), "max_batch_size": self._b_max}

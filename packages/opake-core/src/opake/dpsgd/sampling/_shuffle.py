@@ -94,7 +94,8 @@ class ShuffleSampler(_BaseSampler):
         return perm[index * self._b : (index + 1) * self._b]
 
     def _batch(self, step: int) -> list[int]:
-        return self.global_batch(step)[self._rank :: self._world_size].tolist()
+        batch: list[int] = self.global_batch(step)[self._rank :: self._world_size].tolist()
+        return batch
 
     def _config(self) -> dict[str, Any]:
         return {"dataset_size": self._n, "batch_size": self._b, "drop_last": self._drop_last}

@@ -161,7 +161,7 @@ class DPTraining:
         sigma = _calibrated_sigma(
             self._accountant, noise_multiplier, target_epsilon, steps, q, delta=delta, extra=extra
         )
-        self._target = _optional_positive("target_epsilon", target_epsilon)
+        self._target: float | None = _optional_positive("target_epsilon", target_epsilon)
         self._planned_steps = _optional_positive("steps", steps, integer=True)
         self._secure = seed is None
         self._sampler: Any = _make_sampler(
