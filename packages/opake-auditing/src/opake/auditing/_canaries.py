@@ -109,7 +109,8 @@ class GradientCanaries:
             return torch.eye(self.count, dtype=torch.float32)
         gen = torch.Generator().manual_seed(self.seed)
         u = torch.randn(self.count, self.dimension, generator=gen, dtype=torch.float64)
-        return (u / u.norm(dim=1, keepdim=True)).float()
+        unit: torch.Tensor = (u / u.norm(dim=1, keepdim=True)).float()
+        return unit
 
     def run(
         self,

@@ -82,7 +82,7 @@ class DPTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        super().__post_init__()  # type: ignore[no-untyped-call]
         self.ignore_data_skip = True
         self.check_dp()
 

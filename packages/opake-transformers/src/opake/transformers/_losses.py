@@ -127,7 +127,7 @@ def per_example_losses(
         frozen: dict[str, torch.Tensor],
         batch: Mapping[str, torch.Tensor],
     ) -> torch.Tensor:
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        inputs: dict[str, Any] = {k: v for k, v in batch.items() if k != "labels"}
         if causal:
             inputs["use_cache"] = False
         with enter():

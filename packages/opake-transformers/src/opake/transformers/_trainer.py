@@ -20,7 +20,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -142,6 +142,18 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
+def _refuse_fp16_weights(model: Any) -> None:
+    """Trainable float16 weights: their per-example gradients would need a loss scale that the
+    DP step does not apply (underflow to zero, overflow to inf), so they are refused."""
+    for name, param in model.named_parameters():
+        if param.requires_grad and param.dtype == torch.float16:
+            raise ConfigurationError(
+                f"DPTrainer: trainable parameter {name!r} is float16: per-example fp16 gradients "
+                "need a loss scale that DPTrainer does not apply; keep trainable weights in "
+                "float32 (or bfloat16) and set bf16=True for bf16 compute"
+            )
+
+
 def _checkpointing_kwargs(args: Any) -> None:
     """Non-reentrant activation checkpointing works (book-keeping); the reentrant path runs
     layers under ``no_grad`` and is refused. Unset ``use_reentrant`` is set to ``False``."""
@@ -174,16 +186,20 @@ class DPTrainer(Trainer):
         **kwargs: the ``Trainer`` arguments (``model``, ``args``, ``train_dataset``, ...).
 
     Trainer features that would break DP without saying so are refused at construction
-    (``ConfigurationError``): fp16, ``max_grad_norm``, ``auto_find_batch_size``,
-    ``dataloader_drop_last``, non-random ``train_sampling_strategy``/``group_by_length``,
-    DeepSpeed, FSDP, ``torch_compile``, NEFTune, DataParallel, reentrant activation
-    checkpointing, ``compute_loss_func`` and an iterable training set.
+    (``ConfigurationError``): fp16 (and trainable float16 weights; ``bf16=True`` works: bf16
+    autocast for the forward, clipping, sum and noise in fp32), ``max_grad_norm``,
+    ``auto_find_batch_size``, ``dataloader_drop_last``, non-random
+    ``train_sampling_strategy``/``group_by_length``, DeepSpeed, FSDP, ``torch_compile``,
+    NEFTune, DataParallel, reentrant activation checkpointing, ``compute_loss_func`` and an
+    iterable training set.
     ``label_smoothing_factor`` is applied within each example; the Trainer's token-count
     normalisation across the batch (``num_items_in_batch``) is never used.
 
     Attributes:
         privacy_stop_message: why training stopped early (the budget), or ``None``.
     """
+
+    args: DPTrainingArguments  # checked in __init__
 
     def __init__(
         self,
@@ -225,6 +241,7 @@ class DPTrainer(Trainer):
                 "DPTrainer needs a map-style train_dataset with a length: Poisson sampling "
                 "draws each example independently, which an iterable dataset cannot do"
             )
+        _refuse_fp16_weights(self.model)
         self._per_example_loss = per_example_loss
         self._task = "custom" if per_example_loss is not None else detect_task(self.model)
         self._dp: DPTraining | None = None
@@ -249,7 +266,7 @@ class DPTrainer(Trainer):
 
     def _expected_batch_size(self) -> int:
         a = self.args
-        return a.per_device_train_batch_size * a.gradient_accumulation_steps * a.world_size
+        return int(a.per_device_train_batch_size * a.gradient_accumulation_steps * a.world_size)
 
     def _steps_per_epoch(self) -> int:
         n = self._dataset_size()
@@ -269,7 +286,7 @@ class DPTrainer(Trainer):
 
     # -- data ---------------------------------------------------------------------------------
 
-    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
         """Poisson batches in physical chunks, collated without mixing examples."""
         from opake.dpsgd.sampling import EmptyBatchCollate, PaddedDataset
 
@@ -296,7 +313,7 @@ class DPTrainer(Trainer):
             steps_per_epoch=self._steps_per_epoch(),
         )
         if self.args.dp_sampler == "fixed":
-            padded = PaddedDataset(dataset)
+            padded: Any = PaddedDataset(dataset)
 
             def collate(items: list[Any]) -> dict[str, Any]:
                 batch = collator([example for example, _ in items])
@@ -342,7 +359,7 @@ class DPTrainer(Trainer):
         from opake.functional import make_functional
 
         a = self.args
-        model = self.model
+        model: Any = self.model
         n = self._dataset_size()
         fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
         task = "causal_lm" if self._task == "custom" else self._task
@@ -417,7 +434,8 @@ class DPTrainer(Trainer):
 
         if self._dp is None:
             return
-        _, trainable, frozen = make_functional(self.model, partition_trainable=True)
+        model: Any = self.model
+        _, trainable, frozen = make_functional(model, partition_trainable=True)
         self._dp.set_params(trainable, args=(frozen,))
 
     def training_step(
@@ -465,7 +483,9 @@ class DPTrainer(Trainer):
         """Save the model and, once training has started, the DP state beside it."""
         super().save_model(output_dir, _internal_call=_internal_call)
         if self._dp is not None and self.args.should_save and not self._dp.pending_batches:
-            target = Path(output_dir if output_dir is not None else self.args.output_dir)
+            target = Path(
+                output_dir if output_dir is not None else cast("str", self.args.output_dir)
+            )
             target.mkdir(parents=True, exist_ok=True)
             self._dp.save(target / DP_STATE_FILE, rng=False, collective=False)
 
