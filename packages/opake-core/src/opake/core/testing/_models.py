@@ -58,7 +58,9 @@ def tiny_llama(
         "attn_implementation": attn_implementation,
         **config,
     }
-    return LlamaForCausalLM(LlamaConfig(**options)).eval()
+    # Any: transformers leaves eval() unannotated
+    model: Any = LlamaForCausalLM(LlamaConfig(**options))
+    return model.eval()
 
 
 def tiny_gpt2(
@@ -89,7 +91,9 @@ def tiny_gpt2(
         "attn_implementation": attn_implementation,
         **config,
     }
-    return GPT2LMHeadModel(GPT2Config(**options)).eval()
+    # Any: transformers leaves eval() unannotated
+    model: Any = GPT2LMHeadModel(GPT2Config(**options))
+    return model.eval()
 
 
 def with_lora(
@@ -133,6 +137,7 @@ def causal_lm_loss(fmodel: Callable[..., Any]) -> Callable[..., torch.Tensor]:
             labels=labels[None],
             use_cache=False,
         )
-        return out.loss
+        loss: torch.Tensor = out.loss
+        return loss
 
     return loss_fn
