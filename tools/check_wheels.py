@@ -6,6 +6,10 @@
 A wheel passes when it holds only ``opake/<sub>/...`` files (plus its ``.dist-info``), never
 ``opake/__init__.py`` (the namespace is shared: PEP 420), ships ``py.typed`` in each leaf
 package, and its metadata names the entry points declared in the distribution's pyproject.toml.
+The ``opake`` wheel must also ship every ``tools/bench/*.py`` unchanged (``opake bench`` runs
+them from an installed wheel). Then every wheel is installed (``--no-deps``, from the built files
+only) into a fresh virtual environment outside the checkout, where ``opake bench --list`` must list
+every script (``--no-install`` skips this step).
 """
 
 from __future__ import annotations
@@ -13,12 +17,16 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tempfile
 import tomllib
 import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ROOT / "packages"
+BENCH = ROOT / "tools" / "bench"
+#: where the opake wheel ships the benchmark scripts (see packages/opake/hatch_build.py)
+SHIPPED_BENCH = "opake/cli/_bench_scripts"
 
 
 def distributions() -> dict[str, Path]:
@@ -87,22 +95,88 @@ def check_wheel(name: str, folder: Path, wheel: Path) -> list[str]:
     return problems
 
 
+def bench_scripts() -> list[Path]:
+    """The benchmark scripts of the checkout (what ``opake bench`` runs)."""
+    return sorted(BENCH.glob("*.py"))
+
+
+def check_shipped_bench(wheel: Path) -> list[str]:
+    """Problems with the benchmark scripts in the ``opake`` wheel: each script of tools/bench
+    must be there, byte for byte, and nothing else."""
+    problems = []
+    with zipfile.ZipFile(wheel) as zf:
+        shipped = {n for n in zf.namelist() if n.startswith(SHIPPED_BENCH + "/")}
+        expected = {f"{SHIPPED_BENCH}/{s.name}" for s in bench_scripts()}
+        problems.extend(f"benchmark script missing: {n}" for n in sorted(expected - shipped))
+        problems.extend(f"unexpected benchmark file: {n}" for n in sorted(shipped - expected))
+        problems.extend(
+            f"{SHIPPED_BENCH}/{s.name} differs from tools/bench/{s.name}"
+            for s in bench_scripts()
+            if f"{SHIPPED_BENCH}/{s.name}" in shipped
+            and zf.read(f"{SHIPPED_BENCH}/{s.name}") != s.read_bytes()
+        )
+    return problems
+
+
+def check_installed_bench(wheels: list[Path]) -> list[str]:
+    """Install *wheels* (no dependencies, no index) into a fresh venv outside the checkout and
+    run ``opake bench --list`` there; problems found (empty when every script is listed)."""
+    with tempfile.TemporaryDirectory(prefix="opake-wheel-check-") as tmp:
+        venv = Path(tmp) / "venv"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        bindir = venv / ("Scripts" if sys.platform == "win32" else "bin")
+        python = next(p for p in (bindir / "python", bindir / "python.exe") if p.exists())
+        install = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q"]
+        subprocess.run([*install, "--no-deps", "--no-index", *map(str, wheels)], check=True)
+        proc = subprocess.run(
+            [str(python), "-m", "opake.cli", "bench", "--list"],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    if proc.returncode != 0:
+        return [f"opake bench --list failed in a fresh install: {proc.stderr.strip()}"]
+    listed = {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
+    return [
+        f"opake bench --list in a fresh install does not list {s.stem}"
+        for s in bench_scripts()
+        if s.stem not in listed
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="build and check Opake wheels")
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "dist")
     parser.add_argument("--build", action="store_true", help="build wheels and sdists first")
+    parser.add_argument(
+        "--no-install",
+        action="store_true",
+        help="skip installing the wheels in a fresh venv (where opake bench --list must work)",
+    )
     args = parser.parse_args(argv)
     if args.build:
         build(args.out)
     failed = False
+    wheels = []
     for name, folder in distributions().items():
         wheel = _wheel_for(name, args.out)
+        wheels.append(wheel)
         problems = check_wheel(name, folder, wheel)
+        if name == "opake":
+            problems.extend(check_shipped_bench(wheel))
         sdists = sorted(args.out.glob(f"{name.replace('-', '_')}-*.tar.gz"))
         if args.build and not sdists:
             problems.append("no sdist was built")
         status = "ok" if not problems else "FAIL"
         print(f"{status:4} {wheel.name}")
+        for p in problems:
+            print(f"     - {p}")
+        failed |= bool(problems)
+    if not args.no_install:
+        problems = check_installed_bench(wheels)
+        verdict = "passes" if not problems else "FAIL"
+        print(f"installed wheels, opake bench --list outside the checkout: {verdict}")
         for p in problems:
             print(f"     - {p}")
         failed |= bool(problems)

@@ -1,5 +1,9 @@
 """``opake bench``: run the benchmark scripts of ``tools/bench/`` and print their tables.
 
+From a checkout the scripts are its ``tools/bench/``; a wheel of the ``opake`` distribution ships
+the same scripts (as ``opake/cli/_bench_scripts/``), so the command also works where Opake is
+installed from a wheel.
+
 Each script runs in a fresh Python process (so no state, warm cache or imported kernel leaks
 between benchmarks); its standard output — the tables it records in ``docs/benchmarks.md`` — is
 printed under a heading, its standard error (progress) passes through.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import shlex
 import shutil
@@ -30,22 +35,43 @@ from typing import Any
 
 from opake.core.errors import ConfigurationError
 
-__all__ = ["find_bench_dir", "find_scripts", "register", "run_scripts"]
+__all__ = ["SHIPPED_DIR", "find_bench_dir", "find_scripts", "register", "run_scripts"]
+
+_log = logging.getLogger("opake.cli")
+
+
+#: the benchmark scripts a wheel ships (``tools/bench/*.py`` of the checkout it was built from)
+SHIPPED_DIR = Path(__file__).resolve().with_name("_bench_scripts")
+#: where this module is installed (an editable install: inside the checkout)
+_INSTALLED_AT = Path(__file__).resolve()
 
 
 def find_bench_dir(start: Path | None = None) -> Path:
-    """The ``tools/bench`` directory of an Opake checkout: above *start* (default: the current
-    directory), else above this file (an editable install)."""
-    candidates = [start or Path.cwd(), Path(__file__).resolve()]
-    for origin in candidates:
-        for folder in (origin, *origin.parents):
-            bench = folder / "tools" / "bench"
-            if bench.is_dir():
-                return bench
+    """The benchmark scripts' directory: ``tools/bench`` of a checkout above *start* (default: the
+    current directory), else the scripts an installed wheel ships, else ``tools/bench`` above this
+    file (an editable install).
+
+    Raises:
+        ConfigurationError: none of them exists.
+    """
+    candidates = [
+        *_checkout_benches(start or Path.cwd()),
+        SHIPPED_DIR,
+        *_checkout_benches(_INSTALLED_AT),
+    ]
+    for bench in candidates:
+        if bench.is_dir():
+            _log.info("opake bench: benchmark scripts from %s", bench)
+            return bench
     raise ConfigurationError(
-        "no tools/bench directory found above the current directory: run opake bench from an "
-        "Opake checkout, or pass --dir PATH/TO/tools/bench"
+        "no benchmark scripts found: this installation ships none (it is not a wheel of the "
+        "opake distribution) and no tools/bench directory is above the current directory; run "
+        "opake bench from an Opake checkout, or pass --dir PATH/TO/tools/bench"
     )
+
+
+def _checkout_benches(origin: Path) -> list[Path]:
+    return [folder / "tools" / "bench" for folder in (origin, *origin.parents)]
 
 
 def find_scripts(directory: Path) -> list[Path]:
@@ -180,15 +206,18 @@ def register(sub: Any) -> None:
     """Add the ``bench`` subcommand to the ``opake`` parser."""
     p = sub.add_parser(
         "bench",
-        help="run the tools/bench scripts and print their tables",
+        help="run the benchmark scripts and print their tables",
         description=(
-            "Run benchmark scripts (tools/bench/*.py of an Opake checkout), each in a fresh "
-            "process, and print the tables they produce."
+            "Run benchmark scripts (tools/bench/*.py of an Opake checkout, else the copies an "
+            "installed wheel ships), each in a fresh process, and print the tables they produce."
         ),
     )
     p.add_argument("names", nargs="*", metavar="NAME", help="scripts to run (default: all)")
     p.add_argument("--list", action="store_true", help="list the scripts and exit")
-    p.add_argument("--dir", help="the benchmark directory (default: tools/bench of the checkout)")
+    p.add_argument(
+        "--dir",
+        help="the benchmark directory (default: tools/bench of the checkout, else the shipped one)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="seconds allowed per script")
     p.add_argument(
         "--script-args",

@@ -151,7 +151,9 @@ def load_model(
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = LlamaForCausalLM._from_config(config, attn_implementation="eager")
+            model = LlamaForCausalLM._from_config(  # type: ignore[no-untyped-call]
+                config, attn_implementation="eager"
+            )
     model.config.use_cache = False
     if lora_r is not None:
         from peft import LoraConfig, get_peft_model

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["CHECKPOINT_FILE", "PLD_OPTIONS", "SETTINGS_FILE", "RunPlan", "plan_run"]
+
+_log = logging.getLogger("opake.cli")
 
 CHECKPOINT_FILE = "checkpoint.pt"
 #: the settings of the run in --out, written before the first step (checked by --resume)
@@ -143,11 +146,13 @@ def _check_kernels(
                 f"no Opake model family for model_type {model_type!r}: the model runs unpatched "
                 "(no loss-only forward, no kernels)"
             )
+            _log.info("--kernels auto: %s", note)
             return False, [note]
         if not supported:
-            return False, [
-                f"model family {family.name} is skipped here ({why}): the model runs unpatched"
-            ]
+            note = f"model family {family.name} is skipped here ({why}): the model runs unpatched"
+            _log.info("--kernels auto: %s", note)
+            return False, [note]
+        _log.info("--kernels auto: model_type %r -> model family %s", model_type, family.name)
         return True, []
     backends = kernel_backends()
     if name not in backends:
@@ -332,7 +337,7 @@ def _privacy(
         max_batch = min(max_batch, n)
         accounting_extra = {"max_batch_size": max_batch, "dataset_size": n}
     options = dict(PLD_OPTIONS) if settings.accountant == "pld" else None
-    schedule = {
+    schedule: dict[str, Any] = {
         "sample_rate": q,
         "steps": steps,
         "delta": delta,

@@ -34,7 +34,7 @@ def _evaluate(
     total = 0.0
     count = 0
     with torch.no_grad(), autocast():
-        for chunk in val.split(_EVAL_BATCH):
+        for chunk in torch.split(val, _EVAL_BATCH):
             x = chunk.to(device)
             out = model(input_ids=x, labels=x, **forward_kwargs)
             tokens = x.shape[0] * (x.shape[1] - 1)
@@ -57,7 +57,7 @@ def _build_model(plan: RunPlan, device: torch.device) -> tuple[Any, Any, Any]:
     from transformers.utils import logging as hf_logging
 
     s = plan.settings
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
     with warnings.catch_warnings():
         # peft and transformers deprecate each other's helpers; not the user's business
         warnings.simplefilter("ignore", FutureWarning)
@@ -180,7 +180,10 @@ def per_example_loss(
     ) -> torch.Tensor:
         """The loss of ONE example (a block of token ids, no batch dimension)."""
         ids = x.unsqueeze(0)
-        return fmodel((trainable, frozen), input_ids=ids, labels=ids, **forward_kwargs).loss
+        loss: torch.Tensor = fmodel(
+            (trainable, frozen), input_ids=ids, labels=ids, **forward_kwargs
+        ).loss
+        return loss
 
     def batch_losses(
         trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], x: torch.Tensor

@@ -154,7 +154,7 @@ def _convert_gguf(path: Path, target: Path, spec: str) -> Path:
         file=sys.stderr,
         flush=True,
     )
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
@@ -175,7 +175,9 @@ def _convert_gguf(path: Path, target: Path, spec: str) -> Path:
             config = quantized.config
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
-            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            plain = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                config, dtype=torch.float32
+            )
             plain.load_state_dict(quantized.state_dict())
             del quantized
             plain.save_pretrained(scratch)
@@ -205,7 +207,7 @@ def _hub_directory(repo_id: str) -> Path:
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
     )
-    from huggingface_hub.utils import disable_progress_bars
+    from huggingface_hub.utils.tqdm import disable_progress_bars
 
     disable_progress_bars()
     try:

@@ -19,6 +19,7 @@ import json
 import math
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -124,66 +125,27 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
     candidates = _candidates(args.candidates, args.batch_size)
     import torch
 
-    from opake.cli._models import load_model, resolve_model
+    from opake.cli._models import resolve_model
     from opake.cli._plan import resolve_device
-    from opake.dpsgd.clipping import clipped_grad
-    from opake.functional import make_functional
     from opake.profiling import NoMicrobatchFitsError, tune_microbatch
 
     source, is_dir = resolve_model(args.model)  # a bad --model fails before anything is built
     device = resolve_device(args.device, auto=True)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # errors stay one line on stderr
-    if is_dir:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(source, local_files_only=True)
-        limit = getattr(config, "max_position_embeddings", None)
-        if limit is not None and args.seq_len > limit:
-            raise ConfigurationError(
-                f"--seq-len {args.seq_len}: the model takes at most {limit} positions"
-            )
-    with warnings.catch_warnings():
-        # peft and transformers deprecate each other's helpers; not the user's business
-        warnings.simplefilter("ignore", FutureWarning)
-        loaded = load_model(
-            args.model,
-            tokenizer=None,  # random token ids: no tokenizer needed
-            block_size=args.seq_len,
-            lora_r=args.lora_r,
-            seed=args.seed,
-        )
+    loaded = _load(args, source, is_dir=is_dir)
     model = loaded.model.to(device)
-    fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
-
-    def loss_fn(
-        trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], x: torch.Tensor
-    ) -> torch.Tensor:
-        ids = x.unsqueeze(0)  # one example
-        return fmodel((trainable, frozen), input_ids=ids, labels=ids, use_cache=False).loss
-
-    def make_grad_fn(microbatch: int) -> Any:
-        return clipped_grad(
-            loss_fn,
-            argnums=0,
-            clipping_norm=args.clip,
-            batch_argnums=2,
-            microbatch_size=microbatch,
-        )
-
+    make_grad_fn, trainable, frozen = _step_factory(model, args.clip)
     model_config: Any = model.config
     vocab = int(model_config.vocab_size)
     probe = torch.randint(
         0, vocab, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(0)
     ).to(device)
-    header = (
-        f"opake tune: {loaded.source} ({loaded.num_parameters:,} parameters, "
-        f"{loaded.num_trainable:,} trainable), batch {args.batch_size} x {args.seq_len} tokens "
-        f"on {device}, {args.steps} smoke steps per candidate"
-    )
     if not args.json:
-        print(header, flush=True)
+        print(
+            f"opake tune: {loaded.source} ({loaded.num_parameters:,} parameters, "
+            f"{loaded.num_trainable:,} trainable), batch {args.batch_size} x {args.seq_len} "
+            f"tokens on {device}, {args.steps} smoke steps per candidate",
+            flush=True,
+        )
     try:
         result = tune_microbatch(
             make_grad_fn,
@@ -203,6 +165,65 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
     out = result.to_dict()
     out["model"] = loaded.source
     out["seq_len"] = args.seq_len
+    _print_result(args, result, out)
+    return out
+
+
+def _load(args: argparse.Namespace, source: str, *, is_dir: bool) -> Any:
+    """The model of ``--model`` (random token ids: no tokenizer), its positions checked."""
+    from transformers.utils import logging as hf_logging
+
+    from opake.cli._models import load_model
+
+    # errors stay one line on stderr
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
+    if is_dir:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is not None and args.seq_len > limit:
+            raise ConfigurationError(
+                f"--seq-len {args.seq_len}: the model takes at most {limit} positions"
+            )
+    with warnings.catch_warnings():
+        # peft and transformers deprecate each other's helpers; not the user's business
+        warnings.simplefilter("ignore", FutureWarning)
+        return load_model(
+            args.model,
+            tokenizer=None,  # random token ids: no tokenizer needed
+            block_size=args.seq_len,
+            lora_r=args.lora_r,
+            seed=args.seed,
+        )
+
+
+def _step_factory(model: Any, clip: float) -> tuple[Callable[[int], Any], Any, Any]:
+    """``make_grad_fn(microbatch)`` (a clipped-gradient step of one example's causal-LM loss),
+    and the trainable and frozen parameters it takes."""
+    from opake.dpsgd.clipping import clipped_grad
+    from opake.functional import make_functional
+
+    fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
+
+    def loss_fn(
+        trainable: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        ids = x.unsqueeze(0)  # one example
+        loss: torch.Tensor = fmodel(
+            (trainable, frozen), input_ids=ids, labels=ids, use_cache=False
+        ).loss
+        return loss
+
+    def make_grad_fn(microbatch: int) -> Any:
+        return clipped_grad(
+            loss_fn, argnums=0, clipping_norm=clip, batch_argnums=2, microbatch_size=microbatch
+        )
+
+    return make_grad_fn, trainable, frozen
+
+
+def _print_result(args: argparse.Namespace, result: Any, out: dict[str, Any]) -> None:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -214,7 +235,6 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
         if args.plot is not None:
             print(f"plot written to {args.plot}")
     sys.stdout.flush()
-    return out
 
 
 def _run(args: argparse.Namespace) -> int:
