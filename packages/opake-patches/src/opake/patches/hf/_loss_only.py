@@ -28,10 +28,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from opake.core import ops
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 
 if TYPE_CHECKING:
@@ -221,7 +223,9 @@ def per_example_lm_loss(
 
 
 #: the kernel op whose backward also computes the projection's per-example norms (opake-kernels)
-RECORDED_OP = "linear_cross_entropy_recorded"
+RECORDED_OP = ops.LINEAR_CROSS_ENTROPY_RECORDED
+_log = logging.getLogger("opake.patches")
+_reported: set[str] = set()
 
 
 def _recorded_impl(kernel: LossKernel, device: torch.device) -> Callable[..., Any]:
@@ -231,6 +235,13 @@ def _recorded_impl(kernel: LossKernel, device: torch.device) -> Callable[..., An
 
     own = kernel_backends().get(kernel.backend)
     backend = kernel.backend if own is not None and RECORDED_OP in own.ops else "chunked"
+    if backend != kernel.backend and kernel.backend not in _reported:
+        _reported.add(kernel.backend)
+        _log.info(
+            "%s: backend %r has no such op; the chunked backend's runs (every device)",
+            RECORDED_OP,
+            kernel.backend,
+        )
     return select_kernel(RECORDED_OP, device, backend).impl
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Mapping
@@ -39,6 +40,7 @@ __all__ = [
     "unwrap_model",
 ]
 
+_log = logging.getLogger("opake.patches")
 #: where unsupported-family errors send the user
 PLUGIN_GUIDE = "docs/guide/plugins.md"
 _OPTION_NAMES = (
@@ -179,6 +181,7 @@ def _family_for(model_type: str) -> Any:
 def _runtime(vmap_checkpointing: bool | None) -> RuntimePatchState:
     if vmap_checkpointing is None:
         if not is_runtime_patched():
+            _log.info("runtime patches were not installed: installing the defaults")
             return apply_runtime_patches()
         return runtime_patch_state()
     current = runtime_patch_state()
@@ -244,19 +247,7 @@ def apply_model_patches(
         ...
         opake.core.errors.ConfigurationError: Linear has no config.model_type, so no model family can be chosen: apply_model_patches patches Hugging Face models (PreTrainedModel, optionally PEFT-wrapped). For other modules use apply_runtime_patches() alone.
     """  # noqa: E501 - the doctest's expected message is one line
-    if unknown:
-        raise ConfigurationError(
-            f"apply_model_patches() got unknown keyword argument(s) {sorted(unknown)}; valid "
-            f"ones are {list(_OPTION_NAMES)}."
-        )
-    for name, value in (("performance", performance), ("compat", compat)):
-        if not isinstance(value, bool):
-            raise InputTypeError(f"apply_model_patches({name}={value!r}): expected True or False.")
-    if vmap_checkpointing is not None and not isinstance(vmap_checkpointing, bool):
-        raise InputTypeError(
-            f"apply_model_patches(vmap_checkpointing={vmap_checkpointing!r}): expected True, "
-            "False or None."
-        )
+    _check_arguments(unknown, performance, compat, vmap_checkpointing)
     kernels = check_kernels(kernels)
     base = unwrap_model(model)
     model_type = _model_type(base)
@@ -280,28 +271,9 @@ def apply_model_patches(
             )
         family = _family_for(model_type)
         runtime = _runtime(vmap_checkpointing)
-        device_type = _device_type(base)
-        loss_kernel, loss_reason = resolve_loss_kernel(
-            performance=performance,
-            kernels=kernels,
-            fused=fused_linear_cross_entropy,
-            chunked=chunked_linear_cross_entropy,
-            device_type=device_type,
-        )
-        routed = compat and vmap_checkpointing is not False and runtime.vmap_checkpointing
-        options = PatchOptions(
-            family=family.name,
-            model_type=model_type,
-            device_type=device_type,
-            performance=performance,
-            compat=compat,
-            vmap_checkpointing=routed,
-            kernels=kernels,
-            fused_linear_cross_entropy=fused_linear_cross_entropy,
-            chunked_linear_cross_entropy=chunked_linear_cross_entropy,
-            loss_kernel=loss_kernel,
-            loss_kernel_reason=loss_reason or (loss_kernel.reason if loss_kernel else ""),
-        )
+        given = dict(zip(_OPTION_NAMES, key, strict=True))
+        given["kernels"] = kernels  # the frozen mapping, not the key's copy
+        options = _options(base, family.name, model_type, runtime, given)
         patcher = Patcher()
         try:
             parts = _apply(base, family, options, patcher)
@@ -317,7 +289,65 @@ def apply_model_patches(
             **parts,
         )
         _registry.entries[base] = _Entry(report, patcher, key)
+        _log_report(report)
         return report
+
+
+def _check_arguments(
+    unknown: Mapping[str, Any], performance: object, compat: object, vmap_checkpointing: object
+) -> None:
+    if unknown:
+        raise ConfigurationError(
+            f"apply_model_patches() got unknown keyword argument(s) {sorted(unknown)}; valid "
+            f"ones are {list(_OPTION_NAMES)}."
+        )
+    for name, value in (("performance", performance), ("compat", compat)):
+        if not isinstance(value, bool):
+            raise InputTypeError(f"apply_model_patches({name}={value!r}): expected True or False.")
+    if vmap_checkpointing is not None and not isinstance(vmap_checkpointing, bool):
+        raise InputTypeError(
+            f"apply_model_patches(vmap_checkpointing={vmap_checkpointing!r}): expected True, "
+            "False or None."
+        )
+
+
+def _options(
+    base: Any, family: str, model_type: str, runtime: RuntimePatchState, given: dict[str, Any]
+) -> PatchOptions:
+    """The options the family receives, with the loss kernel resolved (``given``: the
+    validated keyword arguments of :func:`apply_model_patches`)."""
+    device_type = _device_type(base)
+    loss_kernel, loss_reason = resolve_loss_kernel(
+        performance=given["performance"],
+        kernels=given["kernels"],
+        fused=given["fused_linear_cross_entropy"],
+        chunked=given["chunked_linear_cross_entropy"],
+        device_type=device_type,
+    )
+    routed = (
+        given["compat"] and given["vmap_checkpointing"] is not False and runtime.vmap_checkpointing
+    )
+    return PatchOptions(
+        family=family,
+        model_type=model_type,
+        device_type=device_type,
+        vmap_checkpointing=routed,
+        loss_kernel=loss_kernel,
+        loss_kernel_reason=loss_reason or (loss_kernel.reason if loss_kernel else ""),
+        **{k: v for k, v in given.items() if k != "vmap_checkpointing"},
+    )
+
+
+def _log_report(report: ModelPatchReport) -> None:
+    """Every automatic choice and fallback of one patching, on the ``opake.patches`` logger."""
+    _log.info(
+        "model type %r: family %r; %d part(s) applied", report.model_type, report.family,
+        len(report.applied),
+    )  # fmt: skip
+    for op, use in report.kernels.items():
+        _log.info("kernel %r: backend %r (%s)", op, use.backend, use.reason)
+    for part, why in report.skipped.items():
+        _log.info("%s not applied: %s", part, why)
 
 
 def _apply(base: Any, family: Any, options: PatchOptions, patcher: Patcher) -> dict[str, Any]:

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from opake.core import ops
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.patches.hf._loss_only import LossKernel
 
 __all__ = ["LCE_OP", "KernelsOption", "PatchOptions", "check_kernels", "resolve_loss_kernel"]
 
 #: the kernel op behind the loss-only forward
-LCE_OP = "linear_cross_entropy"
+LCE_OP = ops.LINEAR_CROSS_ENTROPY
 
 KernelsOption = None | bool | str | Mapping[str, "str | bool | None"]
+_log = logging.getLogger("opake.patches")
+
+
+def _declared(op: str) -> bool:
+    """Whether an installed kernel backend (a plugin's, too) declares *op*."""
+    from opake.core.plugins import kernel_backends
+
+    return any(op in be.ops for be in kernel_backends().values())
 
 
 def check_kernels(kernels: object) -> KernelsOption:
@@ -35,6 +45,11 @@ def check_kernels(kernels: object) -> KernelsOption:
         for op, value in kernels.items():
             if not isinstance(op, str):
                 raise InputTypeError(f"kernels: op names must be strings, got {op!r}.")
+            if op not in ops.MODEL_OPS and not _declared(op):
+                raise ConfigurationError(
+                    f"kernels: unknown op {op!r}; the ops a patched model calls are "
+                    f"{ops.MODEL_OPS} (opake.core.ops), or an op an installed backend declares."
+                )
             if value is not None and not isinstance(value, (bool, str)):
                 raise InputTypeError(
                     f"kernels[{op!r}]={value!r}: expected None/True (automatic), False (off) or "
@@ -200,12 +215,21 @@ def resolve_loss_kernel(
     try:
         choice = select_kernel(LCE_OP, device_type)
     except OperationError as err:
-        return None, f"no kernel backend provides {LCE_OP} on {device_type!r} ({err})"
+        why = f"no kernel backend provides {LCE_OP} on {device_type!r} ({err})"
+        _log.info("loss-only forward off: %s", why)
+        return None, why
     if choice.backend in excluded:
         why = (
             "fused_linear_cross_entropy=False"
             if choice.backend == "triton"
             else (f"chunked_linear_cross_entropy={chunked!r}")
+        )
+        _log.info(
+            "%s on %s: automatic choice %r turned off by %s; the torch reference instead",
+            LCE_OP,
+            device_type,
+            choice.backend,
+            why,
         )
         return _reference(device_type, f"{choice.backend} turned off by {why}"), ""
     return LossKernel(choice.backend, choice.impl, True, choice.reason), ""
