@@ -70,3 +70,29 @@ def test_unknown_canary_kind_is_an_argparse_error(tiny_args, tmp_path, capsys):
         main(_audit_args(tiny_args, tmp_path / "x", "--canaries", "laser"))
     assert exc.value.code == 2
     assert "--canaries" in capsys.readouterr().err
+
+
+def test_audit_steps_through_dptraining_with_fixed_shape_sampling(tiny_args, tmp_path, monkeypatch):
+    """The audited DP step is DPTraining's (one logical step per planned step, the canaries'
+    clipped sum in its pending step before the noise), and fixed-shape sampling over data and
+    canary slots gets a finite claim at the default ε = 8."""
+    from opake.dpsgd.training import DPTraining
+
+    seen = []
+    original = DPTraining.finish_step
+
+    def finish_step(self):
+        seen.append(self.optimizer.pending_batches)
+        return original(self)
+
+    monkeypatch.setattr(DPTraining, "finish_step", finish_step)
+    out = tmp_path / "audit"
+    args = _audit_args(tiny_args, out, "--sampler", "fixed", "--no-plots", "--reproducible")
+    args[args.index("--steps") + 1] = "5"
+    args[args.index("--canary-count") + 1] = "20"
+    assert main(args) == 0
+    data = json.loads((out / "audit.json").read_text())
+    assert seen == [2] * 5  # the data's clipped sum and the canaries', every step
+    assert 0.0 <= data["epsilon_lower_bound"] <= data["claimed_epsilon"] < 8.01
+    assert data["claimed_epsilon"] == pytest.approx(data["planned_epsilon"], rel=1e-2)
+    assert data["randomness"] == "seeded (not private)"

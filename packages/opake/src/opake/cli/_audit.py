@@ -1,8 +1,9 @@
 """``opake audit``: ``opake train``'s pipeline with canaries, and claimed ε vs a measured bound.
 
 The run is ``opake train``'s (same options, defaults, data, model, σ calibration, sampler,
-clipping engine, DP optimizer and accountant) with m canaries, each included with probability
-½ (see :mod:`opake.auditing`):
+clipping engine, DP optimizer and accountant, composed by one
+:class:`~opake.dpsgd.training.DPTraining` as ``opake train`` composes it) with m canaries, each
+included with probability ½ (see :mod:`opake.auditing`):
 
 - ``--canaries gradient`` (default, white-box): canary i is dataset slot N + i; when the
   sampler draws an included canary, its gradient (a unit direction × 100·C) goes through
@@ -23,9 +24,16 @@ import os
 import sys
 import time
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, OpakePrivacyWarning
+
+if TYPE_CHECKING:
+    import torch
+
+    from opake.auditing import AuditResult
+    from opake.cli._plan import RunPlan
 
 __all__ = ["CANARY_KINDS", "register", "run_audit"]
 
@@ -126,6 +134,23 @@ def register(sub: Any) -> None:
     p.set_defaults(run=_run)
 
 
+@dataclass
+class _Canaried:
+    """The training data with the canaries: the included input canaries appended to it, or the
+    gradient canaries' run (the sampler draws dataset slots ``N + i`` for them)."""
+
+    included: Any
+    data: torch.Tensor
+    total: int
+    run: Any = None
+    examples: Any = None
+    before: Any = None
+
+    @property
+    def extra_params(self) -> dict[str, Any]:
+        return {} if self.run is None else dict(self.run.params)
+
+
 def _canary_losses(model: Any, examples: Any, device: Any) -> Any:
     """Per-example mean next-token loss of each row (fp32, CPU)."""
     import torch
@@ -144,24 +169,106 @@ def _canary_losses(model: Any, examples: Any, device: Any) -> Any:
     return torch.cat(out).double()
 
 
-def _make_sampler(total: int, plan: Any, seed: int | None) -> tuple[Any, int | None]:
-    from opake import accounting
-    from opake.dpsgd import sampling
+def _with_canaries(
+    plan: RunPlan, model: Any, options: dict[str, Any], secret: int | None
+) -> _Canaried:
+    """Draw which canaries are in (probability ½ each) and put them into the run."""
+    import torch
 
-    if plan.settings.sampler != "fixed":
-        return sampling.PoissonSampler(total, plan.sample_rate, seed=seed), None
-    max_batch = accounting.max_batch_size_for(
-        dataset_size=total,
-        sample_rate=plan.sample_rate,
-        steps=plan.steps,
-        truncation_budget=plan.delta / 1000,
+    from opake.auditing import GradientCanaries, draw_inclusion, random_token_canaries
+    from opake.cli._plan import _encode
+
+    s = plan.settings
+    included = draw_inclusion(options["count"], seed=None if secret is None else secret + 1)
+    data = plan.train
+    if options["kind"] == "input":
+        _, _, vocab = _encode(plan.tokenizer)
+        canaries = random_token_canaries(
+            options["count"], length=s.block_size, vocab_size=vocab, seed=secret
+        )
+        before = _canary_losses(model, canaries.examples, plan.device)
+        data = torch.cat([data, canaries.included_examples(included)])
+        return _Canaried(
+            included, data, int(data.shape[0]), examples=canaries.examples, before=before
+        )
+    run = GradientCanaries(options["count"], kind=options["direction"]).run(
+        included, dataset_size=int(data.shape[0]), clipping_norm=s.clip, device=plan.device
     )
-    max_batch = min(max_batch, total)
-    sampler = sampling.FixedShapePoissonSampler(total, plan.sample_rate, max_batch, seed=seed)
-    return sampler, max_batch
+    return _Canaried(included, data, run.total_size, run=run)
 
 
-def _replay(total: int, plan: Any, max_batch: int | None) -> list[list[int]]:
+def _max_batch(plan: RunPlan, total: int) -> int | None:
+    """``B_max`` of fixed-shape sampling over the data and canary slots (as ``opake train``
+    chooses it for the data alone); ``None`` for Poisson sampling."""
+    from opake import accounting
+
+    if plan.max_batch_size is None:
+        return None
+    budget = accounting.truncation_budget_for(plan.delta, plan.settings.target_epsilon)
+    max_batch = accounting.max_batch_size_for(
+        dataset_size=total, sample_rate=plan.sample_rate, steps=plan.steps, truncation_budget=budget
+    )
+    return min(max_batch, total)
+
+
+def _dp_training(
+    plan: RunPlan, model: Any, patch_report: Any, canaried: _Canaried, secret: int | None
+) -> tuple[Any, torch.optim.Optimizer, frozenset[str]]:
+    """``opake train``'s DP step (one :class:`~opake.dpsgd.training.DPTraining`) over the data
+    and canary slots: the model's per-example loss, clipping engine, microbatch, optimizer,
+    accountant and sampler. The audit parameter of gradient canaries is in the DP optimizer
+    (noised and stepped with the rest) but not in the gradient function: its clipped sum is
+    accumulated into ``training.optimizer`` next to the data's."""
+    from opake.auditing import CANARY_PARAMETER
+    from opake.cli._setup import (
+        _autocast_factory,
+        _zero_partner_lora_a,
+        forward_options,
+        inner_optimizer,
+        per_example_loss,
+    )
+    from opake.cli._trainer import _microbatch
+    from opake.dpsgd.training import DPTraining
+    from opake.functional import make_functional
+
+    s = plan.settings
+    fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
+    autocast = _autocast_factory(s.precision, plan.device)
+    loss = per_example_loss(plan, fmodel, forward_options(patch_report), autocast)
+    randomness = "different" if plan.dropout else "error"
+    microbatch, _ = _microbatch(
+        plan, loss, (trainable, frozen), device=plan.device, world_size=1, randomness=randomness
+    )
+    inner = inner_optimizer(plan, model)
+    extra = canaried.extra_params
+    if extra:  # the audit parameter: same optimizer settings, stepped with the model
+        inner.add_param_group({"params": list(extra.values())})
+    max_batch = _max_batch(plan, canaried.total)
+    training = DPTraining(
+        loss,
+        inner,
+        trainable,
+        args=(frozen,),
+        module={**trainable, **extra},  # every tensor the DP optimizer noises and steps
+        dataset_size=canaried.total,
+        sample_rate=plan.sample_rate,
+        noise_multiplier=plan.noise_multiplier,
+        delta=plan.delta,
+        clipping_norm=s.clip,
+        engine=plan.engine,
+        microbatch_size=microbatch,
+        randomness=randomness,
+        accountant=s.accountant,
+        accountant_options=plan.accountant_options,
+        sampler="poisson" if max_batch is None else "fixed",
+        max_batch_size=max_batch,
+        seed=secret,
+    )
+    expected_zero = _zero_partner_lora_a(trainable) | ({CANARY_PARAMETER} if extra else set())
+    return training, inner, frozenset(expected_zero)
+
+
+def _replay(total: int, plan: RunPlan, max_batch: int | None) -> list[list[int]]:
     """The batches of the run's sampler class rebuilt with the public replay seed."""
     from opake.auditing import REPLAY_SEED
     from opake.dpsgd import sampling
@@ -178,184 +285,95 @@ def _replay(total: int, plan: Any, max_batch: int | None) -> list[list[int]]:
     return out[: plan.steps]
 
 
-def _grad_fn(
-    plan: Any, fmodel: Any, trainable: Any, frozen: Any, device: Any, *, loss_only: bool
-) -> tuple[Any, Any]:
-    """The data's clipped-gradient function, built as ``opake train`` builds it (the patched
-    loss-only forward where the model family's kernels provide it)."""
+def _train(
+    plan: RunPlan,
+    training: Any,
+    inner: torch.optim.Optimizer,
+    canaried: _Canaried,
+    expected_zero: frozenset[str],
+) -> None:
+    """``plan.steps`` logical DP steps with ``opake train``'s learning-rate schedule; the drawn
+    included gradient canaries' clipped sum joins each step's sum before the noise."""
     import torch
 
-    from opake.cli._trainer import _autocast_factory, _tune_microbatch
-    from opake.dpsgd.bookkeeping import BatchedLoss, causal_lm_losses
-    from opake.dpsgd.clipping import clipped_grad
-    from opake.dpsgd.optimizer import autocast_loss
+    from opake.cli._progress import make_progress
+    from opake.cli._setup import _reemit
+    from opake.cli._trainer import _lr_at
 
     s = plan.settings
-    autocast = _autocast_factory(s.precision, device)
+    run, data = canaried.run, canaried.data
+    n_data = int(data.shape[0])
+    names = tuple(training.optimizer.param_names)
+    warmup = s.warmup if s.warmup is not None else max(1, round(0.05 * plan.steps))
+    bar = make_progress(plan.steps, desc="opake audit", enabled=s.progress)
+    batches = training.batches()
+    for step in range(plan.steps):
+        for group in inner.param_groups:
+            group["lr"] = _lr_at(step, steps=plan.steps, peak=s.lr, warmup=warmup)
+        indices, ids = [int(i) for i in next(batches)], []
+        if run is not None:
+            indices, ids = run.split(indices)
+        # the data's examples (fixed-shape padding and canary slots are not data)
+        real = torch.as_tensor([i for i in indices if 0 <= i < n_data], dtype=torch.long)
+        training.accumulate(data[real].to(plan.device))
+        if run is not None:  # always, even with no canary drawn: a zero sum with sensitivity C
+            training.optimizer.accumulate(run.clipped_sum(ids))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", OpakePrivacyWarning)
+            training.finish_step()
+        # expected on the first step: no gradient yet for LoRA A matrices whose B is zero, nor
+        # for the audit parameter when no included canary was drawn
+        _reemit(caught, expected_zero, names)
+        if run is not None:
+            run.observe(expected_batch_size=training.expected_batch_size)
+        bar.set_postfix_str(f"ε {training.epsilon():.2f}", refresh=False)
+        bar.update(1)
+    bar.close()
 
-    extra = {"loss_only": True} if loss_only else {}
 
-    def loss_fn(trainable: Any, frozen: Any, x: torch.Tensor) -> torch.Tensor:
-        ids = x.unsqueeze(0)
-        params = (trainable, frozen)
-        return fmodel(params, input_ids=ids, labels=ids, use_cache=False, **extra).loss
-
-    def batch_losses(trainable: Any, frozen: Any, x: torch.Tensor) -> torch.Tensor:
-        with autocast():
-            params = (trainable, frozen)
-            if loss_only:
-                out = fmodel(
-                    params, input_ids=x, labels=x, per_example_loss=True, use_cache=False, **extra
-                )
-                return out.loss.float()  # type: ignore[no-any-return]
-            out = fmodel(params, input_ids=x, use_cache=False)
-            return causal_lm_losses(out.logits, x)
-
-    per_example: Any = loss_fn
-    if plan.engine == "vmap":
-        if s.precision != "fp32":
-            dtype = torch.bfloat16 if s.precision == "bf16" else torch.float16
-            per_example = autocast_loss(loss_fn, dtype, argnums=0)
-    else:
-        per_example = BatchedLoss(batch_losses, fmodel)
-
-    def make(microbatch: int | None) -> Any:
-        return clipped_grad(
-            per_example,
-            argnums=0,
-            clipping_norm=s.clip,
-            batch_argnums=2,
-            microbatch_size=microbatch,
-            method=plan.engine,
+def _scores(plan: RunPlan, model: Any, canaried: _Canaried) -> Any:
+    """Gradient canaries: the noisy sums along each direction (every attack); input canaries:
+    the loss reduction from the initial model."""
+    if canaried.run is not None:
+        return canaried.run.scores(
+            _replay(canaried.total, plan, _max_batch(plan, canaried.total)),
+            noise_multiplier=plan.noise_multiplier,
+            sample_rate=plan.sample_rate,
         )
-
-    if s.microbatch == "auto":
-        microbatch, _ = _tune_microbatch(make, (trainable, frozen), plan, device, 1)
-        return make(microbatch)
-    return make(s.microbatch if isinstance(s.microbatch, int) else None)
-
-
-def _optimizer(s: Any, params: list[Any]) -> Any:
-    import torch
-
-    if s.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=s.lr, momentum=0.9, weight_decay=s.weight_decay)
-    if s.optimizer == "adam":
-        return torch.optim.Adam(params, lr=s.lr, weight_decay=s.weight_decay)
-    return torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
+    after = _canary_losses(model, canaried.examples, plan.device)
+    return {"loss_reduction": canaried.before - after}
 
 
 def run_audit(
-    plan: Any,
+    plan: RunPlan,
     *,
     kind: str = "gradient",
     count: int = 1000,
     direction: str = "dirac",
     confidence: float = 0.95,
-) -> Any:
+) -> AuditResult:
     """Train as ``plan`` says, with ``count`` canaries of ``kind``; return the ``AuditResult``."""
     import torch
 
-    from opake import accounting
-    from opake.auditing import (
-        CANARY_PARAMETER,
-        GradientCanaries,
-        draw_inclusion,
-        one_run_audit,
-        random_token_canaries,
-    )
-    from opake.cli._progress import make_progress
-    from opake.cli._trainer import _build_model, _encode, _lr_at, _reemit, _zero_partner_lora_a
-    from opake.dpsgd.optimizer import DPOptimizer
-    from opake.functional import make_functional
+    from opake.auditing import one_run_audit
+    from opake.cli._checks import disable_dropout
+    from opake.cli._setup import _build_model
 
     s = plan.settings
     started = time.perf_counter()
-    reproducible = bool(getattr(s, "reproducible", False))
-    secret = s.seed if reproducible else None  # secure by default: OS entropy, never stored
-    device = plan.device
+    secret = s.seed if s.reproducible else None  # secure by default: OS entropy, never stored
     torch.manual_seed(s.seed)
-    _, model, patch_report = _build_model(plan, device)
-    loss_only = patch_report is not None and "linear_cross_entropy" in patch_report.kernels
-    fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
-    included = draw_inclusion(count, seed=None if secret is None else secret + 1)
-    data = plan.train
-    run = None
-    before = None
-    if kind == "input":
-        _, _, vocab = _encode(plan.tokenizer)
-        canaries: Any = random_token_canaries(
-            count, length=s.block_size, vocab_size=vocab, seed=None if secret is None else secret
-        )
-        before = _canary_losses(model, canaries.examples, device)
-        data = torch.cat([data, canaries.included_examples(included)])
-        total = int(data.shape[0])
-    else:
-        canaries = GradientCanaries(count, kind=direction)
-        run = canaries.run(
-            included, dataset_size=int(data.shape[0]), clipping_norm=s.clip, device=device
-        )
-        total = run.total_size
-    grad_fn, clip_state = _grad_fn(plan, fmodel, trainable, frozen, device, loss_only=loss_only)
-    sampler, max_batch = _make_sampler(total, plan, secret)
-    params = {**trainable, **(run.params if run is not None else {})}
-    expected_zero = _zero_partner_lora_a(trainable) | {CANARY_PARAMETER}
-    inner = _optimizer(s, list(params.values()))
-    accountant = accounting.make_accountant(s.accountant, **plan.accountant_options)
-    dp_opt = DPOptimizer(
-        inner,
-        params,
-        noise_multiplier=plan.noise_multiplier,
-        sampler=sampler,
-        accountant=accountant,
-        delta=plan.delta,
-        seed=secret,
-    )
-    warmup = s.warmup if s.warmup is not None else max(1, round(0.05 * plan.steps))
-    bar = make_progress(plan.steps, desc="opake audit", enabled=s.progress)
-    stream = iter(())
-    n_data = int(data.shape[0])
-    for step in range(plan.steps):
-        for group in inner.param_groups:
-            group["lr"] = _lr_at(step, steps=plan.steps, peak=s.lr, warmup=warmup)
-        batch = next(stream, None)
-        if batch is None:
-            stream = iter(sampler)
-            batch = next(stream)
-        indices = [int(i) for i in batch]
-        ids: list[int] = []
-        if run is not None:
-            indices, ids = run.split(indices)
-        real = torch.as_tensor([i for i in indices if 0 <= i < n_data], dtype=torch.long)
-        grads, clip_state = grad_fn(trainable, frozen, data[real].to(device), state=clip_state)
-        dp_opt.accumulate(grads)
-        if run is not None:
-            dp_opt.accumulate(run.clipped_sum(ids))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", OpakePrivacyWarning)
-            report = dp_opt.step()
-        # expected on the first step: no gradient yet for LoRA A matrices whose B is zero, nor
-        # for the audit parameter when no included canary was drawn
-        _reemit(caught, expected_zero, params)
-        if run is not None:
-            run.observe(expected_batch_size=dp_opt.expected_batch_size)
-        bar.set_postfix_str(f"ε {report.epsilon:.2f}", refresh=False)
-        bar.update(1)
-    bar.close()
-    if run is not None:
-        scores: Any = run.scores(
-            _replay(total, plan, max_batch),
-            noise_multiplier=plan.noise_multiplier,
-            sample_rate=plan.sample_rate,
-        )
-    else:
-        assert before is not None
-        scores = {"loss_reduction": (before - _canary_losses(model, canaries.examples, device))}
-    claimed = float(accountant.get_epsilon(plan.delta))
+    _, model, patch_report = _build_model(plan, plan.device)
+    if not s.dropout:
+        disable_dropout(model)
+    options = {"kind": kind, "count": count, "direction": direction}
+    canaried = _with_canaries(plan, model, options, secret)
+    training, inner, expected_zero = _dp_training(plan, model, patch_report, canaried, secret)
+    _train(plan, training, inner, canaried, expected_zero)
     result = one_run_audit(
-        scores,
-        included,
-        claimed_epsilon=claimed,
+        _scores(plan, model, canaried),
+        canaried.included,
+        claimed_epsilon=training.epsilon(),
         delta=plan.delta,
         confidence=confidence,
         kind=kind,
@@ -368,8 +386,8 @@ def run_audit(
             "steps": plan.steps,
             "dataset_size": plan.dataset_size,
             "canary_direction": direction if kind == "gradient" else None,
-            "canaries_included": int(included.sum()),
-            "randomness": "seeded (not private)" if reproducible else "secure",
+            "canaries_included": int(canaried.included.sum()),
+            "randomness": plan.randomness,
             "wall_time_sec": time.perf_counter() - started,
             "cpu_count": os.cpu_count(),
             "settings": s.to_dict(),
