@@ -29,6 +29,7 @@ from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.transformers._args import DPTrainingArguments
 from opake.transformers._collate import DPDataCollator, PoissonBatches
 from opake.transformers._losses import detect_task, has_dropout, per_example_losses
+from opake.transformers._refusals import check_arguments, check_model
 
 if TYPE_CHECKING:
     from opake.dpsgd.training import DPTraining
@@ -100,80 +101,6 @@ class _PrivacyBudget(TrainerCallback):
         return control
 
 
-_REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("fp16", lambda a: bool(a.fp16), "fp16 needs a per-example loss scale; use bf16=True"),
-    (
-        "max_grad_norm",
-        lambda a: bool(a.max_grad_norm),
-        (
-            "it would clip the noisy average, not each example; per_sample_max_grad_norm is "
-            "the DP clipping (set max_grad_norm=0)"
-        ),
-    ),
-    (
-        "auto_find_batch_size",
-        lambda a: bool(a.auto_find_batch_size),
-        "changing the batch size mid-run changes the sampling rate the accounting assumes",
-    ),
-    (
-        "dataloader_drop_last",
-        lambda a: bool(a.dataloader_drop_last),
-        "DP batches are Poisson samples; dropping examples would change the sampling",
-    ),
-    (
-        "train_sampling_strategy",
-        lambda a: getattr(a, "train_sampling_strategy", "random") != "random",
-        "DPTrainer always draws Poisson batches (the only sampling ε is computed for)",
-    ),
-    (
-        "group_by_length",
-        lambda a: bool(getattr(a, "group_by_length", False)),
-        "DPTrainer always draws Poisson batches (the only sampling ε is computed for)",
-    ),
-    ("deepspeed", lambda a: bool(a.deepspeed), "not supported with per-example clipping"),
-    ("fsdp", lambda a: bool(a.fsdp), "not supported here; use DDP (torchrun)"),
-    ("torch_compile", lambda a: bool(a.torch_compile), "not supported with per-example clipping"),
-    (
-        "neftune_noise_alpha",
-        lambda a: a.neftune_noise_alpha is not None,
-        "its embedding noise hook is not supported under per-example gradients",
-    ),
-    ("n_gpu", lambda a: a.n_gpu > 1, "DataParallel is not supported; launch one process per GPU"),
-)
-
-
-def _refuse_fp16_weights(model: Any) -> None:
-    """Trainable float16 weights: their per-example gradients would need a loss scale that the
-    DP step does not apply (underflow to zero, overflow to inf), so they are refused."""
-    for name, param in model.named_parameters():
-        if param.requires_grad and param.dtype == torch.float16:
-            raise ConfigurationError(
-                f"DPTrainer: trainable parameter {name!r} is float16: per-example fp16 gradients "
-                "need a loss scale that DPTrainer does not apply; keep trainable weights in "
-                "float32 (or bfloat16) and set bf16=True for bf16 compute"
-            )
-
-
-def _checkpointing_kwargs(args: Any) -> None:
-    """Non-reentrant activation checkpointing works (book-keeping); the reentrant path runs
-    layers under ``no_grad`` and is refused. Unset ``use_reentrant`` is set to ``False``."""
-    for flag, kwargs_name in (
-        ("activation_checkpointing", "activation_checkpointing_kwargs"),
-        ("gradient_checkpointing", "gradient_checkpointing_kwargs"),
-    ):
-        if not getattr(args, flag, None):
-            continue
-        options = dict(getattr(args, kwargs_name, None) or {})
-        if options.get("use_reentrant", False):
-            raise ConfigurationError(
-                f"{kwargs_name}={{'use_reentrant': True}}: the reentrant checkpointing path "
-                "recomputes layers under no_grad, which per-example clipping cannot see "
-                "through; drop use_reentrant (DPTrainer sets it to False)"
-            )
-        options["use_reentrant"] = False
-        setattr(args, kwargs_name, options)
-
-
 class DPTrainer(Trainer):
     """``transformers.Trainer`` that trains with DP-SGD (see :mod:`opake.transformers`).
 
@@ -225,12 +152,7 @@ class DPTrainer(Trainer):
             )
         if per_example_loss is not None and not callable(per_example_loss):
             raise InputTypeError(f"per_example_loss={per_example_loss!r}: expected a callable")
-        for name, refused, why in _REFUSED:
-            if refused(training_args):
-                raise ConfigurationError(
-                    f"DPTrainer: {name}={getattr(training_args, name)!r}: {why}"
-                )
-        _checkpointing_kwargs(training_args)
+        check_arguments(training_args)
         self._user_collator = kwargs.pop("data_collator", None)
         super().__init__(**kwargs)
         dataset = self.train_dataset
@@ -241,7 +163,7 @@ class DPTrainer(Trainer):
                 "DPTrainer needs a map-style train_dataset with a length: Poisson sampling "
                 "draws each example independently, which an iterable dataset cannot do"
             )
-        _refuse_fp16_weights(self.model)
+        check_model(self.model)
         self._per_example_loss = per_example_loss
         self._task = "custom" if per_example_loss is not None else detect_task(self.model)
         self._dp: DPTraining | None = None
