@@ -149,6 +149,20 @@ def fake_mps(monkeypatch):
     return fake
 
 
+def test_mps_sampled_peak_is_logged_once(fake_mps, monkeypatch, caplog):
+    monkeypatch.setattr(_devices, "_torch_at_least", lambda major, minor: False)
+    monkeypatch.setattr(_devices, "_LOGGED_ONCE", set())
+    with caplog.at_level("INFO", logger="opake.profiling"):
+        get_memory_stats("mps")
+        get_memory_stats("mps")
+    logged = [r.getMessage() for r in caplog.records if r.name == "opake.profiling"]
+    expected = (
+        "mps: no torch.accelerator memory statistics (torch < 2.13): the peak is sampled at "
+        "entry, marks and exit"
+    )
+    assert logged == [expected]
+
+
 def test_mps_before_2_13_samples_the_peak(fake_mps, monkeypatch):
     monkeypatch.setattr(_devices, "_torch_at_least", lambda major, minor: False)
     with step_perf("mps", batch_size=4) as perf:

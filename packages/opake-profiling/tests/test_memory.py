@@ -91,6 +91,17 @@ def test_cpu_peak_falls_back_to_sampling_when_reset_is_not_permitted(monkeypatch
     assert later.peak_gb == pytest.approx(sampled.allocated_gb, abs=4 * MB)
 
 
+def test_cpu_sampling_fallback_is_logged_once(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(_cpu, "_PROC_CLEAR_REFS", str(tmp_path / "missing" / "clear_refs"))
+    with caplog.at_level("INFO", logger="opake.profiling"):
+        reset_peak_memory("cpu")
+        reset_peak_memory("cpu")
+    logged = [r.getMessage() for r in caplog.records if r.name == "opake.profiling"]
+    assert len(logged) == 1
+    assert logged[0].startswith("cpu: the kernel's peak RSS cannot be reset here")
+    assert "peaks after a reset are sampled" in logged[0]
+
+
 def test_proc_descriptors_retry_transient_failures_and_remember_permanent_ones(
     monkeypatch, tmp_path
 ):

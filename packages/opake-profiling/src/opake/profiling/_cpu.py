@@ -16,7 +16,7 @@ import sys
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from opake.profiling._devices import _Sampled
+from opake.profiling._devices import _log, _Sampled
 
 if TYPE_CHECKING:
     import torch
@@ -203,6 +203,12 @@ class _Cpu(_Sampled):
         ):
             _CPU_PEAK_MODE["mode"] = "proc"
             return
+        if _CPU_PEAK_MODE["mode"] != "sampled":
+            _log.info(
+                "cpu: the kernel's peak RSS cannot be reset here (writing %s failed or there is "
+                "no /proc): peaks after a reset are sampled at entry, marks and exit",
+                _PROC_CLEAR_REFS,
+            )
         _CPU_PEAK_MODE["mode"] = "sampled"
         super().reset_peak()
 

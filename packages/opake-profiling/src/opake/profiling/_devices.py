@@ -7,6 +7,7 @@ figures from ``/proc``) is in :mod:`opake.profiling._cpu`, the factory choosing 
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,17 @@ if TYPE_CHECKING:
     import torch
 
 GIB = float(1024**3)
+
+_log = logging.getLogger("opake.profiling")
+#: automatic choices already logged in this process (each is logged once, not on every read)
+_LOGGED_ONCE: set[str] = set()
+
+
+def _log_once(key: str, message: str, *args: Any) -> None:
+    """Log an automatic choice at INFO on ``opake.profiling`` the first time it is made."""
+    if key not in _LOGGED_ONCE:
+        _LOGGED_ONCE.add(key)
+        _log.info(message, *args)
 
 
 def _gb(value: int | None) -> float | None:
@@ -222,6 +234,13 @@ class _Mps(_Sampled):
             if self.exact
             else "MPS current allocation (peak sampled at entry, marks and exit)"
         )
+        if not self.exact:
+            _log_once(
+                f"sampled:{self.key}",
+                "%s: no torch.accelerator memory statistics (torch < 2.13): the peak is sampled "
+                "at entry, marks and exit",
+                self.key,
+            )
 
     @property
     def peak_exact(self) -> bool:
