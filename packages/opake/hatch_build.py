@@ -36,5 +36,5 @@ class BenchScriptsHook(BuildHookInterface):  # type: ignore[type-arg]
         destination = DESTINATIONS.get(self.target_name)
         if destination is None or version == "editable":
             return
-        for script in sorted(bench_source(Path(self.root)).glob("*.py")):
+        for script in sorted(bench_source(Path(self.root).resolve()).glob("*.py")):
             build_data["force_include"][str(script)] = f"{destination}/{script.name}"
