@@ -137,7 +137,7 @@ def linear_cross_entropy(
         [1.6094379425048828, 1.6094379425048828]
     """
     impl = _impl(ops.LINEAR_CROSS_ENTROPY, "hidden", hidden, backend)
-    return impl(
+    out: torch.Tensor = impl(
         hidden,
         weight,
         labels,
@@ -150,6 +150,7 @@ def linear_cross_entropy(
         label_smoothing=label_smoothing,
         chunk_size=chunk_size,
     )
+    return out
 
 
 def linear_cross_entropy_example_grads(
@@ -241,7 +242,7 @@ def cross_entropy(
     1.3863
     """
     impl = _impl(ops.CROSS_ENTROPY, "logits", logits, backend)
-    return impl(
+    out: torch.Tensor = impl(
         logits,
         labels,
         ignore_index=ignore_index,
@@ -251,6 +252,7 @@ def cross_entropy(
         softcap=softcap,
         label_smoothing=label_smoothing,
     )
+    return out
 
 
 def rms_norm(
@@ -271,7 +273,8 @@ def rms_norm(
     [[1.0, 1.0]]
     """
     impl = _impl(ops.RMS_NORM, "x", x, backend)
-    return impl(x, weight, eps=eps, offset=offset)
+    out: torch.Tensor = impl(x, weight, eps=eps, offset=offset)
+    return out
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
@@ -283,7 +286,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) 
     [0.0, 0.0]
     """
     impl = _impl(ops.SWIGLU, "gate", gate, backend)
-    return impl(gate, up)
+    out: torch.Tensor = impl(gate, up)
+    return out
 
 
 def geglu(
@@ -301,7 +305,8 @@ def geglu(
     [0.0, 0.0]
     """
     impl = _impl(ops.GEGLU, "gate", gate, backend)
-    return impl(gate, up, approximate=approximate)
+    out: torch.Tensor = impl(gate, up, approximate=approximate)
+    return out
 
 
 def rope(
@@ -318,4 +323,5 @@ def rope(
     [[-2.0, 1.0]]
     """
     impl = _impl(ops.ROPE, "x", x, backend)
-    return impl(x, cos, sin)
+    out: torch.Tensor = impl(x, cos, sin)
+    return out

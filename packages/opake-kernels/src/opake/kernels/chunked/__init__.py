@@ -23,10 +23,8 @@ from __future__ import annotations
 
 from opake.kernels.chunked._example_grads import (
     LinearCEExampleGrads,
-    RecordedLinearCE,
     lce_ghost_is_cheaper,
     linear_cross_entropy_example_grads,
-    linear_cross_entropy_recorded,
 )
 from opake.kernels.chunked._ops import (
     cross_entropy,
@@ -36,6 +34,7 @@ from opake.kernels.chunked._ops import (
     rope,
     swiglu,
 )
+from opake.kernels.chunked._recorded import RecordedLinearCE, linear_cross_entropy_recorded
 from opake.kernels.chunked._workspace import (
     WORKSPACE_CAP,
     available_memory,

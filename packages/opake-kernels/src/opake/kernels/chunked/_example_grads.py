@@ -35,10 +35,10 @@ from opake.kernels.chunked._workspace import resolve_chunking
 __all__ = [
     "ROUTES",
     "LinearCEExampleGrads",
-    "RecordedLinearCE",
     "lce_ghost_is_cheaper",
     "linear_cross_entropy_example_grads",
-    "linear_cross_entropy_recorded",
+    "prepare",
+    "token_grads_of",
 ]
 
 Tensor = torch.Tensor
@@ -241,7 +241,8 @@ class LinearCEExampleGrads:
         assert self._token_sq is not None
         wide = torch.float64 if self.hidden.dtype == torch.float64 else _F32
         h_norm = torch.linalg.vector_norm(self.hidden, dim=-1, dtype=wide)
-        return (self._token_sq.double().sqrt() * h_norm.double()).sum(dim=1)
+        norms: Tensor = (self._token_sq.double().sqrt() * h_norm.double()).sum(dim=1)
+        return norms
 
     def example_rows(self, index: int, start: int, stop: int) -> Tensor:
         """Rows ``start:stop`` (vocabulary entries) of example ``index``'s weight gradient,
@@ -475,138 +476,6 @@ def linear_cross_entropy_example_grads(
     )
 
 
-class RecordedLinearCE:
-    """The record of one :func:`linear_cross_entropy_recorded` call.
-
-    After the backward pass, :meth:`example_grads` returns the per-example gradients of the
-    projection whose norms that backward already computed (in the tile pass that formed the
-    hidden states' gradient: no extra pass over the vocabulary).
-    """
-
-    def __init__(
-        self,
-        hidden: Tensor,
-        weight: Tensor,
-        labels: Tensor,
-        *,
-        bias: Tensor | None,
-        spec: LossSpec,
-        tiles: tuple[int, int] | None,
-        route: str,
-    ) -> None:
-        self.hidden = hidden
-        self.weight = weight
-        self.labels = labels
-        self.bias = bias
-        self.spec = spec
-        self.tiles = tiles
-        self.route = route
-        self.lse: Tensor | None = None
-        self.grads: LinearCEExampleGrads | None = None  # set by the backward
-
-    def build(self, token_grads: Tensor) -> LinearCEExampleGrads:
-        """Per-example gradients for these upstream token gradients (fp32, ignored tokens 0)."""
-        return LinearCEExampleGrads(
-            self.hidden,
-            self.weight,
-            self.labels,
-            _token_grads(token_grads, self.labels, self.spec.ignore_index),
-            bias=self.bias,
-            spec=self.spec,
-            tiles=self.tiles,
-            route=self.route,
-            lse=self.lse,
-        )
-
-    def example_grads(self, token_grads: Tensor) -> LinearCEExampleGrads:
-        """The per-example gradients for the upstream gradients ``token_grads`` ``[B, T]``.
-
-        Those the backward built when it ran with these gradients (norms already computed);
-        else (no backward reached the kernel, e.g. frozen hidden states) built now, reusing the
-        forward's log-sum-exps.
-        """
-        grads = self.grads
-        if grads is not None:
-            mine = _token_grads(token_grads, self.labels, self.spec.ignore_index)
-            if torch.equal(mine, grads.token_grads):
-                return grads
-        return self.build(token_grads)
-
-
-class _Recorded(torch.autograd.Function):
-    """Per-token losses; the backward forms the hidden gradient and the example norms."""
-
-    @staticmethod
-    def forward(ctx: Any, hidden: Tensor, record: RecordedLinearCE) -> Tensor:
-        h2 = hidden.reshape(-1, hidden.shape[-1])
-        tok, lse, _ = _cores.lce_forward(
-            h2, record.weight, record.bias, record.labels.reshape(-1), record.spec, record.tiles
-        )
-        record.lse = lse
-        ctx.record = record
-        return tok.view(record.labels.shape)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        record: RecordedLinearCE = ctx.record
-        grads = record.build(grad)
-        hidden_grad = grads.hidden_grad()
-        record.grads = grads
-        return hidden_grad.to(record.hidden.dtype), None
-
-
-def linear_cross_entropy_recorded(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    *,
-    bias: Tensor | None = None,
-    ignore_index: int = -100,
-    logit_scale: float | None = None,
-    logit_divisor: float | None = None,
-    softcap: float | None = None,
-    label_smoothing: float = 0.0,
-    chunk_size: bool | int = True,
-    route: str = "auto",
-) -> tuple[Tensor, RecordedLinearCE]:
-    """Per-token losses ``[B, T]`` differentiable in ``hidden``; the projection's per-example
-    gradients come from the returned record after the backward.
-
-    The book-keeping form of :func:`~opake.kernels.chunked.linear_cross_entropy`
-    (``reduction="none"``): ``weight`` and ``bias`` are constants here (pass them detached; one
-    that requires grad raises, since its gradient would silently be missing). The backward
-    recomputes each logits tile once and forms from it both the hidden states' gradient and
-    each example's squared norm (``record.example_grads(token_grads)``).
-
-    >>> import torch
-    >>> h = torch.randn(2, 3, 4, requires_grad=True)
-    >>> w, y = torch.randn(5, 4), torch.tensor([[0, 1, 2], [3, 4, -100]])
-    >>> losses, record = linear_cross_entropy_recorded(h, w, y, chunk_size=2)
-    >>> losses.sum().backward()
-    >>> record.example_grads(torch.ones(2, 3)).sq_norms()[0].shape
-    torch.Size([2])
-    """
-    hidden, weight, labels, bias, spec, tiles, route = _prepare(
-        hidden,
-        weight,
-        labels,
-        bias,
-        ignore_index=ignore_index,
-        logit_scale=logit_scale,
-        logit_divisor=logit_divisor,
-        softcap=softcap,
-        label_smoothing=label_smoothing,
-        chunk_size=chunk_size,
-        route=route,
-    )
-    for name, value in (("weight", weight), ("bias", bias)):
-        if value is not None and value.requires_grad:
-            raise ConfigurationError(
-                f"linear_cross_entropy_recorded: {name} requires grad, but this loss treats it "
-                f"as a constant (its per-example gradients come from the record); pass "
-                f"{name}.detach(), or use linear_cross_entropy for an ordinary gradient"
-            )
-    record = RecordedLinearCE(
-        hidden.detach(), weight, labels, bias=bias, spec=spec, tiles=tiles, route=route
-    )
-    return _Recorded.apply(hidden, record), record
+#: for :mod:`opake.kernels.chunked._recorded`, which builds the same operator after a backward
+prepare = _prepare
+token_grads_of = _token_grads

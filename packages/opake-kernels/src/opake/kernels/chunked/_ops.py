@@ -18,6 +18,8 @@ from opake.kernels._args import (
     loss_spec,
 )
 from opake.kernels._autograd import (
+    apply,
+    apply_tensor,
     make_ce_function,
     make_lce_function,
     make_pointwise_function,
@@ -133,7 +135,8 @@ def linear_cross_entropy(
     tiles = resolve_chunking(
         chunk_size, hidden.device, h, weight.shape[0], hidden.dtype, tokens=labels.numel()
     )
-    loss = _LCE.apply(
+    loss = apply(
+        _LCE,
         hidden.reshape(-1, h),
         weight,
         bias,
@@ -177,7 +180,7 @@ def cross_entropy(
     )
     v = logits.shape[-1]
     rows = rows_per_chunk(logits.device, v * _TEMPS)
-    loss, _lse = _CE.apply(logits.reshape(-1, v), labels.reshape(-1), spec, rows)
+    loss, _lse = apply(_CE, logits.reshape(-1, v), labels.reshape(-1), spec, rows)
     return finish_loss(loss, reduction, tuple(labels.shape))
 
 
@@ -192,8 +195,9 @@ def rms_norm(
     """
     check_rms_norm_args(x, weight, eps, offset)
     d = x.shape[-1]
-    y, _rstd = _RMS.apply(x.reshape(-1, d), weight, float(eps), float(offset))
-    return y.reshape(x.shape)
+    y, _rstd = apply(_RMS, x.reshape(-1, d), weight, float(eps), float(offset))
+    out: Tensor = y.reshape(x.shape)
+    return out
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -204,7 +208,7 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     [0.0, 0.0]
     """
     check_pointwise_tensors(gate, up)
-    return _GATED.apply(gate, up, "silu")
+    return apply_tensor(_GATED, gate, up, "silu")
 
 
 def geglu(gate: Tensor, up: Tensor, *, approximate: str = "none") -> Tensor:
@@ -216,7 +220,7 @@ def geglu(gate: Tensor, up: Tensor, *, approximate: str = "none") -> Tensor:
     """
     check_pointwise_tensors(gate, up)
     kind = check_approximate(approximate)
-    return _GATED.apply(gate, up, kind)
+    return apply_tensor(_GATED, gate, up, kind)
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -227,4 +231,4 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     [[-2.0, 1.0]]
     """
     check_rope_tensors(x, cos, sin)
-    return _ROPE.apply(x, cos, sin)
+    return apply_tensor(_ROPE, x, cos, sin)

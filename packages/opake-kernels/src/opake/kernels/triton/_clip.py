@@ -35,7 +35,7 @@ _reported: set[str] = set()
 _DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-@triton.jit  # type: ignore[misc]
+@triton.jit  # type: ignore[untyped-decorator]
 def _scale_sum(  # type: ignore[no-untyped-def]
     grad_ptrs,
     sum_ptrs,

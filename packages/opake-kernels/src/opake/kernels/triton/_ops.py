@@ -25,6 +25,8 @@ from opake.kernels._args import (
     loss_spec,
 )
 from opake.kernels._autograd import (
+    apply,
+    apply_tensor,
     make_ce_function,
     make_lce_function,
     make_pointwise_function,
@@ -34,6 +36,7 @@ from opake.kernels._autograd import (
 from opake.kernels._math import token_loss
 from opake.kernels._triton_support import interpreting
 from opake.kernels.triton import _kernels as K
+from opake.kernels.triton import _layer_kernels as LK
 
 __all__ = [
     "LCEBlocks",
@@ -129,7 +132,8 @@ def _vocab_splits(token_blocks: int, vocab_blocks: int, device: torch.device) ->
         target = 2 * token_blocks
     else:
         target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(vocab_blocks, triton.cdiv(target, max(1, token_blocks))))
+    groups: int = triton.cdiv(target, max(1, token_blocks))
+    return max(1, min(vocab_blocks, groups))
 
 
 def _lce_forward(
@@ -279,7 +283,7 @@ def _rms_forward(
         return y, rstd
     x = x.contiguous()
     block = triton.next_power_of_2(d)
-    K.rms_norm_fwd_kernel[(r,)](
+    LK.rms_norm_fwd_kernel[(r,)](
         x, weight.contiguous() if weight is not None else x, y, rstd, d, eps, offset,
         HAS_W=weight is not None, BLOCK_D=block, num_warps=_row_warps(block),
     )  # fmt: skip
@@ -312,7 +316,7 @@ def _rms_backward(
     if r > 0:
         x = x.contiguous()
         block = triton.next_power_of_2(d)
-        K.rms_norm_bwd_kernel[(programs,)](
+        LK.rms_norm_bwd_kernel[(programs,)](
             x, weight.contiguous() if weight is not None else x, rstd.contiguous(),
             gy.contiguous(), gx if gx is not None else x, part if part is not None else rstd,
             r, d, offset, HAS_W=weight is not None, NEED_X=need_x, NEED_W=need_w,
@@ -334,7 +338,7 @@ def _gated_forward(gate: Tensor, up: Tensor, kind: str) -> Tensor:
     numel = gate.numel()
     if numel:
         block = _gated_block()
-        K.gated_fwd_kernel[(triton.cdiv(numel, block),)](
+        LK.gated_fwd_kernel[(triton.cdiv(numel, block),)](
             gate, up, out, numel, KIND=_KIND[kind], BLOCK=block
         )
     return out
@@ -347,7 +351,7 @@ def _gated_backward(gate: Tensor, up: Tensor, g: Tensor, kind: str) -> tuple[Ten
     numel = gate.numel()
     if numel:
         block = _gated_block()
-        K.gated_bwd_kernel[(triton.cdiv(numel, block),)](
+        LK.gated_bwd_kernel[(triton.cdiv(numel, block),)](
             gate, up, g, ga, gu, numel, KIND=_KIND[kind], BLOCK=block
         )
     return ga, gu
@@ -369,7 +373,7 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
     )
     half = d // 2
     block = triton.next_power_of_2(max(1, half))
-    K.rope_kernel[(rows,)](
+    LK.rope_kernel[(rows,)](
         x, cos.reshape(-1, d).contiguous(), sin.reshape(-1, d).contiguous(), row_map, out,
         d, half, BACKWARD=backward, BLOCK=block, num_warps=_row_warps(block),
     )  # fmt: skip
@@ -424,7 +428,7 @@ def linear_cross_entropy(
     )
     h = hidden.shape[-1]
     flat_h, flat_y = hidden.reshape(-1, h), labels.reshape(-1)
-    loss = _LCE.apply(flat_h, weight, bias, flat_y, spec, None, (False, False, False))[0]
+    loss = apply(_LCE, flat_h, weight, bias, flat_y, spec, None, (False, False, False))[0]
     return finish_loss(loss, reduction, tuple(labels.shape))
 
 
@@ -453,7 +457,7 @@ def cross_entropy(
         label_smoothing=label_smoothing,
     )
     v = logits.shape[-1]
-    loss, _lse = _CE.apply(logits.reshape(-1, v), labels.reshape(-1), spec, None)
+    loss, _lse = apply(_CE, logits.reshape(-1, v), labels.reshape(-1), spec, None)
     return finish_loss(loss, reduction, tuple(labels.shape))
 
 
@@ -464,15 +468,16 @@ def rms_norm(
     check_rms_norm_args(x, weight, eps, offset)
     _check_device(x, weight)
     d = x.shape[-1]
-    y, _rstd = _RMS.apply(x.reshape(-1, d), weight, float(eps), float(offset))
-    return y.reshape(x.shape)
+    y, _rstd = apply(_RMS, x.reshape(-1, d), weight, float(eps), float(offset))
+    out: Tensor = y.reshape(x.shape)
+    return out
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """Fused ``silu(gate) * up``; the backward recomputes the activation."""
     check_pointwise_tensors(gate, up)
     _check_device(gate)
-    return _GATED.apply(gate, up, "silu")
+    return apply_tensor(_GATED, gate, up, "silu")
 
 
 def geglu(gate: Tensor, up: Tensor, *, approximate: str = "none") -> Tensor:
@@ -480,7 +485,7 @@ def geglu(gate: Tensor, up: Tensor, *, approximate: str = "none") -> Tensor:
     check_pointwise_tensors(gate, up)
     kind = check_approximate(approximate)
     _check_device(gate)
-    return _GATED.apply(gate, up, kind)
+    return apply_tensor(_GATED, gate, up, kind)
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -488,4 +493,4 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     the broadcast tables)."""
     check_rope_tensors(x, cos, sin)
     _check_device(x, cos, sin)
-    return _ROPE.apply(x, cos, sin)
+    return apply_tensor(_ROPE, x, cos, sin)
