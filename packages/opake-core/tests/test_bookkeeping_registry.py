@@ -184,3 +184,30 @@ def test_wrong_pieces_are_loud(registry, pieces):
     grad_fn, state = clipped_grad(loss, clipping_norm=1.0, method="bookkeeping")
     with pytest.raises(OperationError, match="its rule 'scale' produced"):
         grad_fn(params, torch.randn(2, 3, 4), state=state)
+
+
+def test_auto_falls_back_to_vmap_when_recording_fails_and_logs_why(registry, caplog):
+    import logging
+
+    def refuse(use):
+        raise use.fail("this layer cannot be recorded")
+
+    registry(_Rules(_rule(pieces=refuse)), "refusing")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Scale(4))
+    fmodel, params = make_functional(model)
+    loss = BatchedLoss(lambda p, x: fmodel(p, x).square().sum(dim=(1, 2)), fmodel)
+    x = torch.randn(3, 2, 4)
+    grad_fn, state = clipped_grad(loss, clipping_norm=0.5)
+    with caplog.at_level(logging.INFO, logger="opake.core"):
+        got, _ = grad_fn(params, x, state=state)
+        again, _ = grad_fn(params, x, state=state)
+    assert grad_fn.engine == "vmap"
+    text = " ".join(r.getMessage() for r in caplog.records if r.name == "opake.core")
+    assert "this layer cannot be recorded" in text
+    want, _ = clipped_grad(loss, clipping_norm=0.5, method="vmap")[0](params, x, state=state)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key])
+        torch.testing.assert_close(again[key], want[key])
+    strict, state = clipped_grad(loss, clipping_norm=0.5, method="bookkeeping")
+    with pytest.raises(OperationError, match="cannot be recorded"):
+        strict(params, x, state=state)

@@ -7,9 +7,9 @@ table and the family modules agree.
 
 from __future__ import annotations
 
-from opake.core.plugins import ModelFamily, hookimpl
+from opake.core.plugins import BookkeepingRule, ModelFamily, hookimpl
 
-__all__ = ["FAMILIES", "REQUIRES", "opake_model_families"]
+__all__ = ["FAMILIES", "REQUIRES", "opake_bookkeeping_rules", "opake_model_families"]
 
 #: the transformers versions every first-party adapter targets
 REQUIRES = "transformers>=5.17,<6"
@@ -52,3 +52,11 @@ def opake_model_families() -> list[ModelFamily]:
         ModelFamily(name, model_types, apply=f"opake.models.{name}:apply", requires=REQUIRES)
         for name, model_types in FAMILIES.items()
     ]
+
+
+@hookimpl
+def opake_bookkeeping_rules() -> list[BookkeepingRule]:
+    """Book-keeping rules for the families' own layers (their callables imported when used)."""
+    from opake.models._norm_rule import RULE as FAMILY_NORM
+
+    return [FAMILY_NORM]

@@ -21,7 +21,8 @@ class BookkeepingChunk:
 
     ``leaf_sq`` are the computed squared norms (reported); ``clip_sq`` bound the squared norm
     of what each example adds to each leaf (clip with these, see :mod:`._bk_certify`);
-    ``exact`` marks the (example, leaf) pairs that take the exact route.
+    ``exact`` marks the (example, leaf) pairs that take the exact route; ``span`` is the scale
+    of every fp32 rounding error in an example's leaf (``Σ_t ‖a_t‖‖b_t‖``).
     """
 
     loss: torch.Tensor
@@ -30,6 +31,7 @@ class BookkeepingChunk:
     pieces: dict[str, list[Piece]] = field(default_factory=dict)
     clip_sq: torch.Tensor | None = None  # [m, leaves] float64; None: leaf_sq
     exact: torch.Tensor | None = None  # [m, leaves] bool; None: no exact route
+    span: torch.Tensor | None = None  # [m, leaves] float64 Σ_t ‖a_t‖‖b_t‖: the rounding scale
 
     def weighted(
         self,

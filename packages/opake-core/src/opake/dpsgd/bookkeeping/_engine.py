@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, OperationError
-from opake.dpsgd.bookkeeping._certify import bounds, exact_sq_norm, full_precision
+from opake.dpsgd.bookkeeping._certify import GAMMA, bounds, exact_sq_norm, full_precision
 from opake.dpsgd.bookkeeping._chunk import BookkeepingChunk
 from opake.dpsgd.bookkeeping._loss import BatchedLoss
 from opake.dpsgd.bookkeeping._plan import BookkeepingPlan, bookkeeping_plan
@@ -42,6 +42,7 @@ __all__ = [
     "BookkeepingMismatchError",
     "BookkeepingPlan",
     "BookkeepingRunner",
+    "BookkeepingUnsupportedError",
     "ImplicitUse",
     "LayerRule",
     "bookkeeping_plan",
@@ -252,16 +253,16 @@ class BookkeepingRunner:
             empty = torch.zeros(batch, 0, dtype=torch.float64, device=device)
             return BookkeepingChunk(losses, empty, aux, pieces, empty, None)
         leaf_sq = torch.stack(columns, dim=1)
-        clip_sq, exact = bounds(leaf_sq, torch.stack(spans, dim=1))
-        if bool(exact.any()):  # strong cancellation: measure those examples exactly
-            with full_precision():
-                for i, j in exact.nonzero().tolist():
-                    value = exact_sq_norm(pieces[names[j]], i, tuple(diff[names[j]].shape))
-                    leaf_sq[i, j] = value
-                    clip_sq[i, j] = value
-        else:
-            exact = None
-        return BookkeepingChunk(losses, leaf_sq, aux, pieces, clip_sq, exact)
+        span = torch.stack(spans, dim=1)
+        clip_sq, exact = bounds(leaf_sq, span)
+        if not bool(exact.any()):
+            return BookkeepingChunk(losses, leaf_sq, aux, pieces, clip_sq, None, span)
+        with full_precision():  # strong cancellation: measure those examples exactly
+            for i, j in exact.nonzero().tolist():
+                value = exact_sq_norm(pieces[names[j]], i, tuple(diff[names[j]].shape))
+                leaf_sq[i, j] = value
+                clip_sq[i, j] = value
+        return BookkeepingChunk(losses, leaf_sq, aux, pieces, clip_sq, exact, span)
 
     def structure(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """What a passed check covers: the differentiated names and dtypes, the batched
@@ -293,9 +294,17 @@ class BookkeepingRunner:
         Due: on every structure not yet verified (:meth:`structure`), and every
         ``RECHECK_EVERY`` calls. Raises :class:`BookkeepingMismatchError` (book-keeping is then
         off for good) or :class:`BookkeepingInconclusiveError` (no example could be compared:
-        this call must not use the unchecked result).
+        this call must not use the unchecked result). An :class:`OperationError` while
+        recording (a layer its rule cannot handle) turns book-keeping off for good and is
+        re-raised as :class:`BookkeepingUnsupportedError` (a mismatch: ``"auto"`` falls back).
         """
-        chunk = self.run(args, batch)
+        try:
+            chunk = self.run(args, batch)
+        except (BookkeepingMismatchError, BookkeepingInconclusiveError):
+            raise
+        except OperationError as err:
+            self.disabled = f"recording failed ({err})"
+            raise BookkeepingUnsupportedError(str(err)) from err
         if not check or batch == 0:
             return chunk
         self._calls += 1
@@ -313,7 +322,7 @@ class BookkeepingRunner:
                 "book-keeping check inconclusive: no example of this batch has a finite, "
                 "non-zero gradient to compare with per-example autograd"
             )
-        mismatch = self.verify(per_example, args, chunk.leaf_sq, index)
+        mismatch = self.verify(per_example, args, chunk.leaf_sq, index, chunk.span)
         if mismatch == _INCONCLUSIVE:
             raise BookkeepingInconclusiveError(
                 f"book-keeping check inconclusive: per-example autograd of example {index} "
@@ -336,12 +345,16 @@ class BookkeepingRunner:
         args: tuple[Any, ...],
         leaf_sq: torch.Tensor,
         index: int = 0,
+        span: torch.Tensor | None = None,
     ) -> str | None:
         """Compare example ``index``'s per-leaf norms with plain autograd on it alone.
 
         Guards against what no rule can see: a loss that mixes examples, a model that moves
         the batch dimension, a parameter read outside its layer. Returns the mismatch, ``None``
         if every leaf agrees, or ``"inconclusive"`` when autograd's norm is not finite.
+        ``span`` (the chunk's rounding scales) widens each leaf's tolerance by the fp32
+        rounding both sides may carry where the example's tokens cancel (plain autograd sums
+        them in fp32 too).
         """
         import torch
         from torch.utils._pytree import tree_map
@@ -369,8 +382,10 @@ class BookkeepingRunner:
         )
         tol = 5e-2 if low else 1e-4
         scale = math.sqrt(sum(want))
+        rounding = [0.0] * len(want) if span is None else span[index].double().cpu().tolist()
+        slack = iter(GAMMA * s if math.isfinite(s) else 0.0 for s in rounding)
         for name, w, h in zip(diff, want, have, strict=True):
-            if abs(math.sqrt(h) - math.sqrt(w)) > tol * max(scale, 1e-12):
+            if abs(math.sqrt(h) - math.sqrt(w)) > tol * max(scale, 1e-12) + next(slack):
                 return (
                     f"example {index}, {name!r}: book-keeping norm {math.sqrt(h):.6g}, "
                     f"per-example autograd norm {math.sqrt(w):.6g}"
@@ -384,6 +399,11 @@ class BookkeepingMismatchError(OperationError):
 
 class BookkeepingInconclusiveError(OperationError):
     """The check could not compare any example: the call falls back to the vmap engine."""
+
+
+class BookkeepingUnsupportedError(BookkeepingMismatchError):
+    """Recording failed on a layer its rule cannot handle: book-keeping is off for this
+    ``clipped_grad`` (``"auto"`` falls back to the vmap engine, ``"bookkeeping"`` raises)."""
 
 
 #: calls between two checks of an already verified structure

@@ -338,7 +338,8 @@ def _token_norms(x: torch.Tensor) -> torch.Tensor:
     import torch
 
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return torch.linalg.vector_norm(x, dim=-1, dtype=dtype).double()
+    norms: torch.Tensor = torch.linalg.vector_norm(x, dim=-1, dtype=dtype)
+    return norms.double()
 
 
 def abs_norm(piece: Piece) -> torch.Tensor:
