@@ -203,7 +203,7 @@ def per_example_lm_loss(
         **transform,
     }
     if use is None and (labels.dim() <= 1 or labels.shape[0] == 1):
-        loss = kernel.impl(hidden, weight, labels, reduction="mean", **common)
+        loss: torch.Tensor = kernel.impl(hidden, weight, labels, reduction="mean", **common)
         return loss.reshape(1) if per_example and labels.dim() > 1 else loss
     if use is not None and (hidden.dim() != 3 or labels.dim() != 2):
         raise OperationError(
@@ -218,7 +218,7 @@ def per_example_lm_loss(
         per_token = use.tap(per_token, functools.partial(_head_grads, record, tuple(use.params)))
     per_token = per_token.reshape(labels.shape[0], -1).float()
     counts = (labels != ignore_index).reshape(labels.shape[0], -1).sum(-1).clamp_min(1)
-    losses = per_token.sum(-1) / counts
+    losses: torch.Tensor = per_token.sum(-1) / counts
     return losses if per_example else losses.mean().to(per_token.dtype)
 
 

@@ -77,7 +77,8 @@ def _model_dtype(model: Any) -> torch.dtype:
 
     for p in model.parameters():
         if p.is_floating_point():
-            return p.dtype
+            dtype: torch.dtype = p.dtype
+            return dtype
     return torch.get_default_dtype()
 
 

@@ -271,7 +271,7 @@ def apply_model_patches(
             )
         family = _family_for(model_type)
         runtime = _runtime(vmap_checkpointing)
-        given = dict(zip(_OPTION_NAMES, key, strict=True))
+        given: dict[str, Any] = dict(zip(_OPTION_NAMES, key, strict=True))
         given["kernels"] = kernels  # the frozen mapping, not the key's copy
         options = _options(base, family.name, model_type, runtime, given)
         patcher = Patcher()

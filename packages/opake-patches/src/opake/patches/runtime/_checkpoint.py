@@ -283,7 +283,7 @@ def _function_class() -> type:
         generate_vmap_rule = True
 
         @staticmethod
-        def forward(region: _Region, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        def forward(region: _Region, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override, unused-ignore]
             out = region.lifted.call(tensors)
             flat = region.flatten(out, record=True)
             # an output that *is* an input would alias a saved tensor: return a copy instead
@@ -297,7 +297,7 @@ def _function_class() -> type:
             ctx.save_for_backward(*region.pack(inputs[1:]))
 
         @staticmethod
-        def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override, unused-ignore]
             region: _Region = ctx.region
             tensors = region.unpack(ctx.saved_tensors)
             return (None, *region.backward(ctx.needs_input_grad[1:], tensors, grads))

@@ -80,7 +80,7 @@ def current_offload() -> OffloadPolicy | None:
 def make_patched_save_on_cpu(stock: type) -> type:
     """Build the drop-in subclass of the stock ``save_on_cpu`` class."""
 
-    class save_on_cpu(stock):  # type: ignore[misc, valid-type]  # noqa: N801 - torch's name
+    class save_on_cpu(stock):  # type: ignore[misc, valid-type, unused-ignore]  # noqa: N801 - torch's name
         __doc__ = stock.__doc__
         __module__ = stock.__module__
         __qualname__ = stock.__qualname__
