@@ -15,6 +15,11 @@ the non-private step are taken within each round).
 - ``opake-bk``: the same with the book-keeping engine (``clipped_grad(method="bookkeeping")``
   over a ``BatchedLoss``: one batched forward/backward, per-example norms from the recorded
   activations and output gradients, no per-example gradient).
+- ``opake-user``: the path the guides document, as a user runs it: ``apply_model_patches(model,
+  chunked_linear_cross_entropy=True)``, a ``BatchedLoss`` over the loss-only head
+  (``loss_only=True, per_example_loss=True``) that closes over the frozen weights, and
+  ``clipped_grad(method="auto")``; ``opake-user-vmap`` / ``opake-user-bk`` force each engine
+  on that path (what ``auto`` should choose is the faster of the two).
 - ``opacus-hooks`` / ``opacus-ghost``: Opacus ``GradSampleModule`` (per-sample gradient hooks)
   and ghost clipping, if ``import opacus`` works in ``--opacus-python`` (default: this
   interpreter); skipped with a note otherwise.
@@ -64,7 +69,18 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("full", "lora")
-METHODS = ("nonprivate", "opake", "opake-bk", "opacus-hooks", "opacus-ghost")
+METHODS = (
+    "nonprivate",
+    "opake",
+    "opake-bk",
+    "opake-user",
+    "opake-user-vmap",
+    "opake-user-bk",
+    "opacus-hooks",
+    "opacus-ghost",
+)
+# the documented user path with each engine forced (to measure what "auto" should choose)
+USER_ENGINES = {"opake-user": "auto", "opake-user-vmap": "vmap", "opake-user-bk": "bookkeeping"}
 ENGINES = ("vmap-grad", "vmap-vjp", "expand-autograd", "loop")
 CONFIG = {
     "hidden_size": 256,
@@ -193,6 +209,61 @@ def _opake(
 
     def clipped() -> dict[str, Any]:
         return dict(grad_fn(trainable, frozen, ids, ids, state=state["clip"])[0])
+
+    return step, clipped
+
+
+def _opake_user(
+    model: Any, ids: Any, args: argparse.Namespace, work: Workload, engine: str
+) -> tuple[Callable[[], None], Clipped]:
+    """The documented path: patched model, loss-only ``BatchedLoss`` closing over the frozen
+    weights, ``clipped_grad(method=engine)``, then ``DPOptimizer``."""
+    import torch
+
+    from opake.dpsgd.bookkeeping import BatchedLoss
+    from opake.dpsgd.clipping import clipped_grad
+    from opake.dpsgd.optimizer import DPOptimizer
+    from opake.functional import make_functional
+    from opake.patches import apply_model_patches
+
+    apply_model_patches(model, chunked_linear_cross_entropy=True)
+    fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
+
+    def losses(p: Any, input_ids: Any) -> Any:  # [B]: no logits, frozen weights closed over
+        out = fmodel(
+            (p, frozen),
+            input_ids=input_ids,
+            labels=input_ids,
+            loss_only=True,
+            per_example_loss=True,
+            use_cache=False,
+        )
+        return out.loss
+
+    grad_fn, clip_state = clipped_grad(
+        BatchedLoss(losses, fmodel),
+        clipping_norm=work.clip,
+        batch_argnums=1,
+        microbatch_size=args.microbatch_size,
+        method=engine,
+    )
+    opt = DPOptimizer(
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR),
+        trainable,
+        noise_multiplier=SIGMA,
+        expected_batch_size=float(work.batch),
+        seed=0,
+        unused_params="warn",
+    )
+    state = {"clip": clip_state}
+
+    def step() -> None:
+        grads, state["clip"] = grad_fn(trainable, ids, state=state["clip"])
+        opt.accumulate(grads)
+        opt.step()
+
+    def clipped() -> dict[str, Any]:
+        return dict(grad_fn(trainable, ids, state=state["clip"])[0])
 
     return step, clipped
 
@@ -337,6 +408,8 @@ def _method(
         return _opake(model, ids, args, work)
     if method == "opake-bk":
         return _opake(model, ids, args, work, engine="bookkeeping")
+    if method in USER_ENGINES:
+        return _opake_user(model, ids, args, work, USER_ENGINES[method])
     return _opacus(model, ids, args, method == "opacus-ghost", work)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import opake.dpsgd._noise as noise_module
-import opake.dpsgd.clipping._engine as clip_engine
+import opake.dpsgd.clipping._base as clip_engine
 import opake.dpsgd.sampling as sampling
 from opake.auditing import self_test
 from opake.dpsgd.sampling import PoissonSampler

@@ -344,8 +344,8 @@ def test_missing_clipping_norm_raises():
 def test_bad_call_arguments_raise():
     grad_fn, state = clipped_grad(_loss, clipping_norm=1.0)
     w = {"w": torch.zeros(2)}
-    with pytest.raises(InputTypeError, match="wrap a lone tensor"):
-        grad_fn(torch.zeros(2), torch.ones(3, 2), state=state)
+    with pytest.raises(InputTypeError, match="expected a floating-point tensor"):
+        grad_fn({"w": "zeros"}, torch.ones(3, 2), state=state)
     with pytest.raises(InputTypeError, match="floating-point"):
         grad_fn({"w": torch.zeros(2, dtype=torch.int64)}, torch.ones(3, 2), state=state)
     with pytest.raises(ConfigurationError, match="at least 2"):

@@ -21,7 +21,9 @@ in :class:`ClipAux` are not private.
 
 from __future__ import annotations
 
-from opake.dpsgd.clipping._engine import ClippedGradFn, clipped_grad
+from opake.dpsgd.clipping._api import clipped_grad
+from opake.dpsgd.clipping._base import ChunkNorms, ClipFactors
+from opake.dpsgd.clipping._grad_fn import ClippedGradFn
 from opake.dpsgd.clipping._grads import ClipAux, ClippedGrads
 from opake.dpsgd.clipping._state import (
     AdaptiveClipping,
@@ -39,7 +41,9 @@ __all__ = [
     "AdaptiveClipping",
     "AdaptiveNoiseSplit",
     "AutoSClipping",
+    "ChunkNorms",
     "ClipAux",
+    "ClipFactors",
     "ClipState",
     "ClippedGradFn",
     "ClippedGrads",

@@ -1,0 +1,134 @@
+"""The engine protocol (a chunk in → losses, squared norms, aux; then the weighted sum) and the
+per-call record of diagnostics.
+
+An engine turns one chunk of ``m`` examples into a :class:`ChunkOut`; the clip state turns its
+squared norms into factors (:mod:`._base`); the engine then adds the factor-weighted sum of
+the chunk's per-example gradients to the running fp32 sums. Two engines implement it: the vmap
+engine (:mod:`._engine`) and the book-keeping engine (:mod:`._bookkeeping`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from opake.dpsgd.clipping._grads import ClipAux
+
+if TYPE_CHECKING:
+    import torch
+
+    from opake.dpsgd.clipping._base import ClipFactors
+
+__all__ = ["CallRecord", "ChunkEngine", "ChunkOut"]
+
+
+@dataclass(frozen=True)
+class ChunkOut:
+    """What an engine computed for one chunk of ``m`` examples.
+
+    ``loss`` ``[m]``; ``leaf_sq``/``bound_sq`` ``[m, leaves]`` fp64 (reported squared norms and
+    the ones to clip with, see :class:`~._base.ChunkNorms`); ``aux`` what ``loss_fn`` returned
+    next to the loss (``None`` without ``has_aux``); ``payload`` whatever the engine needs for
+    :meth:`ChunkEngine.accumulate` (per-example gradients, book-keeping pieces).
+    """
+
+    loss: torch.Tensor
+    leaf_sq: torch.Tensor
+    bound_sq: torch.Tensor
+    aux: Any
+    payload: Any
+
+
+class ChunkEngine(Protocol):
+    """One way of computing per-example norms and the clipped sum (see the module docstring)."""
+
+    #: ``"vmap"`` or ``"bookkeeping"`` (reported as ``grad_fn.engine``)
+    name: str
+
+    def chunk(self, args: tuple[Any, ...], m: int) -> ChunkOut:
+        """Losses, per-leaf squared norms and aux of the ``m`` examples in ``args``."""
+        ...
+
+    def accumulate(
+        self, out: ChunkOut, factors: ClipFactors, sums: dict[str, torch.Tensor]
+    ) -> None:
+        """``sums[name] += Σ_i factors.leaf_factor[i, j] · g_ij`` for every leaf ``j``."""
+        ...
+
+
+class CallRecord:
+    """Collects the per-chunk diagnostics of one call into a :class:`ClipAux`."""
+
+    def __init__(self, device: torch.device, real_total: torch.Tensor, differentiable: bool):
+        import torch
+
+        self.device = device
+        self.real_total = real_total
+        self.differentiable = differentiable
+        self.losses: list[torch.Tensor] = []
+        self.norms: list[torch.Tensor] = []
+        self.clipped: list[torch.Tensor] = []
+        self.groups: list[torch.Tensor] = []
+        self.aux: list[Any] = []
+        self.scaled = torch.zeros((), dtype=torch.int64, device=device)
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        self.count = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add(
+        self, out: ChunkOut, factors: ClipFactors, is_real: torch.Tensor, has_aux: bool
+    ) -> None:
+        """Record one chunk."""
+        import torch
+
+        f32 = torch.float32
+        total = out.leaf_sq.sum(dim=1).sqrt()
+        finite = torch.isfinite(total) & torch.isfinite(out.bound_sq.sum(dim=1))
+        self.nonfinite = self.nonfinite + (is_real & ~finite).sum()
+        self.scaled = self.scaled + (is_real & factors.shrunk).sum()
+        if factors.count is not None:
+            self.count = self.count + factors.count
+        loss = out.loss if self.differentiable else out.loss.detach()
+        self.losses.append(loss.to(f32))
+        self.norms.append(total.to(f32))
+        self.clipped.append(factors.clipped_norms.to(f32))
+        if factors.group_norms is not None:
+            self.groups.append(factors.group_norms.to(f32))
+        if has_aux:
+            self.aux.append(out.aux)
+
+    def _cat(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        import torch
+
+        if not parts:
+            return torch.zeros(0, dtype=torch.float32, device=self.device)
+        return parts[0] if len(parts) == 1 else torch.cat(list(parts))
+
+    def result(self, group_names: tuple[str, ...] | None) -> ClipAux:
+        """The :class:`ClipAux` of the call."""
+        import torch
+        from torch.utils._pytree import tree_map
+
+        loss_aux: Any = None
+        if self.aux:
+            parts = self.aux
+            loss_aux = parts[0] if len(parts) == 1 else tree_map(lambda *x: torch.cat(x), *parts)
+        real = self.real_total
+        rate = torch.where(real > 0, self.scaled.to(torch.float32) / real.clamp(min=1), 0.0)
+        group_norms = None
+        if group_names is not None:
+            norms = self._cat(self.groups) if self.groups else None
+            group_norms = {
+                g: norms[:, k] if norms is not None else torch.zeros(0, device=self.device)
+                for k, g in enumerate(group_names)
+            }
+        return ClipAux(
+            loss_values=self._cat(self.losses),
+            grad_norms=self._cat(self.norms),
+            clipped_grad_norms=self._cat(self.clipped),
+            clipping_rate=rate.to(torch.float32),
+            batch_size=real,
+            nonfinite_count=self.nonfinite,
+            loss_aux=loss_aux,
+            group_grad_norms=group_norms,
+        )

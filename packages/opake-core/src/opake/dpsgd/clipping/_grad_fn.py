@@ -1,0 +1,412 @@
+"""``grad_fn``: per call, pick the engine, then chunk → factors → accumulate.
+
+The clip state computes the factors (:mod:`._base`), the engine the norms and the weighted sum
+(:mod:`._chunks`); this module only validates the call, picks the engine (logged on
+``opake.core``) and runs the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from opake.core.errors import ConfigurationError, InputTypeError, OpakePrivacyWarning
+from opake.dpsgd.bookkeeping._engine import (
+    BookkeepingInconclusiveError,
+    BookkeepingMismatchError,
+    BookkeepingRunner,
+)
+from opake.dpsgd.bookkeeping._engine import choose as choose_engine
+from opake.dpsgd.clipping import _engine as vmap_engine
+from opake.dpsgd.clipping._base import ChunkNorms, ClipState, GroupSpec
+from opake.dpsgd.clipping._bookkeeping import BookkeepingEngine
+from opake.dpsgd.clipping._chunks import CallRecord, ChunkEngine
+from opake.dpsgd.clipping._grads import ClipAux, ClippedGrads
+from opake.dpsgd.clipping._tree import DiffTree
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ClippedGradFn"]
+
+_log = logging.getLogger("opake.core")
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One ``grad_fn`` call, checked: what every chunk of it needs."""
+
+    args: tuple[Any, ...]  # the differentiated argument replaced by its named leaves
+    tree: DiffTree
+    state: ClipState
+    batch: int
+    groups: tuple[int, ...] | None
+    mask: torch.Tensor | None
+    differentiable: bool
+    small: bool
+
+
+def _outer_transform_differentiates() -> bool:
+    """True when a ``torch.func`` grad/vjp/jvp transform is active around this call."""
+    try:
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    except ImportError:  # pragma: no cover - private API moved: assume the safe default
+        return False
+    keys = {TransformType.Grad, TransformType.Jvp}
+    return any(interp.key() in keys for interp in retrieve_all_functorch_interpreters())
+
+
+class ClippedGradFn:
+    """The ``grad_fn`` returned by :func:`clipped_grad` (see there for the semantics).
+
+    ``grad_fn(*args, state=state)`` → ``(grads, new_state)``, or ``((grads, aux), new_state)``
+    when built with ``return_aux=True``. Keyword-only extras:
+
+    - ``end_step`` (default ``True``): close the logical step (adaptive clipping updates C).
+      Pass ``False`` for every physical batch but the last when accumulating gradients.
+    - ``example_mask``: optional ``[B]`` bool tensor; ``False`` rows (padding of a fixed-shape
+      batch) contribute exactly zero and are not counted anywhere.
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        *,
+        argnums: int,
+        has_aux: bool,
+        batch_argnums: tuple[int, ...],
+        microbatch_size: int | None,
+        normalize_by: float,
+        return_aux: bool,
+        compute_dtype: torch.dtype | None,
+        clipping_groups: GroupSpec,
+        randomness: str,
+        kind: type,
+        check_unused: bool,
+        method: str = "vmap",
+        bookkeeping: BookkeepingRunner | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        self.loss_fn = loss_fn
+        self.method = method
+        self._bookkeeping = bookkeeping
+        self._model = model  # a BatchedLoss's model: what "auto" decides from
+        #: engine of the last call ("vmap" or "bookkeeping") and why it was chosen
+        self.engine: str | None = None
+        self.engine_reason: str | None = None
+        self.argnums = argnums
+        self.has_aux = has_aux
+        self.batch_argnums = batch_argnums
+        self.microbatch_size = microbatch_size
+        self.normalize_by = normalize_by
+        self.return_aux = return_aux
+        self.compute_dtype = compute_dtype
+        self.clipping_groups = clipping_groups
+        self.randomness = randomness
+        self._kind = kind
+        self._check_unused = check_unused
+        self._group_cache: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[int, ...]] = {}
+        #: why the expanded-forward path is off for good (None: chosen per call by size)
+        self._expand_disabled: str | None = None
+        self._logged: tuple[str, str] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"ClippedGradFn({getattr(self.loss_fn, '__name__', self.loss_fn)!r}, "
+            f"clipping={self._kind.__name__}, argnums={self.argnums}, "
+            f"batch_argnums={self.batch_argnums}, microbatch_size={self.microbatch_size})"
+        )
+
+    # ------------------------------------------------------------------ argument checks
+    def _check_args(self, args: tuple[Any, ...]) -> DiffTree:
+        needed = max(self.argnums, *self.batch_argnums) + 1
+        if len(args) < needed:
+            raise ConfigurationError(
+                f"grad_fn got {len(args)} positional argument(s); argnums={self.argnums} and "
+                f"batch_argnums={self.batch_argnums} need at least {needed}"
+            )
+        return DiffTree.of(args[self.argnums], argnums=self.argnums)
+
+    def _batch_size(self, args: tuple[Any, ...]) -> int:
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        sizes: set[int] = set()
+        for pos in self.batch_argnums:
+            leaves = [x for x in tree_leaves(args[pos]) if isinstance(x, torch.Tensor)]
+            if not leaves:
+                raise InputTypeError(
+                    f"grad_fn: batch argument {pos} holds no tensor; batch_argnums must point at "
+                    "tensors (or pytrees of tensors) whose first dimension is the batch"
+                )
+            for leaf in leaves:
+                if leaf.dim() == 0:
+                    raise ConfigurationError(
+                        f"grad_fn: batch argument {pos} holds a 0-d tensor; every batched "
+                        "tensor needs a leading batch dimension"
+                    )
+                sizes.add(int(leaf.shape[0]))
+        if len(sizes) != 1:
+            raise ConfigurationError(
+                f"grad_fn: batch arguments {self.batch_argnums} disagree on the batch size "
+                f"({sorted(sizes)}); every batched tensor must have the same first dimension"
+            )
+        return sizes.pop()
+
+    def _check_mask(self, mask: object, batch: int, device: torch.device) -> torch.Tensor | None:
+        import torch
+
+        if mask is None:
+            return None
+        if (
+            not isinstance(mask, torch.Tensor)
+            or mask.dtype != torch.bool
+            or tuple(mask.shape) != (batch,)
+        ):
+            raise InputTypeError(
+                f"grad_fn(example_mask=...): expected a bool tensor of shape ({batch},), "
+                f"got {getattr(mask, 'dtype', type(mask))} {tuple(getattr(mask, 'shape', ()))}"
+            )
+        return mask.to(device)
+
+    def _groups(self, names: tuple[str, ...], state: ClipState) -> tuple[int, ...] | None:
+        key = (names, state.group_names() or ())
+        if key not in self._group_cache:
+            groups = state.leaf_groups(names, self.clipping_groups)
+            if groups is None:
+                return None
+            self._group_cache[key] = groups
+        return self._group_cache[key]
+
+    # ------------------------------------------------------------------ engines
+    def _prefer_expanded(self, args: tuple[Any, ...], differentiable: bool) -> bool:
+        """Is the differentiated part small (LoRA)? Decided from the arguments and, for a
+        ``BatchedLoss``, its model (frozen weights count however they reach the loss)."""
+        if differentiable or self._expand_disabled is not None:
+            return False
+        tree = DiffTree.of(args[self.argnums], argnums=self.argnums)
+        diff = sum(v.numel() for v in tree.leaves.values())
+        other = vmap_engine.other_numel(
+            args, self.argnums, self.batch_argnums, self._model, tree.names
+        )
+        return vmap_engine.small_fraction(diff, other)
+
+    def _choose(
+        self, tree: DiffTree, small: bool, differentiable: bool
+    ) -> BookkeepingRunner | None:
+        """The book-keeping runner for this call, or ``None`` for the vmap engine (logged)."""
+        if self._bookkeeping is not None and not tree.plain:
+            if self.method == "bookkeeping":
+                raise ConfigurationError(
+                    "clipped_grad(method='bookkeeping') needs the differentiated argument as a "
+                    "flat dict parameter name → tensor (the model's names); use method='vmap' "
+                    "for other structures"
+                )
+            runner, reason = None, "the differentiated argument is not a flat dict of tensors"
+        else:
+            runner, reason = choose_engine(
+                self._bookkeeping,
+                self.method,
+                tree.names,
+                differentiable=differentiable,
+                randomness=self.randomness,
+                small=self.method == "auto" and small,
+            )
+        self._report("vmap" if runner is None else "bookkeeping", reason)
+        return runner
+
+    def _report(self, engine: str, reason: str) -> None:
+        self.engine_reason = reason
+        if self.method == "auto" and self._logged != (engine, reason):
+            self._logged = (engine, reason)
+            _log.info("clipped_grad(method='auto'): the %s engine (%s)", engine, reason)
+
+    def _engine(
+        self, runner: BookkeepingRunner | None, tree: DiffTree, *, differentiable: bool, small: bool
+    ) -> ChunkEngine:
+        loss_fn = tree.wrap(self.loss_fn, self.argnums)
+        if runner is not None:
+            check = self.randomness == "error"
+            return BookkeepingEngine(runner, loss_fn, names=tree.names, check=check)
+        return vmap_engine.VmapEngine(
+            loss_fn,
+            argnums=self.argnums,
+            batch_argnums=self.batch_argnums,
+            has_aux=self.has_aux,
+            randomness=self.randomness,
+            names=tree.names,
+            differentiable=differentiable,
+            expanded=small,
+        )
+
+    # ------------------------------------------------------------------ the call
+    def __call__(
+        self,
+        *args: Any,
+        state: ClipState,
+        end_step: bool = True,
+        example_mask: torch.Tensor | None = None,
+    ) -> Any:
+        """Clipped, summed per-example gradients of ``loss_fn`` over the batch arguments."""
+        import torch
+
+        if not isinstance(state, self._kind):
+            raise ConfigurationError(
+                f"grad_fn(state=...): got a {type(state).__name__}; this grad_fn was built for "
+                f"{self._kind.__name__}: pass the state returned by clipped_grad or by the "
+                "previous grad_fn call"
+            )
+        if not isinstance(end_step, bool):
+            raise InputTypeError(f"grad_fn(end_step={end_step!r}): expected True or False")
+        tree = self._check_args(args)
+        batch = self._batch_size(args)
+        device = next(iter(tree.leaves.values())).device
+        groups = self._groups(tree.names, state)
+        mask = self._check_mask(example_mask, batch, device)
+        differentiable = _outer_transform_differentiates()
+        args = self._cast(args)
+        tree = DiffTree.of(args[self.argnums], argnums=self.argnums)
+        call = list(args)
+        call[self.argnums] = tree.leaves
+        args = tuple(call)
+        small = self._prefer_expanded(args, differentiable)
+        runner = self._choose(tree, small, differentiable)
+        run = self._runner(_Call(args, tree, state, batch, groups, mask, differentiable, small))
+        with contextlib.nullcontext() if differentiable else torch.no_grad():
+            try:
+                sums, aux, count, engine = run(runner)
+            except BookkeepingMismatchError as err:  # the check failed: "auto" falls back
+                if self.method == "bookkeeping":
+                    raise
+                _log.warning("clipped_grad: %s; using the vmap engine from now on", err)
+                self._report("vmap", str(err))
+                sums, aux, count, engine = run(None)
+            except BookkeepingInconclusiveError as err:  # never an unchecked result
+                level = logging.WARNING if self.method == "bookkeeping" else logging.INFO
+                _log.log(level, "clipped_grad: %s; this call uses the vmap engine", err)
+                self.engine_reason = str(err)
+                sums, aux, count, engine = run(None)
+        self.engine = engine
+        if self._check_unused and batch > 0 and not differentiable:
+            self._check_unused = False
+            self._warn_unused(args, tree)
+        new_state = state.advance(count, end_step=end_step)
+        out = tree.rebuild(sums)
+        if tree.plain:
+            out = ClippedGrads(
+                out, max_norm=state.sensitivity / self.normalize_by, batch_size=aux.batch_size
+            )
+            # adaptive clipping also released a noisy count: the optimizer must account for it
+            out.count_noise_multiplier = state.count_noise_multiplier
+        if self.return_aux:
+            return (out, aux), new_state
+        return out, new_state
+
+    def _cast(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        import torch
+        from torch.utils._pytree import tree_map
+
+        dtype = self.compute_dtype
+        if dtype is None:
+            return args
+
+        def cast(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                return x.to(dtype)
+            return x
+
+        return tuple(tree_map(cast, a) for a in args)
+
+    def _runner(self, call: _Call) -> Callable[[BookkeepingRunner | None], Any]:
+        def run(runner: BookkeepingRunner | None) -> Any:
+            engine = self._engine(
+                runner, call.tree, differentiable=call.differentiable, small=call.small
+            )
+            try:
+                sums, aux, count = self._run(engine, call)
+            finally:
+                error = getattr(engine, "expand_error", None)
+                if error is not None:
+                    self._expand_disabled = error
+            return sums, aux, count, engine.name
+
+        return run
+
+    def _chunks(self, args: tuple[Any, ...], batch: int) -> Iterator[tuple[int, int, Any]]:
+        import torch
+        from torch.utils._pytree import tree_map
+
+        step = self.microbatch_size or batch
+        for start in range(0, batch, step or 1):
+            stop = min(start + step, batch)
+            if start == 0 and stop == batch:
+                yield start, stop, args
+                continue
+
+            def cut(x: Any, a: int = start, b: int = stop) -> Any:
+                return x[a:b] if isinstance(x, torch.Tensor) else x
+
+            batched = self.batch_argnums
+            yield (
+                start,
+                stop,
+                tuple(tree_map(cut, arg) if i in batched else arg for i, arg in enumerate(args)),
+            )
+
+    def _run(
+        self, engine: ChunkEngine, call: _Call
+    ) -> tuple[dict[str, torch.Tensor], ClipAux, torch.Tensor]:
+        """chunk → factors (the clip state) → accumulate (the engine), for every chunk."""
+        import torch
+
+        leaves, mask, state = call.tree.leaves, call.mask, call.state
+        device = next(iter(leaves.values())).device
+        sums = {
+            n: torch.zeros(v.shape, dtype=torch.float32, device=device) for n, v in leaves.items()
+        }
+        real = torch.tensor(call.batch, device=device) if mask is None else mask.sum()
+        record = CallRecord(device, real, call.differentiable)
+        for start, stop, chunk_args in self._chunks(call.args, call.batch):
+            out = engine.chunk(chunk_args, stop - start)
+            is_real = (
+                torch.ones(stop - start, dtype=torch.bool, device=device)
+                if mask is None
+                else mask[start:stop]
+            )
+            factors = state.factors(ChunkNorms(out.leaf_sq, out.bound_sq, is_real, call.groups))
+            engine.accumulate(out, factors, sums)
+            record.add(out, factors, is_real, self.has_aux)
+        if self.normalize_by != 1.0:
+            sums = {name: value / self.normalize_by for name, value in sums.items()}
+        return sums, record.result(state.group_names()), record.count
+
+    def _warn_unused(self, args: tuple[Any, ...], tree: DiffTree) -> None:
+        """Warn (once) about differentiated leaves the loss does not depend on at all."""
+        import torch
+        from torch.utils._pytree import tree_map
+
+        call = list(args)
+        for pos in self.batch_argnums:
+            call[pos] = tree_map(lambda x: x[0] if isinstance(x, torch.Tensor) else x, args[pos])
+        leaves = {name: value.detach().requires_grad_(True) for name, value in tree.leaves.items()}
+        call[self.argnums] = leaves
+        loss_fn = tree.wrap(self.loss_fn, self.argnums)
+        with torch.enable_grad():
+            out = loss_fn(*call)
+            loss = out[0] if self.has_aux else out
+            grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        unused = [name for name, g in zip(leaves, grads, strict=True) if g is None]
+        if unused:
+            warnings.warn(
+                f"clipped_grad: the loss does not depend on differentiated parameter(s) "
+                f"{unused[:10]}; they receive no gradient and would be trained on noise alone. "
+                "Freeze them (requires_grad_(False) before make_functional(..., "
+                "partition_trainable=True)) or drop them from the differentiated dict.",
+                OpakePrivacyWarning,
+                stacklevel=3,
+            )
