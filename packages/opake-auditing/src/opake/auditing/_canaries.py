@@ -365,14 +365,16 @@ def random_token_canaries(
 
 
 def step_quietly(optimizer: Any) -> Any:
-    """``optimizer.step()``, without the first-step "all-zero gradient" warning about the audit
-    parameter alone (a step that draws no included canary gives it a zero sum, as expected).
-    Every other warning is re-issued."""
+    """``optimizer.step()`` (or ``finish_step()`` of a :class:`~opake.dpsgd.training.DPTraining`),
+    without the first-step "all-zero gradient" warning about the audit parameter alone (a step
+    that draws no included canary gives it a zero sum, as expected). Every other warning is
+    re-issued."""
     import warnings
 
+    finish = getattr(optimizer, "finish_step", None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = optimizer.step()
+        report = finish() if callable(finish) else optimizer.step()
     for item in caught:
         if not _only_canary_zero(str(item.message)):
             warnings.warn_explicit(item.message, item.category, item.filename, item.lineno)

@@ -1,8 +1,9 @@
 """The self-test: a small DP-SGD run with gradient canaries, on opake-core's mechanism as built.
 
-A linear model trains on synthetic data with ``PoissonSampler`` → ``clipped_grad`` →
-``DPOptimizer`` (σ calibrated by ``opake.accounting`` for the target ε) → the accountant,
-with m Dirac canaries as extra dataset slots. With a correct mechanism the lower bound stays
+A linear model trains on synthetic data through :class:`~opake.dpsgd.training.DPTraining`, the
+DP step ``opake train`` and ``DPTrainer`` compose (``PoissonSampler`` → ``clipped_grad`` →
+``DPOptimizer``, σ calibrated by ``opake.accounting`` for the target ε → the accountant), with
+m Dirac canaries as extra dataset slots. With a correct mechanism the lower bound stays
 below the claimed ε; a mechanism that skips its noise, its clipping, computes a norm too small
 or replaces Poisson sampling by a public batch order is caught at the default settings.
 """
@@ -66,9 +67,7 @@ def self_test(
     import torch
 
     from opake import accounting
-    from opake.dpsgd import sampling
-    from opake.dpsgd.clipping import clipped_grad
-    from opake.dpsgd.optimizer import DPOptimizer
+    from opake.dpsgd.training import DPTraining
 
     master = secrets.randbits(63) if seed is None else seed
     gen = torch.Generator().manual_seed(master)
@@ -80,7 +79,6 @@ def self_test(
     def loss_fn(params: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> Any:
         return (params["w"] @ xi - yi) ** 2
 
-    grad_fn, state = clipped_grad(loss_fn, clipping_norm=clipping_norm, batch_argnums=(1, 2))
     spec = GradientCanaries(canaries, kind="dirac")
     included = draw_inclusion(canaries, seed=master + 1)
     run = spec.run(included, dataset_size=dataset_size, clipping_norm=clipping_norm)
@@ -91,28 +89,33 @@ def self_test(
         steps=steps,
         accountant_options=PLD_OPTIONS,
     )
-    sampler = sampling.PoissonSampler(run.total_size, sample_rate, seed=master + 2)
     params = {**weights, **run.params}
-    accountant = accounting.make_accountant("pld", **PLD_OPTIONS)
-    optimizer = DPOptimizer(
+    # the DP step as opake train and DPTrainer compose it; the audit parameter is among the
+    # tensors its DP optimizer noises and steps, not in the data's gradient function
+    training = DPTraining(
+        loss_fn,
         torch.optim.SGD(list(params.values()), lr=0.05),
-        params,
+        {"w": weights["w"].detach()},
+        module=params,
+        batch_args=2,
+        dataset_size=run.total_size,
+        sample_rate=sample_rate,
         noise_multiplier=sigma,
-        sampler=sampler,
-        accountant=accountant,
-        seed=master + 3,
+        delta=delta,
+        clipping_norm=clipping_norm,
+        accountant=accounting.make_accountant("pld", **PLD_OPTIONS),
+        seed=master + 2,
     )
-    batches = _forever(sampler)
+    batches = training.batches()
     for _ in range(steps):
         real, ids = run.split(next(batches))
         index = torch.as_tensor(real, dtype=torch.long)
-        grads, state = grad_fn({"w": weights["w"].detach()}, x[index], y[index], state=state)
-        optimizer.accumulate(grads)
-        optimizer.accumulate(run.clipped_sum(ids))
-        step_quietly(optimizer)
-        run.observe(expected_batch_size=optimizer.expected_batch_size)
+        training.accumulate(x[index], y[index])
+        training.optimizer.accumulate(run.clipped_sum(ids))
+        step_quietly(training)
+        run.observe(expected_batch_size=training.expected_batch_size)
     replay = replay_batches(run.total_size, sample_rate, steps)
-    claimed = float(accountant.get_epsilon(delta))
+    claimed = training.epsilon()
     return one_run_audit(
         run.scores(replay, noise_multiplier=sigma, sample_rate=sample_rate),
         included,
