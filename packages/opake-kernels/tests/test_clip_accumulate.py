@@ -162,6 +162,15 @@ def test_choice_is_logged_and_unusable_inputs_fall_back_loudly(monkeypatch, capl
     )
 
 
+def test_a_shared_accumulator_runs_the_reference():
+    """Two leaves adding into one tensor: the fused blocks would race, so the reference runs."""
+    grads = [torch.ones(2, 3), torch.full((2, 3), 2.0)]
+    total = torch.zeros(3)
+    ran = clip_accumulate(grads, torch.full((2, 2), 0.5), [total, total], backend="triton")
+    assert ran == "torch"
+    assert total.tolist() == [3.0, 3.0, 3.0]
+
+
 def test_bad_input_raises_typed_errors():
     with pytest.raises(ConfigurationError, match="one sum per gradient"):
         clip_accumulate([torch.ones(2, 3)], torch.ones(2, 2), [torch.zeros(3)])

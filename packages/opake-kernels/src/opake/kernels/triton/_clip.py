@@ -91,6 +91,8 @@ def fused_clip_usable(
         return False, "a per-example gradient is not contiguous"
     if not all(s.is_contiguous() for s in sums):
         return False, "an accumulator is not contiguous"
+    if len({s.data_ptr() for s in sums}) != len(sums):
+        return False, "two leaves share an accumulator (concurrent blocks would race)"
     if not all(g.dtype in _DTYPES for g in grads):
         return False, "a per-example gradient is not fp32, fp16 or bf16"
     if any(t.requires_grad for t in (factors, *grads)):
@@ -122,7 +124,7 @@ def _launch(
             ints([sums[j].data_ptr() for j in leaves]),
             ints([sums[j].numel() for j in leaves]),
             ints(block_leaf, torch.int32),
-            ints(block_col, torch.int32),
+            ints(block_col),  # int64: a leaf may have more than 2**31 entries
             table[:, leaves].contiguous(),
             m,
             len(leaves),
