@@ -1,7 +1,8 @@
 """Memory statistics that say how exact they are, on CUDA, MPS, other accelerators and CPU.
 
-One small backend per device kind reads the figures; everything else (``get_memory_stats``,
-``step_perf``, the tuner) goes through :func:`_backend`. Figures are GiB (2**30 bytes).
+One small backend per device kind reads the figures (:mod:`opake.profiling._devices`; the CPU
+one in :mod:`opake.profiling._cpu`); everything else (``get_memory_stats``, ``step_perf``, the
+tuner) goes through :func:`_backend`, here. Figures are GiB (2**30 bytes).
 
 - CUDA: the CUDA caching allocator (``torch.cuda``): allocated, reserved, peak are exact.
 - MPS: on torch >= 2.13 the peak comes from ``torch.accelerator`` memory statistics (exact); on
