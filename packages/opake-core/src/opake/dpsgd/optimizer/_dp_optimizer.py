@@ -26,7 +26,13 @@ from opake.dpsgd.optimizer._options import (
     _resolve_noise,
     _sample_rate,
 )
-from opake.dpsgd.optimizer._physical import _accepts_keyword, _noised, _split_batch, _with_aux
+from opake.dpsgd.optimizer._physical import (
+    _accepts_keyword,
+    _noised,
+    _split_batch,
+    _unused_message,
+    _with_aux,
+)
 from opake.dpsgd.optimizer._report import StepReport
 from opake.dpsgd.optimizer._state import _STATE_VERSION, _checked_state
 
@@ -427,29 +433,14 @@ class DPOptimizer:
         is reported on the first step that has any non-zero gradient at all: when *every* sum
         is zero (an empty Poisson batch, every example non-finite) the check waits.
         """
-        parts = []
-        if not self._missing_checked and skipped:
-            parts.append(f"{', '.join(skipped)} received no gradient entry and will not be updated")
         zero: tuple[str, ...] = ()
         conclusive = False
         if not self._zero_checked:
             nonzero = {name: bool(total.count_nonzero()) for name, total in self._sums.items()}
             conclusive = any(nonzero.values())
             zero = tuple(name for name, flag in nonzero.items() if not flag) if conclusive else ()
-            if zero:
-                parts.append(
-                    f"{', '.join(zero)} received an all-zero gradient from every example of a "
-                    "batch in which other parameters did not (probably unused by the loss); it "
-                    "would be updated by noise alone"
-                )
-        if parts:
-            message = (
-                "trainable parameter(s) without gradient: "
-                + "; ".join(parts)
-                + ". Freeze them (requires_grad_(False)) and leave them out of the optimizer. "
-                "This check looks at the data of the first step(s): it is a diagnostic, not "
-                "private."
-            )
+        message = _unused_message(() if self._missing_checked else skipped, zero)
+        if message is not None:
             if self._unused_mode == "error":
                 self._clear()
                 raise OperationError(message)

@@ -56,3 +56,25 @@ def _with_aux(report: StepReport, aux: tuple[Any, ...]) -> StepReport:
     from dataclasses import replace
 
     return replace(report, aux=aux)
+
+
+def _unused_message(skipped: tuple[str, ...], zero: tuple[str, ...]) -> str | None:
+    """The first-step report of parameters without gradient (``None``: nothing to report)."""
+    parts = []
+    if skipped:
+        parts.append(f"{', '.join(skipped)} received no gradient entry and will not be updated")
+    if zero:
+        parts.append(
+            f"{', '.join(zero)} received an all-zero gradient from every example of a "
+            "batch in which other parameters did not (probably unused by the loss); it "
+            "would be updated by noise alone"
+        )
+    if not parts:
+        return None
+    return (
+        "trainable parameter(s) without gradient: "
+        + "; ".join(parts)
+        + ". Freeze them (requires_grad_(False)) and leave them out of the optimizer. "
+        "This check looks at the data of the first step(s): it is a diagnostic, not "
+        "private."
+    )
