@@ -177,12 +177,13 @@ def clipped_grad(
             ``"bookkeeping"`` (norms and the clipped sum from one ordinary batched backward;
             needs ``loss_fn`` to be a :class:`~opake.dpsgd.bookkeeping.BatchedLoss`, see
             :mod:`opake.dpsgd.bookkeeping`) or ``"auto"`` (book-keeping where every
-            differentiated parameter has a rule and its first-call check passes, unless the
-            differentiated parameters are at most a tenth of the rest of the model — counted
-            from the arguments and, for a ``BatchedLoss``, its model, so frozen weights count
-            however they reach the loss — e.g. LoRA adapters, where vmap is cheaper; vmap
-            otherwise; ``grad_fn.engine``/``grad_fn.engine_reason`` report the choice, which
-            is also logged on the ``opake.core`` logger).
+            differentiated parameter has a rule and its first-call check passes, full
+            fine-tuning and adapters such as LoRA alike; vmap otherwise, through its
+            expanded forward when the differentiated parameters are at most a tenth of the
+            rest of the model — counted from the arguments and, for a ``BatchedLoss``, its
+            model, so frozen weights count however they reach the loss;
+            ``grad_fn.engine``/``grad_fn.engine_reason`` report the choice, which is also
+            logged on the ``opake.core`` logger).
 
     Semantics: an example's gradient covers all differentiated leaves together. An example
     with a NaN/Inf gradient entry (or a norm beyond fp32 range) contributes zero and is
