@@ -124,3 +124,15 @@ def test_an_explicit_backend_without_the_op_raises(monkeypatch):
     monkeypatch.setenv("OPAKE_KERNEL_BACKEND", "toy")
     with pytest.raises(OperationError, match="has no op 'clip_accumulate'"):
         _clip_kernel.kernel_runs_on(torch.device("cpu"))
+
+
+def test_the_removed_switch_is_reported_not_silently_ignored(monkeypatch, caplog):
+    monkeypatch.setattr(_clip_kernel, "_reported", set())
+    monkeypatch.setenv("OPAKE_CLIP_KERNEL", "off")
+    monkeypatch.delenv("OPAKE_KERNEL_BACKEND", raising=False)
+    caplog.set_level(logging.WARNING, logger="opake.core")
+    _clip_kernel.kernel_runs_on(torch.device("cpu"))
+    _clip_kernel.kernel_runs_on(torch.device("cpu"))
+    said = [r for r in caplog.records if "OPAKE_CLIP_KERNEL" in r.getMessage()]
+    assert len(said) == 1  # once
+    assert "OPAKE_KERNEL_BACKEND=torch" in said[0].getMessage()

@@ -91,8 +91,24 @@ def _explicit_env() -> bool:
     return bool(os.environ.get(KERNEL_BACKEND_ENV, "").strip())
 
 
+def _removed_switch() -> None:
+    """``OPAKE_CLIP_KERNEL`` is no longer read: say so once instead of ignoring it quietly."""
+    import os
+
+    value = os.environ.get("OPAKE_CLIP_KERNEL")
+    if value is not None and "OPAKE_CLIP_KERNEL" not in _reported:
+        _reported.add("OPAKE_CLIP_KERNEL")
+        _log.warning(
+            "OPAKE_CLIP_KERNEL=%r is no longer read: the clip-and-accumulate op follows the "
+            "kernel backend selection (OPAKE_KERNEL_BACKEND=torch for the torch path, "
+            "OPAKE_KERNEL_BACKEND=triton with TRITON_INTERPRET=1 for the interpreter)",
+            value,
+        )
+
+
 def kernel_runs_on(device: torch.device) -> bool:
     """Whether :func:`clip_accumulate` runs a fused kernel (not the torch path) on ``device``."""
+    _removed_switch()
     return _fused(device) is not None
 
 
