@@ -18,7 +18,7 @@ from opake.models._plugin import FAMILIES, REQUIRES
 MODULES = sorted(
     m.name
     for m in pkgutil.iter_modules(opake.models.__path__)
-    if not m.name.startswith("_") and m.name != "testing"
+    if not m.name.startswith("_") and m.name not in ("testing", "bookkeeping")
 )
 REQUIRED = {
     "llama",
