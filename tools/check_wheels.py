@@ -128,8 +128,11 @@ def check_installed_bench(wheels: list[Path]) -> list[str]:
         python = next(p for p in (bindir / "python", bindir / "python.exe") if p.exists())
         install = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q"]
         subprocess.run([*install, "--no-deps", "--no-index", *map(str, wheels)], check=True)
+        opake = next((p for p in (bindir / "opake", bindir / "opake.exe") if p.exists()), None)
+        if opake is None:
+            return ["the wheels installed no opake console script"]
         proc = subprocess.run(
-            [str(python), "-m", "opake.cli", "bench", "--list"],
+            [str(opake), "bench", "--list"],  # the console script the wheel installs
             cwd=tmp,
             capture_output=True,
             text=True,
