@@ -66,6 +66,13 @@ MODELS: dict[str, dict[str, Any]] = {
     },
 }
 METHODS = ("nonprivate", "bookkeeping", "vmap", "opacus")
+#: ``--train`` choices: which parameters are trained (the rest frozen, for every method)
+TRAIN = {
+    "all": lambda name: True,
+    "experts": lambda name: ".experts." in name,
+    "no-experts": lambda name: ".experts." not in name,
+}
+_TRAIN = ["all"]
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -73,7 +80,10 @@ def _model(name: str) -> torch.nn.Module:
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(name, **MODELS[name])
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
+    for param_name, param in model.named_parameters():
+        param.requires_grad_(TRAIN[_TRAIN[0]](param_name))
+    return model
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,12 +111,12 @@ def _private(name: str, args: argparse.Namespace, method: str) -> Callable[[], N
 
     model = _model(name)
     apply_model_patches(model)
-    fmodel, params = make_functional(model)
+    fmodel, params, frozen = make_functional(model, partition_trainable=True)
     ids, mask = _batch()
 
-    def losses(p: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def losses(p: Any, f: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         out = fmodel(
-            p,
+            (p, f),
             input_ids=ids,
             attention_mask=mask,
             labels=ids,
@@ -118,14 +128,14 @@ def _private(name: str, args: argparse.Namespace, method: str) -> Callable[[], N
     grad_fn, state = clipped_grad(
         BatchedLoss(losses, fmodel),
         clipping_norm=1.0,
-        batch_argnums=(1, 2),
+        batch_argnums=(2, 3),
         microbatch_size=args.microbatch if method == "vmap" else BATCH,
         method=method,
     )
     holder = {"state": state}
 
     def step() -> None:
-        _, holder["state"] = grad_fn(params, ids, mask, state=holder["state"])
+        _, holder["state"] = grad_fn(params, frozen, ids, mask, state=holder["state"])
         if grad_fn.engine != method:
             raise RuntimeError(f"asked for {method}, ran {grad_fn.engine}: {grad_fn.engine_reason}")
 
@@ -183,7 +193,11 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=8, help="vmap engine microbatch")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--train", default="all", choices=list(TRAIN), help="trained parameters (rest frozen)"
+    )
     args = parser.parse_args()
+    _TRAIN[0] = args.train
     if args.threads:
         torch.set_num_threads(args.threads)
     steps: dict[tuple[str, str], Callable[[], None]] = {}

@@ -14,7 +14,7 @@ expert over its slots, the rows scaled by their example's factor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from opake.core.errors import OperationError
@@ -47,6 +47,11 @@ class ExpertGrads:
     example: torch.Tensor
     counts: tuple[int, ...]
     batch: int
+    #: padded positions per expert (``start → (row index into [B·M], M)``), shareable by the
+    #: weights of one call (same slots)
+    layout: dict[int, tuple[torch.Tensor, int]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -62,37 +67,53 @@ class ExpertGrads:
             start += count
         return out
 
-    def _padded(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One expert's slots as ``[B, M, R]`` and ``[B, M, C]`` (zero rows pad each example to
-        the expert's largest count ``M``)."""
+    def _rows(self) -> tuple[torch.Tensor, int]:
+        """Row of every slot in an ``[E·B·M]`` padded layout (expert, example, position), and
+        ``M``, the largest number of slots one example routes to one expert."""
         import torch
 
-        ex = self.example[start:stop]
-        first = torch.searchsorted(ex, ex)  # sorted: the first slot of each example's run
-        pos = torch.arange(stop - start, device=ex.device) - first
-        rows = int(pos.max()) + 1
-        a = self.a.new_zeros(self.batch, rows, self.a.shape[-1])
-        b = self.b.new_zeros(self.batch, rows, self.b.shape[-1])
-        a[ex, pos] = self.a[start:stop]
-        b[ex, pos] = self.b[start:stop]
-        return a, b
+        if -1 not in self.layout:
+            experts = torch.repeat_interleave(
+                torch.arange(len(self.counts), device=self.example.device),
+                torch.tensor(self.counts, device=self.example.device),
+            )
+            group = experts * self.batch + self.example  # sorted: expert-major, then example
+            first = torch.searchsorted(group, group)  # the first slot of each group's run
+            pos = torch.arange(group.shape[0], device=group.device) - first
+            rows = int(pos.max()) + 1 if pos.numel() else 1
+            self.layout[-1] = (group * rows + pos, rows)
+        return self.layout[-1]
+
+    def _padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots as ``[E·B, M, R]`` and ``[E·B, M, C]`` (zero rows pad each (expert,
+        example) to ``M``)."""
+        index, rows = self._rows()
+        out = []
+        for x in (self.a, self.b):
+            padded = x.new_zeros(len(self.counts) * self.batch * rows, x.shape[-1])
+            padded.index_copy_(0, index, x)
+            out.append(padded.reshape(-1, rows, x.shape[-1]))
+        return out[0], out[1]
 
     def sq_norms(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(‖G_i‖² [B] fp64, None)``: per expert the Gram or the materialised route."""
+        """``(‖G_i‖² [B] fp64, None)``: the Gram route over every (expert, example) at once,
+        or expert by expert the materialised one, whichever :func:`ghost_is_cheaper` says."""
         import torch
 
         from opake.dpsgd.bookkeeping import ghost_is_cheaper
 
+        experts, rows, cols = self.shape
+        _, steps = self._rows()
+        a, b = self._padded()
+        if ghost_is_cheaper(steps, rows, cols):
+            gram = torch.bmm(b, b.transpose(1, 2)).mul_(torch.bmm(a, a.transpose(1, 2)))
+            per = gram.sum(dim=(1, 2), dtype=torch.float64).reshape(experts, self.batch)
+            return per.sum(dim=0), None
         total = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
-        _, rows, cols = self.shape
-        for _, start, stop in self._groups():
-            a, b = self._padded(start, stop)
-            if ghost_is_cheaper(int(a.shape[1]), rows, cols):
-                gram = torch.bmm(b, b.transpose(1, 2)).mul_(torch.bmm(a, a.transpose(1, 2)))
-                total += gram.sum(dim=(1, 2), dtype=torch.float64)
-            else:
-                g = torch.bmm(a.transpose(1, 2), b).reshape(self.batch, -1)
-                total += (g * g).sum(dim=1, dtype=torch.float64)
+        for expert, _, _ in self._groups():  # one expert's [B, R, C] at a time
+            mine = slice(expert * self.batch, (expert + 1) * self.batch)
+            g = torch.bmm(a[mine].transpose(1, 2), b[mine]).reshape(self.batch, -1)
+            total += (g * g).sum(dim=1, dtype=torch.float64)
         return total, None
 
     def weighted_sum(

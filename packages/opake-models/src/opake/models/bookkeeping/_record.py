@@ -150,6 +150,9 @@ def experts_forward(
     h = _per_expert(flat[slots.token], up, slots.counts, transposed)
     if f"{first}_bias" in p:
         h = h + p[f"{first}_bias"][slots.expert]
+    caught: dict[str, torch.Tensor] = {}
+    if h.requires_grad:  # the backward computes δh anyway: keep it (else build recomputes it)
+        h.register_hook(lambda grad: caught.__setitem__("dh", grad.detach()))  # type: ignore[no-untyped-call]
     z = _gate(module)(h)
     down = _weight(module, p, "down_proj")
     y = _per_expert(z, down, slots.counts, transposed)
@@ -169,6 +172,7 @@ def experts_forward(
         h.detach(),
         z.detach(),
         down,
+        caught,
     )
     return out.reshape(batch, steps, size), saved
 
@@ -188,6 +192,7 @@ class _Saved:
     h: torch.Tensor  # [N, 2I] pre-activation
     z: torch.Tensor  # [N, I] activation
     down: torch.Tensor  # [E, ...] down projection
+    caught: dict[str, torch.Tensor]  # "dh": δh as the backward computed it, if it did
 
     def build(self, grad: torch.Tensor) -> dict[str, Any]:
         """Per-example gradients of every differentiated attribute from the output's
@@ -197,20 +202,23 @@ class _Saved:
         slots, first, transposed = self.slots, self.first, self.transposed
         g = grad.reshape(-1, grad.shape[-1]).float()[slots.token]
         dy = g * slots.weight.detach().float()[:, None]  # [N, H]
-        dz = _per_expert(dy, self.down.float(), slots.counts, not transposed)  # δy W_downᵀ
-        with torch.enable_grad():
-            h = self.h.detach().requires_grad_(True)
-            (dh,) = torch.autograd.grad(_gate(self.module)(h), h, dz.to(h.dtype))
+        dh = self.caught.get("dh")
+        if dh is None:  # δh = the gate's vector-Jacobian product of δz = δy W_downᵀ
+            dz = _per_expert(dy, self.down.float(), slots.counts, not transposed)
+            with torch.enable_grad():
+                h = self.h.detach().requires_grad_(True)
+                (dh,) = torch.autograd.grad(_gate(self.module)(h), h, dz.to(h.dtype))
         dh = dh.float()
         xs = self.x[slots.token].float()
         z = self.z.float()
         out: dict[str, Any] = {}
+        layout: dict[int, tuple[torch.Tensor, int]] = {}  # the same slots: shared padding
         if first in self.attrs:
             a, b = (xs, dh) if transposed else (dh, xs)
-            out[first] = ExpertGrads(a, b, slots.example, slots.counts, self.batch)
+            out[first] = ExpertGrads(a, b, slots.example, slots.counts, self.batch, layout)
         if "down_proj" in self.attrs:
             a, b = (z, dy) if transposed else (dy, z)
-            out["down_proj"] = ExpertGrads(a, b, slots.example, slots.counts, self.batch)
+            out["down_proj"] = ExpertGrads(a, b, slots.example, slots.counts, self.batch, layout)
         if f"{first}_bias" in self.attrs:
             out[f"{first}_bias"] = _bias_grads(dh, slots, self.batch, self.experts)
         if "down_proj_bias" in self.attrs:

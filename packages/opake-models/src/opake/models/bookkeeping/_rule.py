@@ -83,10 +83,12 @@ def _routed(experts: torch.nn.Module, width: int, seed: int) -> torch.nn.Module:
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    experts.forward = types.MethodType(_experts_forward, experts)  # type: ignore[method-assign]
+    experts.forward = types.MethodType(_experts_forward, experts)
     count = int(experts.num_experts)  # type: ignore[arg-type]
 
     class Routed(torch.nn.Module):
+        route: torch.Tensor
+
         def __init__(self) -> None:
             super().__init__()
             self.experts = experts
@@ -109,14 +111,14 @@ def example() -> tuple[RuleExample, ...]:
 
     from opake.dpsgd.bookkeeping.rules import RuleExample
 
-    sizes = {"hidden_size": 8, "intermediate_size": 6, "num_local_experts": 4}
-    out = []
-    for seed, (config, cls) in enumerate(
-        ((MixtralConfig(**sizes), MixtralExperts), (GptOssConfig(**sizes), GptOssExperts))
-    ):
+    sizes: dict[str, Any] = {"hidden_size": 8, "intermediate_size": 6, "num_local_experts": 4}
+    mixtral, gpt_oss = MixtralConfig(**sizes), GptOssConfig(**sizes)
+    for config in (mixtral, gpt_oss):
         config._experts_implementation = "eager"  # fp64 references run the same code
-        out.append(RuleExample(_routed(cls(config), 8, seed), width=8))
-    return tuple(out)
+    modules = (MixtralExperts(mixtral), GptOssExperts(gpt_oss))  # type: ignore[no-untyped-call]
+    return tuple(
+        RuleExample(_routed(module, 8, seed), width=8) for seed, module in enumerate(modules)
+    )
 
 
 RULE = BookkeepingRule(
