@@ -101,3 +101,20 @@ def test_explicit_methods_are_not_logged_as_choices(method, caplog):
     grad_fn(trainable, x, state=state)
     assert grad_fn.engine == method
     assert not [r for r in caplog.records if "method='auto'" in r.getMessage()]
+
+
+def test_the_expanded_route_falling_back_is_logged(caplog):
+    caplog.set_level(logging.INFO, logger="opake.core")
+
+    def picky_loss(params, frozen, v):  # refuses batched parameters (no batching rule)
+        if torch._C._functorch.is_batchedtensor(params["w"]):
+            raise RuntimeError("no batching rule for a batched weight")
+        return (params["w"] * v).sum() + 0 * frozen.sum()
+
+    grad_fn, state = clipped_grad(picky_loss, clipping_norm=10.0, batch_argnums=2)
+    args = ({"w": torch.zeros(2)}, torch.zeros(100), torch.ones(3, 2))
+    grad_fn(*args, state=state)
+    grad_fn(*args, state=state)
+    logged = [r.getMessage() for r in caplog.records if "expanded forward failed" in r.getMessage()]
+    assert len(logged) == 1
+    assert "no batching rule" in logged[0]

@@ -339,8 +339,13 @@ class ClippedGradFn:
                 sums, aux, count = self._run(engine, call)
             finally:
                 error = getattr(engine, "expand_error", None)
-                if error is not None:
+                if error is not None and self._expand_disabled is None:
                     self._expand_disabled = error
+                    _log.info(
+                        "clipped_grad: the vmap engine's expanded forward failed (%s); it "
+                        "computes per-example gradients by vjp from now on",
+                        error,
+                    )
             return sums, aux, count, engine.name
 
         return run
