@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from opake.core import ops
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.models._masks import install_window_masks
 from opake.models._moe import example_aux_loss, install_aux_logits_path, install_moe
@@ -326,18 +327,18 @@ def _swap_kernels(
 ) -> None:
     device = _device_of(model)
     if spec.norm.kind == "rms":
-        enabled, backend = options.kernel_for("rms_norm")
+        enabled, backend = options.kernel_for(ops.RMS_NORM)
         if enabled:
-            slot = KernelSlot("rms_norm", backend)
-            report.kernels["rms_norm"] = slot.choose(device)
+            slot = KernelSlot(ops.RMS_NORM, backend)
+            report.kernels[ops.RMS_NORM] = slot.choose(device)
             count, _why = swap_rms_norms(model, spec.norm, slot, patcher)
-            report.applied.append(f"rms_norm: {count} {spec.norm.module} modules")
+            report.applied.append(f"{ops.RMS_NORM}: {count} {spec.norm.module} modules")
         else:
-            report.skipped["rms_norm"] = "kernels option turned it off"
+            report.skipped[ops.RMS_NORM] = "kernels option turned it off"
     else:
-        report.skipped["rms_norm"] = f"{spec.norm.module} is a LayerNorm"
+        report.skipped[ops.RMS_NORM] = f"{spec.norm.module} is a LayerNorm"
     if spec.rope.kind != "none":
-        report.skipped["rope"] = (
+        report.skipped[ops.ROPE] = (
             f"{spec.rope.kind} RoPE stays transformers' own: it is applied by a module-level "
             "function, and Opake patches instances only"
         )

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from opake.core import ops
 from opake.core.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -177,9 +178,9 @@ class _GatedForward:
 
 
 _OP_FOR_ACTIVATION = {
-    ("swiglu", "silu"): ("swiglu", ()),
-    ("geglu", "gelu"): ("geglu", (("approximate", "none"),)),
-    ("geglu", "gelu_tanh"): ("geglu", (("approximate", "tanh"),)),
+    ("swiglu", "silu"): (ops.SWIGLU, ()),
+    ("geglu", "gelu"): (ops.GEGLU, (("approximate", "none"),)),
+    ("geglu", "gelu_tanh"): (ops.GEGLU, (("approximate", "tanh"),)),
 }
 
 

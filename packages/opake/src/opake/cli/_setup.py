@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from opake.cli._models import load_model
+from opake.core import ops
 from opake.core.errors import OpakePrivacyWarning
 
 if TYPE_CHECKING:
@@ -160,7 +161,7 @@ def _reemit(
 def forward_options(patch_report: Any) -> dict[str, Any]:
     """Keyword arguments of every forward: no KV cache; the loss-only head where patched."""
     options: dict[str, Any] = {"use_cache": False}
-    if patch_report is not None and "linear_cross_entropy" in patch_report.kernels:
+    if patch_report is not None and ops.LINEAR_CROSS_ENTROPY in patch_report.kernels:
         options["loss_only"] = True  # the loss without materialising the logits
     return options
 

@@ -7,6 +7,8 @@ import platform
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from opake.core import ops
+
 if TYPE_CHECKING:
     import torch
 
@@ -118,5 +120,5 @@ def _patches(report: Any) -> dict[str, Any] | None:
         "kernels": {op: use.backend for op, use in report.kernels.items()},
         # the logits-free loss path, for either engine (book-keeping takes lm_head's
         # per-example norms from the kernel's example-grads op)
-        "loss_only": "linear_cross_entropy" in report.kernels,
+        "loss_only": ops.LINEAR_CROSS_ENTROPY in report.kernels,
     }
