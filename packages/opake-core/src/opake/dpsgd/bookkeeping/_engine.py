@@ -28,7 +28,15 @@ from opake.dpsgd.bookkeeping._recording import (
     implicit_pieces,
     implicit_use,
 )
-from opake.dpsgd.bookkeeping._rules import Dense, Implicit, OuterSum, Piece, inner, sq_norm_abs
+from opake.dpsgd.bookkeeping._rules import (
+    Dense,
+    GramCache,
+    Implicit,
+    OuterSum,
+    Piece,
+    inner,
+    sq_norm_abs,
+)
 from opake.dpsgd.bookkeeping._use import LayerRule, LayerUse
 
 if TYPE_CHECKING:
@@ -231,6 +239,7 @@ class BookkeepingRunner:
                 pieces.setdefault(name, []).append(piece)
         device = losses.device
         columns, spans = [], []
+        grams = GramCache()  # one input Gram matrix, shared by consecutive uses of that input
         with full_precision():
             for name in names:
                 own = pieces.get(name, [])
@@ -239,10 +248,10 @@ class BookkeepingRunner:
                     columns.append(zeros)
                     spans.append(zeros)
                     continue
-                total, span = sq_norm_abs(own[0])
+                total, span = sq_norm_abs(own[0], grams)
                 total = total.double()
                 for k in range(1, len(own)):
-                    sq, bound = sq_norm_abs(own[k])
+                    sq, bound = sq_norm_abs(own[k], grams)
                     total = total + sq.double()
                     span = span + bound
                     for j in range(k):

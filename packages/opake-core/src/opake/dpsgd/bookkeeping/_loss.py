@@ -128,10 +128,15 @@ def causal_lm_losses(
             f"causal_lm_losses: logits {tuple(logits.shape)} and labels {tuple(labels.shape)}; "
             "expected logits [B, T, V] and labels [B, T]"
         )
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:]
+    batch, steps, vocab = logits.shape
+    # labels shifted left with the last position ignored (as Hugging Face's loss does): the
+    # logits stay one contiguous [B·T, V] block (no sliced copy, a row-wise log-softmax)
+    shift_labels = F.pad(labels, (0, 1), value=ignore_index)[:, 1:]
     per_token = F.cross_entropy(
-        shift_logits.transpose(1, 2), shift_labels, ignore_index=ignore_index, reduction="none"
-    )
+        logits.float().reshape(batch * steps, vocab),
+        shift_labels.reshape(-1),
+        ignore_index=ignore_index,
+        reduction="none",
+    ).view(batch, steps)
     count = (shift_labels != ignore_index).sum(dim=1)
     return per_token.sum(dim=1) / count.clamp(min=1).to(per_token.dtype)

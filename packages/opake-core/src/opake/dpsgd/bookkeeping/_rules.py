@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Dense",
+    "GramCache",
     "Implicit",
     "ImplicitGrad",
     "OuterSum",
@@ -261,7 +262,38 @@ def sq_norm(piece: Piece) -> torch.Tensor:
     return sq_norm_abs(piece)[0]
 
 
-def sq_norm_abs(piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
+class GramCache:
+    """The last input Gram matrix ``[B, T, T]`` (``b_t·b_s``), reused by the next piece whose
+    ``b`` is a view of the very same memory (the q/k/v projections, or gate/up, read one
+    input): one entry, so it never holds more than one Gram matrix. The input is kept alive
+    while cached (its memory cannot be reused by another tensor) and its version counter is
+    part of the key (an in-place change is a miss).
+
+    >>> import torch
+    >>> x, cache = torch.ones(1, 2, 3), GramCache()
+    >>> cache.gram(x.reshape(1, 2, 3)) is cache.gram(x.reshape(1, 2, 3))
+    True
+    """
+
+    __slots__ = ("_input", "_key", "_value")
+
+    def __init__(self) -> None:
+        self._key: tuple[object, ...] | None = None
+        self._input: torch.Tensor | None = None
+        self._value: torch.Tensor | None = None
+
+    def gram(self, b: torch.Tensor) -> torch.Tensor:
+        """``bmm(b, bᵀ)`` in fp32 (or fp64), from the cache when ``b`` is the last input."""
+        import torch
+
+        key = (b.data_ptr(), tuple(b.shape), b.stride(), b.dtype, b.device, b._version)
+        if self._key != key or self._value is None:
+            self._value = torch.bmm(_f32(b), _f32(b).transpose(1, 2))
+            self._key, self._input = key, b
+        return self._value
+
+
+def sq_norm_abs(piece: Piece, cache: GramCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sq_norm(piece), abs_norm(piece))`` in one pass where possible: on the Gram route the
     token norms are the Gram matrices' diagonals (``(a_t·a_t)(b_t·b_t)`` is on the diagonal of
     their product), so the bound costs no extra pass over the recorded tensors.
@@ -284,8 +316,11 @@ def sq_norm_abs(piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = piece.shape
     steps = int(piece.b.shape[1])
     if piece.indexed or ghost_is_cheaper(steps, rows, cols):
-        gram = torch.bmm(_f32(piece.b), _f32(piece.b).transpose(1, 2))
-        gram.mul_(_gram_a(piece, piece))  # in place: two T × T matrices at most
+        if cache is None:
+            gram = torch.bmm(_f32(piece.b), _f32(piece.b).transpose(1, 2))
+            gram.mul_(_gram_a(piece, piece))  # in place: two T × T matrices at most
+        else:  # the input's Gram matrix is shared with the next use of the same input
+            gram = _gram_a(piece, piece).mul_(cache.gram(piece.b))
         bound = gram.diagonal(dim1=1, dim2=2).double().sqrt().sum(dim=1)
         return gram.sum(dim=(1, 2), dtype=torch.float64), bound
     g = _materialise(piece)
@@ -319,15 +354,18 @@ def weighted_sum(piece: Piece, weights: torch.Tensor, keep: torch.Tensor | None)
     b = _f32(piece.b)
     if keep is not None:
         b = torch.where(keep[:, None, None], b, 0.0)
-    b = b * w[:, None, None]
     cols = b.shape[-1]
     if piece.indexed:
         rows = int(piece.rows or 0)
         out = torch.zeros(rows, cols, dtype=b.dtype, device=b.device)
-        return out.index_add_(0, piece.a.reshape(-1), b.reshape(-1, cols))
+        return out.index_add_(0, piece.a.reshape(-1), (b * w[:, None, None]).reshape(-1, cols))
     a = _f32(piece.a)
     if keep is not None:
         a = torch.where(keep[:, None, None], a, 0.0)
+    if a.shape[-1] < cols:  # scale the narrower factor by the weights (fewer products)
+        a = a * w[:, None, None]
+    else:
+        b = b * w[:, None, None]
     return a.reshape(-1, a.shape[-1]).T @ b.reshape(-1, cols)
 
 

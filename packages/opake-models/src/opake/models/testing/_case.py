@@ -172,7 +172,8 @@ def _loss_fn(fmodel: Any, task: str, *, loss_only: bool) -> Callable[..., torch.
             kwargs["use_cache"] = False
             if loss_only:
                 kwargs["loss_only"] = True
-        return fmodel(params, **kwargs).loss
+        loss: torch.Tensor = fmodel(params, **kwargs).loss
+        return loss
 
     return loss_fn
 
