@@ -49,7 +49,7 @@ def _support_row(spec: FamilySpec) -> str:
     elif moe.routing == "family":
         engines = "vmap (dense experts) only"
     else:
-        engines = "vmap (dense experts), book-keeping (per-layer fallback for experts)"
+        engines = "vmap (dense experts), book-keeping (`fused_experts` rule)"
     frozen = []
     if spec.attention.sinks:
         frozen.append("the attention `sinks`")
