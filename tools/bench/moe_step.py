@@ -13,9 +13,10 @@ are the same small cost for every method and left out):
 
 - ``nonprivate``: the stock model, ``model(input_ids, labels=...).loss.backward()``;
 - ``bookkeeping``: ``apply_model_patches`` + ``clipped_grad(BatchedLoss(loss_only=True,
-  per_example_loss=True), method="bookkeeping")`` — one batched forward/backward (the family's
-  sparse experts), the router book-kept from its tapped logits, the fused experts through the
-  per-layer rule (``vmap`` over the experts layer alone, dense dispatch);
+  per_example_loss=True), method="bookkeeping")`` — one batched forward/backward, the router
+  book-kept from its tapped logits, the fused experts by the ``fused_experts`` rule
+  (``opake.models.bookkeeping``: sparse experts, ghost norms over each example's tokens routed
+  to each expert, the clipped sum as one matmul per expert);
 - ``vmap``: the same patched model, ``clipped_grad(method="vmap", microbatch_size=--microbatch)``
   on the one-example loss-only forward (dense experts per example);
 - ``opacus``: Opacus ``GradSampleModule`` hooks on the stock model, if ``import opacus`` works;
@@ -28,6 +29,10 @@ median over rounds is reported.
 
     python tools/bench/moe_step.py                       # both models, markdown table
     python tools/bench/moe_step.py --models mixtral --rounds 3 --json out.json
+    python tools/bench/moe_step.py --methods nonprivate bookkeeping --threads 1 --train experts
+
+``--train experts`` (``no-experts``) trains only the fused experts (everything but them) in
+every method, which isolates the experts rule's share of the overhead.
 
 Results are recorded in docs/benchmarks.md ("Mixture of experts (opake-models)").
 """
