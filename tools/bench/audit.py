@@ -56,7 +56,7 @@ def simulate(canaries: list[int], epsilons: list[float], reps: int) -> None:
 
 
 def whitebox(epsilons: list[float], args: argparse.Namespace) -> None:
-    """Gradient canaries at the sampling of a given run, through opake-core's DP-SGD loop.
+    """Gradient canaries at the sampling of a given run, through opake-core's ``DPTraining``.
 
     The canaries live in their own parameter, which the data's gradients never touch, so their
     scores depend on q, the steps, σ, C and m only — not on the model: this is the white-box
