@@ -314,7 +314,8 @@ def test_dp_step_clips_each_example_to_c(family, tie_router):
 
 
 @pytest.mark.parametrize(
-    "family", ["mixtral", "qwen3_moe", "gpt_oss", "hunyuan_v1_moe", "qwen3_next", "deepseek_v4"]
+    "family",
+    ["mixtral", "qwen3_moe", "mellum", "gpt_oss", "hunyuan_v1_moe", "qwen3_next", "deepseek_v4"],
 )
 def test_the_plan_puts_every_experts_layer_under_the_fused_experts_rule(family):
     """No per-layer ``vmap`` fallback for fused experts: every experts module is planned under
