@@ -128,7 +128,11 @@ class ExpertGrads:
             w = torch.where(keep, w, 0.0)
             kept = keep[self.example][:, None]
             a, b = torch.where(kept, a, 0.0), torch.where(kept, b, 0.0)
-        b = b * w[self.example][:, None]
+        scale = w[self.example][:, None]
+        if a.shape[-1] < b.shape[-1]:  # scale the narrower factor
+            a = a * scale
+        else:
+            b = b * scale
         out = a.new_zeros(self.shape)
         for expert, start, stop in self._groups():
             out[expert] = a[start:stop].T @ b[start:stop]
