@@ -14,6 +14,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from opake.core.errors import ConfigurationError, InputTypeError
@@ -63,24 +64,24 @@ class ChunkNorms:
     is_real: torch.Tensor
     groups: tuple[int, ...] | None = None
 
-    @property
+    @cached_property
     def total(self) -> torch.Tensor:
         """``[m]`` reported per-example norms (all leaves together)."""
         return self.leaf_sq.sum(dim=1).sqrt()
 
-    @property
+    @cached_property
     def bound(self) -> torch.Tensor:
         """``[m]`` per-example norms to clip with."""
         return self.bound_sq.sum(dim=1).sqrt()
 
-    @property
+    @cached_property
     def finite(self) -> torch.Tensor:
         """``[m]`` bool: both norms finite (a non-finite example contributes zero)."""
         import torch
 
         return torch.isfinite(self.total) & torch.isfinite(self.bound)
 
-    @property
+    @cached_property
     def contributes(self) -> torch.Tensor:
         """``[m]`` bool: a real example with a finite gradient."""
         return self.finite & self.is_real

@@ -18,7 +18,7 @@ from opake.dpsgd.clipping._grads import ClipAux
 if TYPE_CHECKING:
     import torch
 
-    from opake.dpsgd.clipping._base import ClipFactors
+    from opake.dpsgd.clipping._base import ChunkNorms, ClipFactors
 
 __all__ = ["CallRecord", "ChunkEngine", "ChunkOut"]
 
@@ -75,15 +75,12 @@ class CallRecord:
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self.count = torch.zeros((), dtype=torch.float64, device=device)
 
-    def add(
-        self, out: ChunkOut, factors: ClipFactors, is_real: torch.Tensor, has_aux: bool
-    ) -> None:
+    def add(self, out: ChunkOut, norms: ChunkNorms, factors: ClipFactors, has_aux: bool) -> None:
         """Record one chunk."""
         import torch
 
         f32 = torch.float32
-        total = out.leaf_sq.sum(dim=1).sqrt()
-        finite = torch.isfinite(total) & torch.isfinite(out.bound_sq.sum(dim=1))
+        total, finite, is_real = norms.total, norms.finite, norms.is_real
         self.nonfinite = self.nonfinite + (is_real & ~finite).sum()
         self.scaled = self.scaled + (is_real & factors.shrunk).sum()
         if factors.count is not None:

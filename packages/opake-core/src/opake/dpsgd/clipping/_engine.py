@@ -32,7 +32,13 @@ if TYPE_CHECKING:
 
     from opake.dpsgd.clipping._base import ClipFactors
 
-__all__ = ["VmapEngine", "checked_loss", "small_fraction"]
+__all__ = [
+    "VmapEngine",
+    "argument_numel",
+    "checked_loss",
+    "model_numel",
+    "small_fraction",
+]
 
 # expanded-forward path when differentiated numel ≤ this fraction of the rest of the model
 _EXPAND_FRACTION = 0.1
@@ -43,35 +49,37 @@ def small_fraction(diff_numel: int, other_numel: int) -> bool:
     return diff_numel <= _EXPAND_FRACTION * other_numel
 
 
-def other_numel(
-    args: tuple[Any, ...],
-    argnums: int,
-    batch_argnums: tuple[int, ...],
-    model: torch.nn.Module | None,
-    names: Iterable[str],
-) -> int:
-    """Floating-point numbers the loss reads besides the differentiated ones: non-batched
-    tensor arguments, and the parameters of ``model`` (a ``BatchedLoss``'s) not differentiated,
-    so that frozen weights count however they reach the loss (argument or closure)."""
+def argument_numel(args: tuple[Any, ...], argnums: int, batch_argnums: tuple[int, ...]) -> int:
+    """Floating-point numbers in the non-batched arguments besides the differentiated one."""
     import torch
     from torch.utils._pytree import tree_leaves
 
-    total = sum(
+    return sum(
         x.numel()
         for i, arg in enumerate(args)
         if i != argnums and i not in batch_argnums
         for x in tree_leaves(arg)
         if isinstance(x, torch.Tensor) and x.is_floating_point()
     )
-    if model is not None:
-        seen = {id(x) for i, a in enumerate(args) if i != argnums for x in tree_leaves(a)}
-        own = set(names)
-        total += sum(
-            p.numel()
-            for name, p in model.named_parameters()
-            if name not in own and id(p) not in seen and p.is_floating_point()
-        )
-    return total
+
+
+def model_numel(
+    model: torch.nn.Module | None, args: tuple[Any, ...], argnums: int, names: Iterable[str]
+) -> int:
+    """Floating-point parameters of ``model`` (a ``BatchedLoss``'s) that are neither
+    differentiated nor passed as arguments: frozen weights count however they reach the loss
+    (argument or closure), once."""
+    if model is None:
+        return 0
+    from torch.utils._pytree import tree_leaves
+
+    seen = {id(x) for i, a in enumerate(args) if i != argnums for x in tree_leaves(a)}
+    own = set(names)
+    return sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if name not in own and id(p) not in seen and p.is_floating_point()
+    )
 
 
 def checked_loss(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:

@@ -114,6 +114,7 @@ class ClippedGradFn:
         #: why the expanded-forward path is off for good (None: chosen per call by size)
         self._expand_disabled: str | None = None
         self._logged: tuple[str, str] | None = None
+        self._fraction_cache: dict[tuple[tuple[str, tuple[int, ...]], ...], int] = {}
 
     def __repr__(self) -> str:
         return (
@@ -190,10 +191,14 @@ class ClippedGradFn:
         if differentiable or self._expand_disabled is not None:
             return False
         tree = DiffTree.of(args[self.argnums], argnums=self.argnums)
-        diff = sum(v.numel() for v in tree.leaves.values())
-        other = vmap_engine.other_numel(
-            args, self.argnums, self.batch_argnums, self._model, tree.names
+        key = tuple((n, tuple(v.shape)) for n, v in tree.leaves.items())
+        if key not in self._fraction_cache:  # the model's share is fixed per parameter set
+            own = vmap_engine.model_numel(self._model, args, self.argnums, tree.names)
+            self._fraction_cache[key] = own
+        other = self._fraction_cache[key] + vmap_engine.argument_numel(
+            args, self.argnums, self.batch_argnums
         )
+        diff = sum(v.numel() for v in tree.leaves.values())
         return vmap_engine.small_fraction(diff, other)
 
     def _choose(
@@ -277,8 +282,9 @@ class ClippedGradFn:
         groups = self._groups(tree.names, state)
         mask = self._check_mask(example_mask, batch, device)
         differentiable = _outer_transform_differentiates()
-        args = self._cast(args)
-        tree = DiffTree.of(args[self.argnums], argnums=self.argnums)
+        if self.compute_dtype is not None:
+            args = self._cast(args)
+            tree = DiffTree.of(args[self.argnums], argnums=self.argnums)
         call = list(args)
         call[self.argnums] = tree.leaves
         args = tuple(call)
@@ -391,9 +397,10 @@ class ClippedGradFn:
                 if mask is None
                 else mask[start:stop]
             )
-            factors = state.factors(ChunkNorms(out.leaf_sq, out.bound_sq, is_real, call.groups))
+            norms = ChunkNorms(out.leaf_sq, out.bound_sq, is_real, call.groups)
+            factors = state.factors(norms)
             engine.accumulate(out, factors, sums)
-            record.add(out, factors, is_real, self.has_aux)
+            record.add(out, norms, factors, self.has_aux)
         if self.normalize_by != 1.0:
             sums = {name: value / self.normalize_by for name, value in sums.items()}
         return sums, record.result(state.group_names()), record.count
