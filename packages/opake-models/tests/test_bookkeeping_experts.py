@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from opake.core import testing
-from opake.dpsgd.bookkeeping import BatchedLoss
+from opake.dpsgd.bookkeeping import BatchedLoss, ghost_is_cheaper
 from opake.dpsgd.clipping import clipped_grad
 from opake.functional import make_functional
 from opake.models import family_spec
@@ -110,6 +110,22 @@ def test_expert_grads_match_each_examples_gradient(case):
         poisoned[0][slots[3] % 2 == 1] = float("nan")
         again, _ = _grads(poisoned, experts, batch).weighted_sum(weights, keep)
         torch.testing.assert_close(again, total)
+
+
+def test_gram_route_over_buckets_of_uneven_groups():
+    """Wide factors (the Gram route) and (expert, example) groups of very different sizes,
+    padded bucket by bucket: the norms equal the slot-by-slot reference."""
+    gen = torch.Generator().manual_seed(5)
+    batch, experts, n = 5, 3, 60
+    expert = torch.randint(0, experts, (n,), generator=gen)
+    example = torch.randint(0, batch, (n,), generator=gen)
+    expert[:20], example[:20] = 1, 2  # one large group
+    slots = (torch.randn(n, 64, generator=gen), torch.randn(n, 64, generator=gen), expert, example)
+    grads = _grads(slots, experts, batch)
+    assert len(grads._buckets()) > 1
+    assert ghost_is_cheaper(grads._rows()[1], 64, 64)
+    want = _reference(slots, experts, batch, 64, 64).square().sum(dim=(1, 2, 3))
+    torch.testing.assert_close(grads.sq_norms()[0], want, rtol=1e-5, atol=0.0)
 
 
 def test_expert_grads_refuse_a_cross_term():

@@ -15,14 +15,17 @@ expert over its slots, the rows scaled by their example's factor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import OperationError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ExpertGrads"]
+__all__ = ["BUCKETS", "ExpertGrads"]
+
+#: (expert, example) groups are padded in this many buckets of similar sizes (Gram route)
+BUCKETS = 4
 
 
 @dataclass(frozen=True)
@@ -47,11 +50,8 @@ class ExpertGrads:
     example: torch.Tensor
     counts: tuple[int, ...]
     batch: int
-    #: padded positions per expert (``start → (row index into [B·M], M)``), shareable by the
-    #: weights of one call (same slots)
-    layout: dict[int, tuple[torch.Tensor, int]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
+    #: padded layouts of the slots, shareable by the weights of one call (same slots)
+    layout: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -67,12 +67,11 @@ class ExpertGrads:
             start += count
         return out
 
-    def _rows(self) -> tuple[torch.Tensor, int]:
-        """Row of every slot in an ``[E·B·M]`` padded layout (expert, example, position), and
-        ``M``, the largest number of slots one example routes to one expert."""
+    def _positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each slot's group ``expert·B + example`` and its position within the group."""
         import torch
 
-        if -1 not in self.layout:
+        if "positions" not in self.layout:
             experts = torch.repeat_interleave(
                 torch.arange(len(self.counts), device=self.example.device),
                 torch.tensor(self.counts, device=self.example.device),
@@ -80,36 +79,65 @@ class ExpertGrads:
             group = experts * self.batch + self.example  # sorted: expert-major, then example
             first = torch.searchsorted(group, group)  # the first slot of each group's run
             pos = torch.arange(group.shape[0], device=group.device) - first
-            rows = int(pos.max()) + 1 if pos.numel() else 1
-            self.layout[-1] = (group * rows + pos, rows)
-        return self.layout[-1]
+            self.layout["positions"] = (group, pos)
+        return self.layout["positions"]  # type: ignore[no-any-return]
 
-    def _padded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slots as ``[E·B, M, R]`` and ``[E·B, M, C]`` (zero rows pad each (expert,
-        example) to ``M``)."""
-        index, rows = self._rows()
-        out = []
-        for x in (self.a, self.b):
-            padded = x.new_zeros(len(self.counts) * self.batch * rows, x.shape[-1])
-            padded.index_copy_(0, index, x)
-            out.append(padded.reshape(-1, rows, x.shape[-1]))
-        return out[0], out[1]
+    def _rows(self) -> tuple[torch.Tensor, int]:
+        """Row of every slot in an ``[E·B·M]`` padded layout (expert, example, position), and
+        ``M``, the largest number of slots one example routes to one expert."""
+        if "rows" not in self.layout:
+            group, pos = self._positions()
+            rows = int(pos.max()) + 1 if pos.numel() else 1
+            self.layout["rows"] = (group * rows + pos, rows)
+        return self.layout["rows"]  # type: ignore[no-any-return]
+
+    def _buckets(self) -> list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]:
+        """The non-empty (expert, example) groups by decreasing size in up to ``BUCKETS``
+        buckets, each padded to its own largest group (less padding than one ``M`` for all):
+        ``(slots, row of each slot in [G·M], M, groups)`` per bucket."""
+        import torch
+
+        if "buckets" not in self.layout:
+            group, pos = self._positions()
+            sizes = torch.bincount(group, minlength=len(self.counts) * self.batch)
+            order = torch.argsort(sizes, descending=True, stable=True)
+            order = order[: int((sizes > 0).sum())]
+            out = []
+            for groups in order.chunk(BUCKETS) if order.numel() else ():
+                local = torch.full_like(sizes, -1)
+                local[groups] = torch.arange(groups.shape[0], device=groups.device)
+                slots = (local[group] >= 0).nonzero().squeeze(1)
+                size = int(sizes[groups[0]])
+                out.append((slots, local[group[slots]] * size + pos[slots], size, groups))
+            self.layout["buckets"] = out
+        return self.layout["buckets"]  # type: ignore[no-any-return]
+
+    def _pad(self, x: torch.Tensor, rows: torch.Tensor, count: int, size: int) -> torch.Tensor:
+        """``x [n, d]`` into ``[count, size, d]`` at flat ``rows``, zeros elsewhere."""
+        padded = x.new_zeros(count * size, x.shape[-1])
+        return padded.index_copy_(0, rows, x).reshape(count, size, -1)
 
     def sq_norms(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(‖G_i‖² [B] fp64, None)``: the Gram route over every (expert, example) at once,
-        or expert by expert the materialised one, whichever :func:`ghost_is_cheaper` says."""
+        """``(‖G_i‖² [B] fp64, None)``: the Gram route over the (expert, example) groups, bucket
+        by bucket, or expert by expert the materialised one, whichever
+        :func:`ghost_is_cheaper` says for the largest group."""
         import torch
 
         from opake.dpsgd.bookkeeping import ghost_is_cheaper
 
         experts, rows, cols = self.shape
-        _, steps = self._rows()
-        a, b = self._padded()
-        if ghost_is_cheaper(steps, rows, cols):
-            gram = torch.bmm(b, b.transpose(1, 2)).mul_(torch.bmm(a, a.transpose(1, 2)))
-            per = gram.sum(dim=(1, 2), dtype=torch.float64).reshape(experts, self.batch)
-            return per.sum(dim=0), None
+        index, steps = self._rows()
         total = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
+        if ghost_is_cheaper(steps, rows, cols):
+            for slots, at, size, groups in self._buckets():
+                a = self._pad(self.a[slots], at, groups.shape[0], size)
+                b = self._pad(self.b[slots], at, groups.shape[0], size)
+                gram = torch.bmm(b, b.transpose(1, 2)).mul_(torch.bmm(a, a.transpose(1, 2)))
+                per = gram.sum(dim=(1, 2), dtype=torch.float64)
+                total.index_add_(0, groups % self.batch, per)
+            return total, None
+        a = self._pad(self.a, index, experts * self.batch, steps)
+        b = self._pad(self.b, index, experts * self.batch, steps)
         for expert, _, _ in self._groups():  # one expert's [B, R, C] at a time
             mine = slice(expert * self.batch, (expert + 1) * self.batch)
             g = torch.bmm(a[mine].transpose(1, 2), b[mine]).reshape(self.batch, -1)

@@ -212,7 +212,7 @@ class _Saved:
         xs = self.x[slots.token].float()
         z = self.z.float()
         out: dict[str, Any] = {}
-        layout: dict[int, tuple[torch.Tensor, int]] = {}  # the same slots: shared padding
+        layout: dict[str, Any] = {}  # the same slots: shared padding
         if first in self.attrs:
             a, b = (xs, dh) if transposed else (dh, xs)
             out[first] = ExpertGrads(a, b, slots.example, slots.counts, self.batch, layout)
