@@ -14,6 +14,7 @@ import secrets
 from collections.abc import Iterator
 from typing import Any
 
+from opake.accounting import TRAINING_PLD_OPTIONS
 from opake.auditing._canaries import GradientCanaries, step_quietly
 from opake.auditing._onerun import draw_inclusion, one_run_audit
 from opake.auditing._result import AuditResult
@@ -21,7 +22,7 @@ from opake.auditing._result import AuditResult
 __all__ = ["PLD_OPTIONS", "REPLAY_SEED", "replay_batches", "self_test"]
 
 #: PLD discretisation: pessimistic (ε stays an upper bound) and fast
-PLD_OPTIONS = {"value_discretization_interval": 1e-3}
+PLD_OPTIONS = dict(TRAINING_PLD_OPTIONS)
 
 #: seed of the auditor's replay of the sampler: public by design (a sampler whose batches do
 #: not depend on its secret seed replays exactly; a correct one replays independent batches)

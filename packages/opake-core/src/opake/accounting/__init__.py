@@ -38,7 +38,12 @@ from opake.accounting._accountant import (
     make_accountant,
 )
 from opake.accounting._adaptive import effective_noise_multiplier, gradient_noise_multiplier
-from opake.accounting._api import CALIBRATION_RANGE, calibrate_noise, epsilon
+from opake.accounting._api import (
+    CALIBRATION_RANGE,
+    TRAINING_PLD_OPTIONS,
+    calibrate_noise,
+    epsilon,
+)
 from opake.accounting._phase import Phase
 from opake.accounting._rdp import DEFAULT_RDP_ORDERS
 from opake.accounting._truncation import (
@@ -50,6 +55,7 @@ from opake.accounting._truncation import (
 __all__ = [
     "CALIBRATION_RANGE",
     "DEFAULT_RDP_ORDERS",
+    "TRAINING_PLD_OPTIONS",
     "PLDAccountant",
     "Phase",
     "PrivacyAccountant",

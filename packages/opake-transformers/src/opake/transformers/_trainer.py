@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from transformers import Trainer, TrainerCallback
 
+from opake.accounting import TRAINING_PLD_OPTIONS
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.transformers._args import DPTrainingArguments
 from opake.transformers._collate import DPDataCollator, PoissonBatches
@@ -43,7 +44,7 @@ DP_STATE_FILE = "opake_dp_state.pt"
 #: key of the padding mask in a fixed-shape batch (removed before the model sees the batch)
 EXAMPLE_MASK_KEY = "opake_example_mask"
 #: PLD discretisation: pessimistic (ε stays an upper bound) and fast enough for every step
-_PLD_OPTIONS = {"value_discretization_interval": 1e-3}
+_PLD_OPTIONS = dict(TRAINING_PLD_OPTIONS)
 
 
 class _DPStep(torch.optim.Optimizer):

@@ -17,13 +17,14 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from opake.accounting import TRAINING_PLD_OPTIONS
 from opake.core.errors import ConfigurationError
 
 __all__ = ["epsilon_table", "format_table", "noise_table", "register"]
 
 #: PLD discretisation the CLI uses (pessimistic, so ε stays an upper bound; ~1e-5 relative
 #: from the library default at a fraction of the cost)
-PLD_OPTIONS = {"value_discretization_interval": 1e-3}
+PLD_OPTIONS = dict(TRAINING_PLD_OPTIONS)
 
 
 def _options(accountant: str) -> dict[str, Any] | None:

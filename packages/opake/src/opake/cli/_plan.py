@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from opake.accounting import TRAINING_PLD_OPTIONS
 from opake.cli._checks import (
     check_model_fits,
     check_writable,
@@ -39,7 +40,7 @@ CHECKPOINT_FILE = "checkpoint.pt"
 SETTINGS_FILE = "settings.json"
 #: PLD discretisation of the run's accountant: pessimistic (ε stays an upper bound), within
 #: ~1e-5 relative of the library default and fast enough to report ε after every step
-PLD_OPTIONS = {"value_discretization_interval": 1e-3}
+PLD_OPTIONS = dict(TRAINING_PLD_OPTIONS)
 
 
 @dataclass
