@@ -53,7 +53,7 @@ def _local_closure(package: str) -> list[str]:
     return seen
 
 
-nox.options.sessions = ["lint", "tests", "integration", "build", "docs"]
+nox.options.sessions = ["lint", "typecheck", "tests", "integration", "build", "docs"]
 
 
 def _reusing(session: nox.Session) -> bool:
@@ -93,23 +93,16 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and format check over the whole repository."""
+    """ruff lint and format check (the same stage as CI)."""
     _install(session, "ruff>=0.6")
-    session.run("python", "-m", "ruff", "check", ".")
-    session.run("python", "-m", "ruff", "format", "--check", ".")
+    session.run("python", "tools/run_tests.py", "--only", "lint")
 
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy over every distribution's src/."""
+    """mypy --strict over every distribution's src/ (the same stage as CI)."""
     _install(session, "-r", "requirements/dev.txt")
-    modules = sorted(
-        f"opake.{sub.name}"
-        for sub in ROOT.glob("packages/*/src/opake/*")
-        if (sub / "__init__.py").exists()
-    )
-    args = [arg for mod in modules for arg in ("-p", mod)]
-    session.run("python", "-m", "mypy", *args)
+    session.run("python", "tools/run_tests.py", "--only", "typecheck")
 
 
 @nox.session

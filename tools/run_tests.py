@@ -3,6 +3,7 @@
     python tools/run_tests.py                 # lint, every distribution's tests, integration, docs
     python tools/run_tests.py --package opake-core   # one distribution's tests only
     python tools/run_tests.py --only pytest   # just the pytest stage
+    python tools/run_tests.py --only typecheck  # mypy --strict over every distribution's src/
 
 Stages fail loudly: any failing stage makes the exit code non-zero, and pytest's exit code 5
 ("no tests collected") counts as a failure, never a silent pass.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
-STAGES = ("lint", "pytest", "docs")
+STAGES = ("lint", "typecheck", "pytest", "docs")
 
 
 def _env() -> dict[str, str]:
@@ -33,6 +34,16 @@ def _env() -> dict[str, str]:
     # tiny-model tests run several times faster on one intra-op thread on small machines
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+def typecheck_command(python: str) -> list[str]:
+    """``mypy --strict`` over every distribution's top-level module (derived from the tree)."""
+    modules = sorted(
+        f"opake.{sub.name}"
+        for sub in ROOT.glob("packages/*/src/opake/*")
+        if (sub / "__init__.py").exists()
+    )
+    return [python, "-m", "mypy", "--strict", *(arg for mod in modules for arg in ("-p", mod))]
 
 
 def _run(cmd: list[str], stage: str) -> int:
@@ -59,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             failures.append("lint")
         if _run([py, "-m", "ruff", "format", "--check", "."], "format") != 0:
             failures.append("format")
+    typecheck = "typecheck" in stages and not args.package
+    if typecheck and _run(typecheck_command(py), "typecheck") != 0:
+        failures.append("typecheck")
     if "pytest" in stages:
         selected = args.package or [*PACKAGES, "integration"]
         paths = []
