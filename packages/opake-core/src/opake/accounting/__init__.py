@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 from opake.accounting._accountant import (
+    ACCOUNTANTS,
     PLDAccountant,
     PrivacyAccountant,
     RDPAccountant,
@@ -53,6 +54,7 @@ from opake.accounting._truncation import (
 )
 
 __all__ = [
+    "ACCOUNTANTS",
     "CALIBRATION_RANGE",
     "DEFAULT_RDP_ORDERS",
     "TRAINING_PLD_OPTIONS",

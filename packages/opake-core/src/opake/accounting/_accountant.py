@@ -18,6 +18,7 @@ from opake.accounting._validate import (
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 
 __all__ = [
+    "ACCOUNTANTS",
     "PLDAccountant",
     "PrivacyAccountant",
     "RDPAccountant",
@@ -387,6 +388,8 @@ class PLDAccountant(PrivacyAccountant):
 
 
 _KINDS: dict[str, type[PrivacyAccountant]] = {"pld": PLDAccountant, "rdp": RDPAccountant}
+#: the accountant names :func:`make_accountant` takes (``accountant=`` everywhere)
+ACCOUNTANTS: tuple[str, ...] = tuple(_KINDS)
 
 
 def make_accountant(kind: str = "pld", **options: Any) -> PrivacyAccountant:

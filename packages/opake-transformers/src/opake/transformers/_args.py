@@ -6,14 +6,14 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from opake.accounting import ACCOUNTANTS
 from opake.core.errors import ConfigurationError
+from opake.dpsgd.clipping import ENGINES
+from opake.dpsgd.training import SAMPLERS
 
 __all__ = ["DPTrainingArguments"]
 
 _CLIPPING = ("flat", "automatic")
-_ACCOUNTANTS = ("pld", "rdp")
-_SAMPLERS = ("poisson", "fixed")
-_ENGINES = ("auto", "vmap", "bookkeeping")
 
 
 @dataclass
@@ -101,9 +101,9 @@ class DPTrainingArguments(TrainingArguments):
             raise ConfigurationError(f"target_delta={self.target_delta!r}: expected 0 < δ < 1")
         for name, allowed in (
             ("clipping", _CLIPPING),
-            ("accountant", _ACCOUNTANTS),
-            ("dp_sampler", _SAMPLERS),
-            ("engine", _ENGINES),
+            ("accountant", ACCOUNTANTS),
+            ("dp_sampler", SAMPLERS),
+            ("engine", ENGINES),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigurationError(

@@ -17,7 +17,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from opake.accounting import TRAINING_PLD_OPTIONS
+from opake.accounting import ACCOUNTANTS, TRAINING_PLD_OPTIONS
 from opake.core.errors import ConfigurationError
 
 __all__ = ["epsilon_table", "format_table", "noise_table", "register"]
@@ -211,7 +211,7 @@ def register(sub: Any) -> None:
     p.add_argument("--target-epsilon", "-e", type=_positive_float, nargs="+", metavar="EPS")
     p.add_argument("--steps", "-t", type=_positive_int, nargs="+", required=True, metavar="T")
     p.add_argument("--delta", "-d", type=_positive_float, nargs="+", required=True, metavar="D")
-    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld",
+    p.add_argument("--accountant", choices=ACCOUNTANTS, default="pld",
                    help="pld: tight (default); rdp: faster, looser")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(run=_run)

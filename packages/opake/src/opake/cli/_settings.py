@@ -22,7 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from opake.accounting import ACCOUNTANTS
 from opake.core.errors import ConfigurationError
+from opake.dpsgd.clipping import ENGINES
+from opake.dpsgd.training import SAMPLERS
 
 __all__ = [
     "DEFAULT_STEPS",
@@ -37,8 +40,6 @@ __all__ = [
 DEFAULT_STEPS = 240
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd")
-SAMPLERS = ("poisson", "fixed")
-ENGINES = ("auto", "vmap", "bookkeeping")
 #: settings a resumed run must share with the saved one (data, model, privacy, schedule)
 RESUME_LOCKED = (
     "model",
@@ -193,7 +194,7 @@ class TrainSettings:
             ("precision", PRECISIONS),
             ("optimizer", OPTIMIZERS),
             ("sampler", SAMPLERS),
-            ("accountant", ("pld", "rdp")),
+            ("accountant", ACCOUNTANTS),
             ("engine", ENGINES),
         ):
             if getattr(self, name) not in allowed:
@@ -284,7 +285,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--accountant",
-        choices=("pld", "rdp"),
+        choices=ACCOUNTANTS,
         default=d.accountant,
         help="privacy accountant (pld: tight, default; rdp: looser)",
     )

@@ -420,16 +420,18 @@ RECHECK_EVERY = 64
 _INCONCLUSIVE = "inconclusive"
 
 
-METHODS = ("auto", "vmap", "bookkeeping")
+#: the per-example engines ``clipped_grad(method=...)`` takes (public as
+#: ``opake.dpsgd.clipping.ENGINES``)
+ENGINES: tuple[str, ...] = ("auto", "vmap", "bookkeeping")
 
 
 def prepare(
     loss_fn: Any, method: object, *, argnums: int, batch_argnums: tuple[int, ...], has_aux: bool
 ) -> tuple[Callable[..., Any], BookkeepingRunner | None]:
     """Validate ``clipped_grad(method=...)``; return the one-example loss and the runner."""
-    if method not in METHODS:
+    if method not in ENGINES:
         raise ConfigurationError(
-            f"clipped_grad(method={method!r}): expected one of {METHODS} ('auto' uses "
+            f"clipped_grad(method={method!r}): expected one of {ENGINES} ('auto' uses "
             "book-keeping where it is exact, vmap otherwise)"
         )
     if not isinstance(loss_fn, BatchedLoss):

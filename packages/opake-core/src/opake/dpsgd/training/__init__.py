@@ -30,5 +30,6 @@ Example:
 from __future__ import annotations
 
 from opake.dpsgd.training._dp_training import DPTraining, PrivacyBudgetExhausted, StepResult
+from opake.dpsgd.training._options import SAMPLERS
 
-__all__ = ["DPTraining", "PrivacyBudgetExhausted", "StepResult"]
+__all__ = ["SAMPLERS", "DPTraining", "PrivacyBudgetExhausted", "StepResult"]

@@ -9,11 +9,12 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from opake.accounting import ACCOUNTANTS
 from opake.core.errors import ConfigurationError, InputTypeError
+from opake.dpsgd.clipping import ENGINES
 
-_SAMPLERS = ("poisson", "fixed")
-_ACCOUNTANTS = ("pld", "rdp")
-_ENGINES = ("auto", "vmap", "bookkeeping")
+#: the samplers ``DPTraining(sampler=...)`` takes
+SAMPLERS: tuple[str, ...] = ("poisson", "fixed")
 
 
 def _positive(name: str, value: object, *, integer: bool = False) -> Any:
@@ -60,7 +61,7 @@ def _make_accountant(accountant: Any, options: Mapping[str, Any] | None) -> Any:
     from opake import accounting
 
     if isinstance(accountant, str):
-        _choice("accountant", accountant, _ACCOUNTANTS)
+        _choice("accountant", accountant, ACCOUNTANTS)
         return accounting.make_accountant(accountant, **dict(options or {}))
     if options:
         raise ConfigurationError(
@@ -212,8 +213,8 @@ def _check_arguments(
 
 
 def _check_choices(*, engine: object, sampler: object, seed: object) -> None:
-    _choice("engine", engine, _ENGINES)
-    _choice("sampler", sampler, _SAMPLERS)
+    _choice("engine", engine, ENGINES)
+    _choice("sampler", sampler, SAMPLERS)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise InputTypeError(f"seed={seed!r}: expected None (secure) or an int ≥ 0")
 
