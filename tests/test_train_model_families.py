@@ -80,6 +80,10 @@ def test_opake_train_runs_a_saved_tiny_model(family, corpus, tmp_path):
     if family == "deepseek_v4":  # the training step names the indexer's parameters
         from opake.core.errors import OpakePrivacyWarning
 
+        # the check waits for a non-empty Poisson batch (q ≈ 0.006 here: a secure draw is empty
+        # one time in seven), so draw a seeded one that is not empty
+        argv += ["--reproducible", "--seed", "3"]
+
         with pytest.warns(OpakePrivacyWarning, match="without gradient.*indexer"):
             assert main(argv) == 0
     else:

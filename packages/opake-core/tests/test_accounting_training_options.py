@@ -17,3 +17,12 @@ def test_coarser_grid_never_reports_a_smaller_epsilon() -> None:
     fine = epsilon(accountant="pld", **schedule)
     coarse = epsilon(accountant="pld", accountant_options=dict(TRAINING_PLD_OPTIONS), **schedule)
     assert fine <= coarse <= fine * 1.01
+
+
+def test_every_listed_accountant_is_built_by_make_accountant() -> None:
+    from opake.accounting import ACCOUNTANTS, make_accountant
+    from opake.accounting._accountant import _KINDS
+
+    assert tuple(_KINDS) == ACCOUNTANTS
+    for kind in ACCOUNTANTS:
+        assert make_accountant(kind).kind == kind

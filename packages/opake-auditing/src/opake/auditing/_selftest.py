@@ -14,10 +14,10 @@ import secrets
 from collections.abc import Iterator
 from typing import Any
 
-from opake.accounting import TRAINING_PLD_OPTIONS
 from opake.auditing._canaries import GradientCanaries, step_quietly
 from opake.auditing._onerun import draw_inclusion, one_run_audit
 from opake.auditing._result import AuditResult
+from opake.core.choices import TRAINING_PLD_OPTIONS
 
 __all__ = ["PLD_OPTIONS", "REPLAY_SEED", "replay_batches", "self_test"]
 

@@ -15,6 +15,7 @@ from opake.accounting._validate import (
     check_delta,
     check_epsilon,
 )
+from opake.core.choices import ACCOUNTANTS
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 
 __all__ = [
@@ -387,9 +388,8 @@ class PLDAccountant(PrivacyAccountant):
         }
 
 
+#: one class per name of :data:`opake.core.choices.ACCOUNTANTS` (a test checks they agree)
 _KINDS: dict[str, type[PrivacyAccountant]] = {"pld": PLDAccountant, "rdp": RDPAccountant}
-#: the accountant names :func:`make_accountant` takes (``accountant=`` everywhere)
-ACCOUNTANTS: tuple[str, ...] = tuple(_KINDS)
 
 
 def make_accountant(kind: str = "pld", **options: Any) -> PrivacyAccountant:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import Any
 
 from opake.accounting._accountant import PrivacyAccountant, make_accountant
@@ -15,19 +14,13 @@ from opake.accounting._validate import (
     check_sample_rate,
     check_steps,
 )
+from opake.core.choices import TRAINING_PLD_OPTIONS
 from opake.core.errors import ConfigurationError, InputTypeError
 
 __all__ = ["CALIBRATION_RANGE", "TRAINING_PLD_OPTIONS", "calibrate_noise", "epsilon"]
 
 #: The noise multipliers :func:`calibrate_noise` searches.
 CALIBRATION_RANGE: tuple[float, float] = (0.1, 1.0e6)
-
-#: The PLD accountant options of Opake's training front ends (``opake train``, ``opake audit``,
-#: ``DPTrainer``): a grid 10× coarser than the library default, so accounting a long run takes
-#: seconds; ε stays an upper bound (rounded up), a little looser. Copy it before changing it.
-TRAINING_PLD_OPTIONS: Mapping[str, float] = MappingProxyType(
-    {"value_discretization_interval": 1e-3}
-)
 
 
 def _accountant(kind: str, options: Mapping[str, Any] | None) -> PrivacyAccountant:

@@ -6,10 +6,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from opake.accounting import ACCOUNTANTS
+from opake.core.choices import ACCOUNTANTS, ENGINES, SAMPLERS
 from opake.core.errors import ConfigurationError
-from opake.dpsgd.clipping import ENGINES
-from opake.dpsgd.training import SAMPLERS
 
 __all__ = ["DPTrainingArguments"]
 

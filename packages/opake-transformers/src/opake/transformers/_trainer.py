@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from transformers import Trainer, TrainerCallback
 
-from opake.accounting import TRAINING_PLD_OPTIONS
+from opake.core.choices import TRAINING_PLD_OPTIONS
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.transformers._args import DPTrainingArguments
 from opake.transformers._collate import DPDataCollator, PoissonBatches

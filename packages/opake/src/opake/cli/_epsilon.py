@@ -17,7 +17,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from opake.accounting import ACCOUNTANTS, TRAINING_PLD_OPTIONS
+from opake.core.choices import ACCOUNTANTS, TRAINING_PLD_OPTIONS
 from opake.core.errors import ConfigurationError
 
 __all__ = ["epsilon_table", "format_table", "noise_table", "register"]

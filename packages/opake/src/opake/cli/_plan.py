@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from opake.accounting import TRAINING_PLD_OPTIONS
 from opake.cli._checks import (
     check_model_fits,
     check_writable,
@@ -26,6 +25,7 @@ from opake.cli._data import Corpus, load_corpus, make_blocks, split_blocks, unig
 from opake.cli._models import load_tokenizer, resolve_model
 from opake.cli._settings import DEFAULT_STEPS, RESUME_LOCKED, TrainSettings
 from opake.cli._tokenizer import ByteTokenizer
+from opake.core.choices import TRAINING_PLD_OPTIONS
 from opake.core.errors import ConfigurationError
 
 if TYPE_CHECKING:

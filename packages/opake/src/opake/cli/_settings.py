@@ -22,10 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from opake.accounting import ACCOUNTANTS
+from opake.core.choices import ACCOUNTANTS, ENGINES, SAMPLERS
 from opake.core.errors import ConfigurationError
-from opake.dpsgd.clipping import ENGINES
-from opake.dpsgd.training import SAMPLERS
 
 __all__ = [
     "DEFAULT_STEPS",

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from opake.core.choices import ENGINES
 from opake.core.errors import ConfigurationError, OperationError
 from opake.dpsgd.bookkeeping._certify import GAMMA, bounds, exact_sq_norm, full_precision
 from opake.dpsgd.bookkeeping._chunk import BookkeepingChunk
@@ -418,11 +419,6 @@ class BookkeepingUnsupportedError(BookkeepingMismatchError):
 #: calls between two checks of an already verified structure
 RECHECK_EVERY = 64
 _INCONCLUSIVE = "inconclusive"
-
-
-#: the per-example engines ``clipped_grad(method=...)`` takes (public as
-#: ``opake.dpsgd.clipping.ENGINES``)
-ENGINES: tuple[str, ...] = ("auto", "vmap", "bookkeeping")
 
 
 def prepare(

@@ -21,7 +21,7 @@ in :class:`ClipAux` are not private.
 
 from __future__ import annotations
 
-from opake.dpsgd.bookkeeping._engine import ENGINES
+from opake.core.choices import ENGINES
 from opake.dpsgd.clipping._api import clipped_grad
 from opake.dpsgd.clipping._base import ChunkNorms, ClipFactors
 from opake.dpsgd.clipping._grad_fn import ClippedGradFn

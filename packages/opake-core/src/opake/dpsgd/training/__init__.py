@@ -29,7 +29,7 @@ Example:
 
 from __future__ import annotations
 
+from opake.core.choices import SAMPLERS
 from opake.dpsgd.training._dp_training import DPTraining, PrivacyBudgetExhausted, StepResult
-from opake.dpsgd.training._options import SAMPLERS
 
 __all__ = ["SAMPLERS", "DPTraining", "PrivacyBudgetExhausted", "StepResult"]

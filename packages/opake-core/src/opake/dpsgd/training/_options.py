@@ -9,12 +9,8 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from opake.accounting import ACCOUNTANTS
+from opake.core.choices import ACCOUNTANTS, ENGINES, SAMPLERS
 from opake.core.errors import ConfigurationError, InputTypeError
-from opake.dpsgd.clipping import ENGINES
-
-#: the samplers ``DPTraining(sampler=...)`` takes
-SAMPLERS: tuple[str, ...] = ("poisson", "fixed")
 
 
 def _positive(name: str, value: object, *, integer: bool = False) -> Any:
