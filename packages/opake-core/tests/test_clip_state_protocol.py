@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -110,6 +110,26 @@ def test_a_kind_is_taken_once():
         @dataclass(frozen=True)
         class Other(ClipState):
             kind: ClassVar[str] = "fixed"
+
+
+def test_a_method_missing_its_factors_cannot_be_built():
+    @dataclass(frozen=True)
+    class NoFactors(ClipState):
+        kind: ClassVar[str] = "test-no-factors"
+
+        @property
+        def sensitivity(self) -> float:
+            return 1.0
+
+        def to_dict(self) -> dict[str, Any]:
+            return {"kind": self.kind}
+
+        @classmethod
+        def from_dict(cls, data: Any) -> ClipState:
+            return cls()
+
+    with pytest.raises(TypeError, match="factors"):
+        NoFactors()
 
 
 _STATES = [

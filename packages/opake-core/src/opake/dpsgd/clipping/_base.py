@@ -10,6 +10,7 @@ state needs to carry over, e.g. adaptive clipping's count). The engine then adds
 
 from __future__ import annotations
 
+import abc
 import math
 import sys
 from collections.abc import Callable, Mapping
@@ -137,7 +138,7 @@ def _source(cls: type) -> str | None:
     return getattr(module, "__file__", None) or cls.__module__
 
 
-class ClipState:
+class ClipState(abc.ABC):
     """Base class of every clipping method (each a frozen, serialisable dataclass).
 
     A subclass declares ``kind`` (its name in :meth:`to_dict`; registered for
@@ -167,9 +168,9 @@ class ClipState:
         # the same class defined again (its module imported a second time): the first stays
 
     @property
+    @abc.abstractmethod
     def sensitivity(self) -> float:
         """L2 sensitivity of the clipped sum (before ``normalize_by``)."""
-        raise NotImplementedError
 
     def leaf_groups(self, names: tuple[str, ...], spec: GroupSpec) -> tuple[int, ...] | None:
         """Leaf → group index for :attr:`ChunkNorms.groups` (``None``: the method has none)."""
@@ -184,9 +185,9 @@ class ClipState:
         """Names of the columns of :attr:`ClipFactors.group_norms` (``None``: no groups)."""
         return None
 
+    @abc.abstractmethod
     def factors(self, norms: ChunkNorms) -> ClipFactors:
         """Per-example, per-leaf factors for one chunk (see :class:`ClipFactors`)."""
-        raise NotImplementedError
 
     def advance(self, count: torch.Tensor, *, end_step: bool) -> ClipState:
         """The state after one ``grad_fn`` call; ``count`` sums :attr:`ClipFactors.count`."""
@@ -199,14 +200,14 @@ class ClipState:
         a method without step-to-step state returns ``self``."""
         return self
 
+    @abc.abstractmethod
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-serialisable form; :meth:`from_dict` reverses it."""
-        raise NotImplementedError
 
     @classmethod
+    @abc.abstractmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClipState:
         """Rebuild from :meth:`to_dict` output."""
-        raise NotImplementedError
 
 
 def positive(owner: str, name: str, value: object, *, allow_inf: bool = False) -> float:
