@@ -63,6 +63,10 @@ def ref_lce(
         return nll
     if reduction == "sum":
         return nll.sum()
+    if reduction == "per_example":  # each example's mean over its own target tokens
+        counts = (labels != ignore_index).reshape(labels.shape[0], -1).sum(-1).clamp_min(1)
+        return nll.reshape(labels.shape[0], -1).sum(-1) / counts
+    assert reduction == "mean", reduction
     return nll.sum() / (labels != ignore_index).sum().clamp_min(1)
 
 

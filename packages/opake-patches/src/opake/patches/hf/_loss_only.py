@@ -164,8 +164,10 @@ def per_example_lm_loss(
     """Mean over examples of each example's mean token loss (labels already aligned).
 
     ``hidden`` is ``(B, T, H)`` (or ``(T, H)``), ``labels`` ``(B, T)`` (or ``(T,)``). With one
-    example this is the kernel's own ``reduction="mean"``; with several, per-token losses are
-    averaged per example first (an example with no target token contributes 0).
+    example this is the kernel's own ``reduction="mean"``; with several, the kernel's
+    ``reduction="per_example"`` averages each example's own tokens (an example with no target
+    token contributes 0), so a kernel that forms the gradients in its forward pass does so here
+    too.
     ``per_example=True`` returns those per-example losses ``(B,)`` instead of their mean.
     ``module`` is the layer owning ``weight`` (``lm_head``): while the book-keeping engine
     records a forward it is tapped (see the module docstring).
@@ -175,7 +177,10 @@ def per_example_lm_loss(
     >>> def ref(h, w, y, *, bias=None, ignore_index=-100, reduction="mean", **kw):
     ...     nll = torch.nn.functional.cross_entropy(
     ...         (h @ w.T).flatten(0, -2), y.flatten(), ignore_index=ignore_index, reduction="none")
-    ...     return nll.view(y.shape) if reduction == "none" else nll.sum() / (y != -100).sum()
+    ...     nll = nll.view(y.shape)
+    ...     if reduction == "per_example":  # each example's mean over its own target tokens
+    ...         return nll.sum(-1) / (y != -100).sum(-1).clamp_min(1)
+    ...     return nll if reduction == "none" else nll.sum() / (y != -100).sum()
     >>> k = LossKernel("ref", ref)
     >>> h, w = torch.zeros(2, 3, 4), torch.zeros(5, 4)
     >>> y = torch.tensor([[1, 2, 3], [1, -100, -100]])
@@ -210,12 +215,15 @@ def per_example_lm_loss(
             f"book-keeping: the loss-only head got hidden states {tuple(hidden.shape)} and "
             f"labels {tuple(labels.shape)}; it needs a batch: (B, T, H) and (B, T)"
         )
-    if use is None:
-        per_token = kernel.impl(hidden, weight, labels, reduction="none", **common)
-    else:
-        recorded = _recorded_impl(kernel, hidden.device)
-        per_token, record = recorded(hidden, weight, labels, **common)
-        per_token = use.tap(per_token, functools.partial(_head_grads, record, tuple(use.params)))
+    if use is None:  # each example's mean in the kernel: its forward may form the gradients
+        per_ex: torch.Tensor = kernel.impl(
+            hidden, weight, labels, reduction="per_example", **common
+        )
+        losses = per_ex.reshape(labels.shape[0]).float()
+        return losses if per_example else losses.mean()
+    recorded = _recorded_impl(kernel, hidden.device)
+    per_token, record = recorded(hidden, weight, labels, **common)
+    per_token = use.tap(per_token, functools.partial(_head_grads, record, tuple(use.params)))
     per_token = per_token.reshape(labels.shape[0], -1).float()
     counts = (labels != ignore_index).reshape(labels.shape[0], -1).sum(-1).clamp_min(1)
     losses: torch.Tensor = per_token.sum(-1) / counts
