@@ -52,6 +52,8 @@ class ExpertGrads:
     batch: int
     #: padded layouts of the slots, shareable by the weights of one call (same slots)
     layout: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    #: results of this weight kept for a later call (the Gram route's bound)
+    cache: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -91,31 +93,71 @@ class ExpertGrads:
             self.layout["rows"] = (group * rows + pos, rows)
         return self.layout["rows"]  # type: ignore[no-any-return]
 
-    def _buckets(self) -> list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]:
-        """The non-empty (expert, example) groups by decreasing size in up to ``BUCKETS``
-        buckets, each padded to its own largest group (less padding than one ``M`` for all):
-        ``(slots, row of each slot in [G·M], M, groups)`` per bucket."""
+    def _buckets(self) -> tuple[torch.Tensor, list[tuple[int, int, int, torch.Tensor]]]:
+        """The non-empty (expert, example) groups in buckets of similar sizes, each padded to a
+        multiple of ``q`` (a multiple of 8, so that at most ``BUCKETS`` buckets cover the
+        largest group; the small batched products run fastest on such sizes): the row of
+        every slot in one zero-padded buffer holding all buckets, and per bucket
+        ``(first row, groups, padded size, the groups' ids expert·B + example)``."""
         import torch
 
         if "buckets" not in self.layout:
             group, pos = self._positions()
             sizes = torch.bincount(group, minlength=len(self.counts) * self.batch)
-            order = torch.argsort(sizes, descending=True, stable=True)
-            order = order[: int((sizes > 0).sum())]
-            out = []
-            for groups in order.chunk(BUCKETS) if order.numel() else ():
-                local = torch.full_like(sizes, -1)
-                local[groups] = torch.arange(groups.shape[0], device=groups.device)
-                slots = (local[group] >= 0).nonzero().squeeze(1)
-                size = int(sizes[groups[0]])
-                out.append((slots, local[group[slots]] * size + pos[slots], size, groups))
-            self.layout["buckets"] = out
+            largest = int(sizes.max()) if sizes.numel() else 0
+            quantum = 8 * max(1, -(-largest // (8 * BUCKETS)))
+            level = torch.div(sizes + quantum - 1, quantum, rounding_mode="floor")  # 0: empty
+            order = torch.argsort(level, stable=True)
+            counts = torch.bincount(level, minlength=BUCKETS + 1).tolist()
+            local = torch.empty_like(order)
+            out, start, row = [], counts[0], 0
+            for lev in range(1, len(counts)):
+                if not counts[lev]:
+                    continue
+                groups = order[start : start + counts[lev]]
+                local[groups] = row + torch.arange(counts[lev], device=group.device) * (
+                    lev * quantum
+                )
+                out.append((row, counts[lev], lev * quantum, groups))
+                row += counts[lev] * lev * quantum
+                start += counts[lev]
+            rows = local[group] + pos if group.numel() else pos
+            source = torch.full((row,), group.numel(), dtype=torch.long, device=group.device)
+            source[rows] = torch.arange(group.numel(), device=group.device)
+            empty = (source == group.numel()).nonzero().squeeze(1)
+            self.layout["buckets"] = (rows, out)
+            self.layout["gather"] = (source.clamp_(max=max(group.numel() - 1, 0)), empty)
         return self.layout["buckets"]  # type: ignore[no-any-return]
 
     def _pad(self, x: torch.Tensor, rows: torch.Tensor, count: int, size: int) -> torch.Tensor:
         """``x [n, d]`` into ``[count, size, d]`` at flat ``rows``, zeros elsewhere."""
         padded = x.new_zeros(count * size, x.shape[-1])
         return padded.index_copy_(0, rows, x).reshape(count, size, -1)
+
+    def _gram_norms(self) -> torch.Tensor:
+        """``‖G_i‖²`` [B] fp64 by the Gram route over the buckets; keeps the bound
+        :meth:`abs_norms` from the Gram matrices' diagonals (``(a_s·a_s)(b_s·b_s)``)."""
+        import torch
+
+        _, buckets = self._buckets()
+        total = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
+        bound = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
+        if not buckets:
+            self.cache["abs"] = bound
+            return total
+        source, empty = self.layout["gather"]  # padded row <- slot; rows to zero
+        a = self.a.index_select(0, source).index_fill_(0, empty, 0.0)
+        b = self.b.index_select(0, source).index_fill_(0, empty, 0.0)
+        for first, count, size, groups in buckets:
+            part = slice(first, first + count * size)
+            ga, gb = a[part].view(count, size, -1), b[part].view(count, size, -1)
+            gram = torch.bmm(gb, gb.transpose(1, 2)).mul_(torch.bmm(ga, ga.transpose(1, 2)))
+            owner = groups % self.batch
+            total.index_add_(0, owner, gram.sum(dim=(1, 2), dtype=torch.float64))
+            diag = gram.diagonal(dim1=1, dim2=2).double().sqrt().sum(dim=1)
+            bound.index_add_(0, owner, diag)
+        self.cache["abs"] = bound
+        return total
 
     def sq_norms(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(‖G_i‖² [B] fp64, None)``: the Gram route over the (expert, example) groups, bucket
@@ -127,15 +169,9 @@ class ExpertGrads:
 
         experts, rows, cols = self.shape
         index, steps = self._rows()
-        total = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
         if ghost_is_cheaper(steps, rows, cols):
-            for slots, at, size, groups in self._buckets():
-                a = self._pad(self.a[slots], at, groups.shape[0], size)
-                b = self._pad(self.b[slots], at, groups.shape[0], size)
-                gram = torch.bmm(b, b.transpose(1, 2)).mul_(torch.bmm(a, a.transpose(1, 2)))
-                per = gram.sum(dim=(1, 2), dtype=torch.float64)
-                total.index_add_(0, groups % self.batch, per)
-            return total, None
+            return self._gram_norms(), None
+        total = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
         a = self._pad(self.a, index, experts * self.batch, steps)
         b = self._pad(self.b, index, experts * self.batch, steps)
         for expert, _, _ in self._groups():  # one expert's [B, R, C] at a time
@@ -178,6 +214,8 @@ class ExpertGrads:
         cancellation between slots shrinks."""
         import torch
 
+        if "abs" in self.cache:  # from the Gram route's diagonals
+            return self.cache["abs"]
         terms = torch.linalg.vector_norm(self.a, dim=1).double()
         terms = terms * torch.linalg.vector_norm(self.b, dim=1).double()
         out = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
