@@ -26,11 +26,22 @@ from typing import Any
 
 import torch
 
-from opake.core.errors import ConfigurationError, InputTypeError
-from opake.kernels._args import LossSpec, check_lce_tensors, loss_spec
+from opake.core.errors import ConfigurationError
+from opake.kernels._args import LossSpec
 from opake.kernels._math import transform_grad_, transform_logits_
 from opake.kernels.chunked import _cores
-from opake.kernels.chunked._workspace import resolve_chunking
+from opake.kernels.chunked._example_args import (
+    ROUTES,
+    lce_ghost_is_cheaper,
+    prepare,
+    token_grads_of,
+)
+from opake.kernels.chunked._kept import (
+    KeptLogitGrads,
+    kept_hidden_grad,
+    kept_norms,
+    kept_weighted_sum,
+)
 
 __all__ = [
     "ROUTES",
@@ -43,25 +54,6 @@ __all__ = [
 
 Tensor = torch.Tensor
 _F32 = torch.float32
-ROUTES = ("auto", "ghost", "materialised")
-
-
-def lce_ghost_is_cheaper(steps: int, hidden: int, vocab: int) -> bool:
-    """Whether the Gram route costs fewer multiply-adds than the per-example tiles.
-
-    Per example the Gram route costs ``T²·(V + H)`` (``d`` and ``h`` Gram matrices), the
-    materialised route ``T·V·H`` (each tile's ``vt × H`` gradient); both recompute the logits
-    (``T·V·H``) anyway. So the ghost norm wins while ``T·(V + H) ≤ V·H``, i.e. up to
-    ``T ≈ H`` for a large vocabulary.
-
-    >>> lce_ghost_is_cheaper(64, 256, 4096), lce_ghost_is_cheaper(512, 256, 4096)
-    (True, False)
-    """
-    return steps * (vocab + hidden) <= vocab * hidden
-
-
-def _none_spec(spec: LossSpec) -> LossSpec:
-    return LossSpec(spec.ignore_index, "none", 1, spec.mult, spec.softcap, spec.smoothing)
 
 
 class LinearCEExampleGrads:
@@ -69,7 +61,8 @@ class LinearCEExampleGrads:
 
     Built by :func:`linear_cross_entropy_example_grads`; holds ``hidden`` (``[B, T, H]``),
     ``weight``, ``labels``, the upstream token gradients and the per-token log-sum-exps (one
-    vocabulary pass, done on first use). Every method works tile by tile.
+    vocabulary pass, done on first use). Every method works tile by tile, or from the logit
+    gradients a recorded forward kept (``kept``, see :mod:`._kept`: no logit recomputed).
     """
 
     def __init__(
@@ -84,8 +77,10 @@ class LinearCEExampleGrads:
         tiles: tuple[int, int] | None,
         route: str,
         lse: Tensor | None = None,
+        kept: KeptLogitGrads | None = None,
     ) -> None:
         self.hidden = hidden
+        self._kept = kept
         self.weight = weight
         self.bias = bias
         self.labels = labels
@@ -153,9 +148,13 @@ class LinearCEExampleGrads:
         ``d`` lives in a reused buffer: consume it before advancing.
         """
         hidden = self.hidden if hidden is None else hidden
-        lse_all = self._lse_all() if lse_all is None else lse_all
         steps, hsize = hidden.shape[1], hidden.shape[2]
         vocab = self.weight.shape[0]
+        if self._kept is not None:  # one tile: the kept gradients scaled by the upstream ones
+            u = self._kept.u.view(-1, steps, vocab)[e0:e1]
+            yield 0, vocab, u * tg[e0:e1].unsqueeze(2)
+            return
+        lse_all = self._lse_all() if lse_all is None else lse_all
         rows = (e1 - e0) * steps
         h = hidden[e0:e1].reshape(rows, hsize)
         y = self.labels[e0:e1].reshape(rows)
@@ -183,8 +182,12 @@ class LinearCEExampleGrads:
     def hidden_grad(self) -> Tensor:
         """``∂(Σ token_grads · loss)/∂hidden`` ``[B, T, H]`` (fp32), computed in the same tile
         pass as the norms (which are then cached): the backward of a book-kept loss."""
-        grad = torch.zeros(self.hidden.shape, dtype=_F32, device=self.hidden.device)
         with torch.no_grad():
+            if self._kept is not None:
+                self._norms = self._sq_norms(None)
+                grad = kept_hidden_grad(self._kept, self.weight, self.token_grads)
+                return grad.view(self.hidden.shape)
+            grad = torch.zeros(self.hidden.shape, dtype=_F32, device=self.hidden.device)
             self._norms = self._sq_norms(grad)
         return grad
 
@@ -203,7 +206,12 @@ class LinearCEExampleGrads:
             self._bias_grads = gb
         token_sq = torch.zeros(batch, steps, dtype=_F32, device=dev)
         self._token_sq = token_sq
-        if batch == 0 or steps == 0:
+        if self._kept is not None and batch and steps:
+            w_sq, self._token_sq, gb = kept_norms(
+                self._kept, self.hidden, self.token_grads, route=self.route, bias=gb is not None
+            )
+            self._bias_grads = gb
+        if batch == 0 or steps == 0 or self._kept is not None:
             return w_sq, None if gb is None else gb.square().sum(1)
         ghost = self.route == "ghost"
         for e0, e1 in self._groups():
@@ -274,6 +282,12 @@ class LinearCEExampleGrads:
             raise ConfigurationError(
                 f"weighted_sum: weights of shape {tuple(weights.shape)}; expected ({self.batch},)"
             )
+        if self._kept is not None:
+            with torch.no_grad():
+                bias = self.bias is not None
+                return kept_weighted_sum(
+                    self._kept, self.hidden, self.token_grads, weights, keep, bias=bias
+                )
         with torch.no_grad():
             w = weights.to(_F32)
             tg = self.token_grads
@@ -359,65 +373,6 @@ class LinearCEExampleGrads:
             return (proj * gram).sum(dim=(1, 2), dtype=torch.float64)
 
 
-def _prepare(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    bias: Tensor | None,
-    *,
-    ignore_index: int,
-    logit_scale: float | None,
-    logit_divisor: float | None,
-    softcap: float | None,
-    label_smoothing: float,
-    chunk_size: bool | int,
-    route: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, LossSpec, tuple[int, int] | None, str]:
-    """Check the arguments; the per-token loss spec, the tiles and the resolved route."""
-    hidden, weight, labels, bias = check_lce_tensors(hidden, weight, labels, bias)
-    if hidden.dim() != 3:
-        raise ConfigurationError(
-            f"hidden of shape {tuple(hidden.shape)}: expected (batch, tokens, hidden) — the "
-            "per-example gradients need the batch on dimension 0"
-        )
-    if route not in ROUTES:
-        raise ConfigurationError(f"route={route!r}: expected one of {ROUTES}")
-    spec = _none_spec(
-        loss_spec(
-            tuple(labels.shape),
-            ignore_index=ignore_index,
-            reduction="none",
-            logit_scale=logit_scale,
-            logit_divisor=logit_divisor,
-            softcap=softcap,
-            label_smoothing=label_smoothing,
-        )
-    )
-    batch, steps, hsize = hidden.shape
-    vocab = weight.shape[0]
-    if route == "auto":
-        route = "ghost" if lce_ghost_is_cheaper(steps, hsize, vocab) else "materialised"
-    tiles = resolve_chunking(
-        chunk_size, hidden.device, hsize, vocab, hidden.dtype, tokens=max(1, batch * steps)
-    )
-    return hidden, weight, labels, bias, spec, tiles, route
-
-
-def _token_grads(token_grads: object, labels: Tensor, ignore_index: int) -> Tensor:
-    """fp32 upstream gradients, zero on ignored tokens (a NaN handed to one cannot leak in)."""
-    if not isinstance(token_grads, torch.Tensor):
-        raise InputTypeError(
-            f"token_grads must be a tensor of shape {tuple(labels.shape)}, got "
-            f"{type(token_grads).__name__}"
-        )
-    if tuple(token_grads.shape) != tuple(labels.shape):
-        raise ConfigurationError(
-            f"token_grads of shape {tuple(token_grads.shape)}; expected {tuple(labels.shape)} "
-            "(one upstream gradient per token, like labels)"
-        )
-    return torch.where(labels != ignore_index, token_grads.detach().to(_F32), 0.0)
-
-
 def linear_cross_entropy_example_grads(
     hidden: Tensor,
     weight: Tensor,
@@ -451,7 +406,7 @@ def linear_cross_entropy_example_grads(
     >>> torch.allclose(grads.sq_norms()[0], want.square().sum(dim=(1, 2)), rtol=1e-5)
     True
     """
-    hidden, weight, labels, bias, spec, tiles, route = _prepare(
+    hidden, weight, labels, bias, spec, tiles, route = prepare(
         hidden,
         weight,
         labels,
@@ -468,14 +423,9 @@ def linear_cross_entropy_example_grads(
         hidden.detach(),
         weight.detach(),
         labels,
-        _token_grads(token_grads, labels, ignore_index),
+        token_grads_of(token_grads, labels, ignore_index),
         bias=None if bias is None else bias.detach(),
         spec=spec,
         tiles=tiles,
         route=route,
     )
-
-
-#: for :mod:`opake.kernels.chunked._recorded`, which builds the same operator after a backward
-prepare = _prepare
-token_grads_of = _token_grads

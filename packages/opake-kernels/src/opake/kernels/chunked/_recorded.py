@@ -1,7 +1,11 @@
 """The recorded linear cross-entropy: per-token losses whose backward forms the hidden states'
-gradient and the projection's per-example gradients (:class:`LinearCEExampleGrads`) in one tile
-pass, so the book-keeping engine clips with a loss-only forward and no second pass over the
-vocabulary.
+gradient and the projection's per-example gradients (:class:`LinearCEExampleGrads`), so the
+book-keeping engine clips with a loss-only forward.
+
+When one vocabulary tile spans the vocabulary and the logit gradients fit in memory
+(:func:`~._kept.keeps_logit_grads`), the forward keeps them (:mod:`._kept`): the backward, the
+norms and the clipped sum then compute no logit again. Otherwise the backward recomputes each
+tile once for the hidden states' gradient and the norms, and the clipped sum once more.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from opake.kernels.chunked import _cores
 from opake.kernels.chunked._example_grads import LinearCEExampleGrads
 from opake.kernels.chunked._example_grads import prepare as _prepare
 from opake.kernels.chunked._example_grads import token_grads_of as _token_grads
+from opake.kernels.chunked._kept import KeptLogitGrads, keeps_logit_grads, kept_forward
 
 __all__ = ["RecordedLinearCE", "linear_cross_entropy_recorded"]
 
@@ -41,6 +46,7 @@ class RecordedLinearCE:
         spec: LossSpec,
         tiles: tuple[int, int] | None,
         route: str,
+        keep: bool | None = None,
     ) -> None:
         self.hidden = hidden
         self.weight = weight
@@ -50,6 +56,8 @@ class RecordedLinearCE:
         self.tiles = tiles
         self.route = route
         self.lse: Tensor | None = None
+        self.keep = keep  # keep the logit gradients in the forward (None: when they fit)
+        self.kept: KeptLogitGrads | None = None  # set by the forward when it keeps them
         self.grads: LinearCEExampleGrads | None = None  # set by the backward
 
     def build(self, token_grads: Tensor) -> LinearCEExampleGrads:
@@ -64,6 +72,7 @@ class RecordedLinearCE:
             tiles=self.tiles,
             route=self.route,
             lse=self.lse,
+            kept=self.kept,
         )
 
     def example_grads(self, token_grads: Tensor) -> LinearCEExampleGrads:
@@ -87,9 +96,24 @@ class _Recorded(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, record: RecordedLinearCE) -> Tensor:
         h2 = hidden.reshape(-1, hidden.shape[-1])
-        tok, lse, _ = _cores.lce_forward(
-            h2, record.weight, record.bias, record.labels.reshape(-1), record.spec, record.tiles
-        )
+        keep = record.keep
+        if keep is None:
+            keep = keeps_logit_grads(h2.shape[0], record.weight.shape[0], record.tiles, h2.device)
+        labels = record.labels.reshape(-1)
+        if keep:
+            tok, lse, record.kept = kept_forward(
+                h2,
+                record.weight,
+                labels,
+                record.spec,
+                bias=record.bias,
+                tiles=record.tiles,
+                with_hidden_grad=hidden.requires_grad,
+            )
+        else:
+            tok, lse, _ = _cores.lce_forward(
+                h2, record.weight, record.bias, labels, record.spec, record.tiles
+            )
         record.lse = lse
         ctx.record = record
         return tok.view(record.labels.shape)
@@ -100,6 +124,8 @@ class _Recorded(torch.autograd.Function):
         grads = record.build(grad)
         hidden_grad = grads.hidden_grad()
         record.grads = grads
+        if record.kept is not None:  # u W is not needed again: free it
+            record.kept.hidden_grad = None
         return hidden_grad.to(record.hidden.dtype), None
 
 
@@ -116,15 +142,21 @@ def linear_cross_entropy_recorded(
     label_smoothing: float = 0.0,
     chunk_size: bool | int = True,
     route: str = "auto",
+    keep_logit_grads: bool | None = None,
 ) -> tuple[Tensor, RecordedLinearCE]:
     """Per-token losses ``[B, T]`` differentiable in ``hidden``; the projection's per-example
     gradients come from the returned record after the backward.
 
     The book-keeping form of :func:`~opake.kernels.chunked.linear_cross_entropy`
     (``reduction="none"``): ``weight`` and ``bias`` are constants here (pass them detached; one
-    that requires grad raises, since its gradient would silently be missing). The backward
-    recomputes each logits tile once and forms from it both the hidden states' gradient and
-    each example's squared norm (``record.example_grads(token_grads)``).
+    that requires grad raises, since its gradient would silently be missing).
+
+    ``keep_logit_grads`` (``None``: automatic) makes the forward keep the fp32 logit gradients
+    (``4·B·T·V`` bytes; automatic: when one vocabulary tile spans the vocabulary and they fit
+    an eighth of the available memory): the backward and every later use then compute no logit
+    again. Otherwise the backward recomputes each logits tile once and forms from it both the
+    hidden states' gradient and each example's squared norm
+    (``record.example_grads(token_grads)``).
 
     >>> import torch
     >>> h = torch.randn(2, 3, 4, requires_grad=True)
@@ -154,7 +186,18 @@ def linear_cross_entropy_recorded(
                 f"as a constant (its per-example gradients come from the record); pass "
                 f"{name}.detach(), or use linear_cross_entropy for an ordinary gradient"
             )
+    if keep_logit_grads is not None and not isinstance(keep_logit_grads, bool):
+        raise ConfigurationError(
+            f"keep_logit_grads={keep_logit_grads!r}: expected True, False or None (automatic)"
+        )
     record = RecordedLinearCE(
-        hidden.detach(), weight, labels, bias=bias, spec=spec, tiles=tiles, route=route
+        hidden.detach(),
+        weight,
+        labels,
+        bias=bias,
+        spec=spec,
+        tiles=tiles,
+        route=route,
+        keep=keep_logit_grads,
     )
     return apply(_Recorded, hidden, record), record

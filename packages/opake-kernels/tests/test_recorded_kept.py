@@ -1,0 +1,181 @@
+"""The recorded linear cross-entropy keeping its logit gradients in the forward pass: every
+result (losses, the hidden states' gradient, per-example norms and bias gradients, clipped sums,
+the certification's bound and exact rows, cross terms) against the obvious reference — each
+example's gradient by plain autograd, one example at a time (float64) — and against the
+recomputing path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opake.core.errors import ConfigurationError
+from opake.kernels import linear_cross_entropy
+from opake.kernels.chunked import _kept, linear_cross_entropy_recorded
+
+OPTIONS = {
+    "plain": {},
+    "bias": {"bias": True},
+    "scale+divisor": {"logit_scale": 1.7, "logit_divisor": 2.0},
+    "softcap": {"softcap": 2.5},
+    "smoothing": {"label_smoothing": 0.2},
+    "everything": {"bias": True, "logit_scale": 0.8, "softcap": 3.0, "label_smoothing": 0.1},
+}
+
+
+def _inputs(gen, b=3, t=6, h=8, v=41, *, bias=False):
+    hidden = torch.randn(b, t, h, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=gen, dtype=torch.float64) * h**-0.5
+    labels = torch.randint(0, v, (b, t), generator=gen)
+    labels[1, t // 2 :] = -100  # a padded example
+    grads = torch.rand(b, t, generator=gen, dtype=torch.float64) + 0.5
+    b_ = torch.randn(v, generator=gen, dtype=torch.float64) if bias else None
+    return hidden, weight, labels, grads, b_
+
+
+def _per_example(hidden, weight, labels, grads, bias, **opts):
+    gws, gbs = [], []
+    for i in range(hidden.shape[0]):
+        w = weight.detach().clone().requires_grad_(True)
+        b = None if bias is None else bias.detach().clone().requires_grad_(True)
+        tok = linear_cross_entropy(
+            hidden[i], w, labels[i], bias=b, reduction="none", backend="torch", **opts
+        )
+        (tok * grads[i]).sum().backward()
+        gws.append(w.grad)
+        gbs.append(None if b is None else b.grad)
+    return torch.stack(gws), None if bias is None else torch.stack(gbs)
+
+
+def _recorded(hidden, weight, labels, grads, bias, keep, **kw):
+    """The recorded op's losses, the hidden states' gradient and the record, after a backward
+    with upstream gradients ``grads``."""
+    leaf = hidden.clone().requires_grad_(True)
+    tok, record = linear_cross_entropy_recorded(
+        leaf, weight, labels, bias=bias, keep_logit_grads=keep, **kw
+    )
+    (tok * grads).sum().backward()
+    return tok, leaf.grad, record
+
+
+@pytest.mark.parametrize("route", ["ghost", "materialised"])
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_kept_logit_grads_give_every_result_of_the_reference(gen, option, route):
+    opts = dict(OPTIONS[option])
+    with_bias = opts.pop("bias", False)
+    hidden, weight, labels, grads, bias = _inputs(gen, bias=with_bias)
+    want_w, want_b = _per_example(hidden, weight, labels, grads, bias, **opts)
+    h32, w32, g32 = hidden.float(), weight.float(), grads.float()
+    b32 = None if bias is None else bias.float()
+    tok, gh, record = _recorded(h32, w32, labels, g32, b32, True, route=route, **opts)
+    assert record.kept is not None
+    assert record.kept.hidden_grad is None  # u W freed after the backward
+    ref_tok, ref_gh, ref_rec = _recorded(
+        h32, w32, labels, g32, b32, False, chunk_size=7, route=route, **opts
+    )
+    assert ref_rec.kept is None
+    torch.testing.assert_close(tok, ref_tok)
+    torch.testing.assert_close(gh, ref_gh, rtol=1e-5, atol=1e-6)
+    op, ref = record.example_grads(g32), ref_rec.example_grads(g32)
+    assert op is record.grads
+    torch.testing.assert_close(
+        op.sq_norms()[0].double(), want_w.square().sum((1, 2)), rtol=1e-5, atol=1e-7
+    )
+    torch.testing.assert_close(op.abs_norms(), ref.abs_norms(), rtol=1e-5, atol=1e-7)
+    coef = torch.tensor([0.3, 1.0, 0.05])
+    got_w, got_b = op.weighted_sum(coef)
+    torch.testing.assert_close(
+        got_w.double(), torch.einsum("b,bvh->vh", coef.double(), want_w), rtol=1e-5, atol=1e-6
+    )
+    if with_bias:
+        torch.testing.assert_close(op.bias_grads().double(), want_b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got_b.double(), coef.double() @ want_b, rtol=1e-5, atol=1e-6)
+    else:
+        assert got_b is None
+    torch.testing.assert_close(op.example_rows(1, 3, 20), want_w[1, 3:20], rtol=1e-5, atol=1e-6)
+    ids = torch.randint(0, 41, (3, 5), generator=gen)
+    dense = torch.randn(3, 4, 41, generator=gen)
+    for other in (ids, dense):
+        torch.testing.assert_close(op.project(other), ref.project(other), rtol=1e-5, atol=1e-6)
+    # other upstream gradients than the backward's: built anew, still from the kept gradients
+    again = record.example_grads(2 * g32)
+    assert again is not op
+    torch.testing.assert_close(again.sq_norms()[0], 4 * op.sq_norms()[0], rtol=1e-5, atol=1e-6)
+
+
+def test_kept_clipped_sum_leaves_out_dropped_non_finite_examples(gen):
+    hidden, weight, labels, grads, _ = _inputs(gen)
+    h32 = hidden.float()
+    h32[2, 0, 0] = float("nan")
+    _, _, record = _recorded(h32, weight.float(), labels, grads.float(), None, True)
+    op = record.example_grads(grads.float())
+    assert not torch.isfinite(op.sq_norms()[0][2])
+    got, _ = op.weighted_sum(torch.ones(3), torch.tensor([True, True, False]))
+    assert torch.isfinite(got).all()
+    want, _ = _per_example(hidden[:2], weight, labels[:2], grads[:2], None)
+    torch.testing.assert_close(got.double(), want.sum(0), rtol=1e-5, atol=1e-6)
+    # every example kept: the same products as without a mask on the finite ones
+    two, _ = (
+        _recorded(hidden[:2].float(), weight.float(), labels[:2], grads[:2].float(), None, True)[2]
+        .example_grads(grads[:2].float())
+        .weighted_sum(torch.ones(2), torch.tensor([True, True]))
+    )
+    torch.testing.assert_close(two, got)
+
+
+def test_kept_is_automatic_when_one_tile_spans_the_vocabulary_and_fits(gen, monkeypatch):
+    hidden, weight, labels, grads, _ = _inputs(gen)
+    args = (hidden.float(), weight.float(), labels, grads.float(), None, None)
+    assert _recorded(*args)[2].kept is not None
+    assert _recorded(*args, chunk_size=7)[2].kept is None  # tiles narrower than the vocabulary
+    monkeypatch.setattr(_kept, "available_memory", lambda device: 1024)
+    assert _recorded(*args)[2].kept is None  # 3·6·41·4 bytes > 1024 / 8
+    with pytest.raises(ConfigurationError, match="keep_logit_grads='yes'"):
+        linear_cross_entropy_recorded(hidden, weight, labels, keep_logit_grads="yes")
+
+
+def test_kept_half_precision_inputs_give_fp32_results_close_to_fp32(gen):
+    hidden, weight, labels, grads, _ = _inputs(gen)
+    g32 = grads.float()
+    _, gh, rec = _recorded(hidden.bfloat16(), weight.bfloat16(), labels, g32, None, True)
+    _, ref_gh, ref = _recorded(hidden.float(), weight.float(), labels, g32, None, True)
+    assert gh.dtype == torch.bfloat16
+    torch.testing.assert_close(gh.float(), ref_gh, rtol=5e-2, atol=2e-2)
+    w_sq = rec.example_grads(g32).sq_norms()[0]
+    assert w_sq.dtype == torch.float32
+    torch.testing.assert_close(w_sq, ref.example_grads(g32).sq_norms()[0], rtol=5e-2, atol=1e-3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    b=st.integers(1, 3),
+    t=st.integers(1, 10),
+    h=st.integers(1, 10),
+    v=st.integers(2, 30),
+    route=st.sampled_from(["ghost", "materialised"]),
+    seed=st.integers(0, 2**16),
+)
+def test_kept_and_recomputed_agree_on_random_shapes(b, t, h, v, route, seed):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, t, h, generator=gen) * 3
+    weight = torch.randn(v, h, generator=gen)
+    labels = torch.randint(-1, v, (b, t), generator=gen)  # -1 plays ignore_index
+    grads = torch.randn(b, t, generator=gen)
+    kw = {"ignore_index": -1, "route": route}
+    _, gh, rec = _recorded(hidden, weight, labels, grads, None, True, **kw)
+    _, ref_gh, ref = _recorded(hidden, weight, labels, grads, None, False, chunk_size=1, **kw)
+    torch.testing.assert_close(gh, ref_gh, rtol=1e-4, atol=1e-5)
+    op, ref_op = rec.example_grads(grads), ref.example_grads(grads)
+    want, _ = _per_example(
+        hidden.double(), weight.double(), labels, grads.double(), None, ignore_index=-1
+    )
+    torch.testing.assert_close(
+        op.sq_norms()[0].double(), want.square().sum((1, 2)), rtol=1e-4, atol=1e-5
+    )
+    assert bool((op.abs_norms() >= want.square().sum((1, 2)).sqrt() * (1 - 1e-5) - 1e-6).all())
+    coef = torch.rand(b, generator=gen)
+    torch.testing.assert_close(
+        op.weighted_sum(coef)[0], ref_op.weighted_sum(coef)[0], rtol=1e-4, atol=1e-5
+    )
