@@ -7,8 +7,9 @@ adds the outer product ``a_s b_sᵀ`` to block ``e`` of example ``i``'s gradient
 ``‖G_i‖² = Σ_e ‖G_ie‖² = Σ_e Σ_{s, s' ∈ S_ie} (a_s·a_s')(b_s·b_s')``
 
 — the ghost identity restricted to pairs of slots routed to the same expert — or, where an
-expert sees many of the example's slots (``|S_ie|·(R + C) > R·C``, the linear layers'
-crossover), ``G_ie`` itself. The clipped sum ``Σ_i w_i G_i`` is one ``[R, C]`` matmul per
+example sends many slots to one expert (``|S_ie|·(R + C) > R·C``, the linear layers'
+crossover), ``G_ie`` itself. The (expert, example) groups are padded in a few buckets of
+similar sizes, each bucket taking the cheaper route for its size. The clipped sum ``Σ_i w_i G_i`` is one ``[R, C]`` matmul per
 expert over its slots, the rows scaled by their example's factor.
 """
 
@@ -84,15 +85,6 @@ class ExpertGrads:
             self.layout["positions"] = (group, pos)
         return self.layout["positions"]  # type: ignore[no-any-return]
 
-    def _rows(self) -> tuple[torch.Tensor, int]:
-        """Row of every slot in an ``[E·B·M]`` padded layout (expert, example, position), and
-        ``M``, the largest number of slots one example routes to one expert."""
-        if "rows" not in self.layout:
-            group, pos = self._positions()
-            rows = int(pos.max()) + 1 if pos.numel() else 1
-            self.layout["rows"] = (group * rows + pos, rows)
-        return self.layout["rows"]  # type: ignore[no-any-return]
-
     def _buckets(self) -> tuple[torch.Tensor, list[tuple[int, int, int, torch.Tensor]]]:
         """The non-empty (expert, example) groups in buckets of similar sizes, each padded to a
         multiple of ``q`` (a multiple of 8, so that at most ``BUCKETS`` buckets cover the
@@ -129,55 +121,46 @@ class ExpertGrads:
             self.layout["gather"] = (source.clamp_(max=max(group.numel() - 1, 0)), empty)
         return self.layout["buckets"]  # type: ignore[no-any-return]
 
-    def _pad(self, x: torch.Tensor, rows: torch.Tensor, count: int, size: int) -> torch.Tensor:
-        """``x [n, d]`` into ``[count, size, d]`` at flat ``rows``, zeros elsewhere."""
-        padded = x.new_zeros(count * size, x.shape[-1])
-        return padded.index_copy_(0, rows, x).reshape(count, size, -1)
+    def _group_norms(
+        self, a: torch.Tensor, b: torch.Tensor, count: int, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(‖G_g‖², Σ_s ‖a_s‖‖b_s‖)`` of ``count`` groups of ``size`` (zero-padded) slots
+        ``a [count·size, R]``, ``b [count·size, C]``: by their Gram matrices while
+        :func:`ghost_is_cheaper` says so for ``size``, else each group's ``[R, C]`` block."""
+        import torch
 
-    def _gram_norms(self) -> torch.Tensor:
-        """``‖G_i‖²`` [B] fp64 by the Gram route over the buckets; keeps the bound
-        :meth:`abs_norms` from the Gram matrices' diagonals (``(a_s·a_s)(b_s·b_s)``)."""
+        from opake.dpsgd.bookkeeping import ghost_is_cheaper
+
+        ga, gb = a.view(count, size, -1), b.view(count, size, -1)
+        if ghost_is_cheaper(size, ga.shape[-1], gb.shape[-1]):
+            gram = torch.bmm(gb, gb.transpose(1, 2)).mul_(torch.bmm(ga, ga.transpose(1, 2)))
+            bound = gram.diagonal(dim1=1, dim2=2).double().sqrt().sum(dim=1)
+            return gram.sum(dim=(1, 2), dtype=torch.float64), bound
+        block = torch.bmm(ga.transpose(1, 2), gb).reshape(count, -1)
+        terms = torch.linalg.vector_norm(ga, dim=2).double()
+        bound = (terms * torch.linalg.vector_norm(gb, dim=2).double()).sum(dim=1)
+        return block.square().sum(dim=1, dtype=torch.float64), bound
+
+    def sq_norms(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(‖G_i‖² [B] fp64, None)`` over the (expert, example) groups bucket by bucket, each
+        bucket by the Gram route or materialised, whichever :func:`ghost_is_cheaper` says for
+        its padded size; keeps the bound :meth:`abs_norms` found on the way."""
         import torch
 
         _, buckets = self._buckets()
         total = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
         bound = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
-        if not buckets:
-            self.cache["abs"] = bound
-            return total
-        source, empty = self.layout["gather"]  # padded row <- slot; rows to zero
-        a = self.a.index_select(0, source).index_fill_(0, empty, 0.0)
-        b = self.b.index_select(0, source).index_fill_(0, empty, 0.0)
-        for first, count, size, groups in buckets:
-            part = slice(first, first + count * size)
-            ga, gb = a[part].view(count, size, -1), b[part].view(count, size, -1)
-            gram = torch.bmm(gb, gb.transpose(1, 2)).mul_(torch.bmm(ga, ga.transpose(1, 2)))
-            owner = groups % self.batch
-            total.index_add_(0, owner, gram.sum(dim=(1, 2), dtype=torch.float64))
-            diag = gram.diagonal(dim1=1, dim2=2).double().sqrt().sum(dim=1)
-            bound.index_add_(0, owner, diag)
+        if buckets:
+            source, empty = self.layout["gather"]  # padded row <- slot; rows to zero
+            a = self.a.index_select(0, source).index_fill_(0, empty, 0.0)
+            b = self.b.index_select(0, source).index_fill_(0, empty, 0.0)
+            for first, count, size, groups in buckets:
+                part = slice(first, first + count * size)
+                sq, terms = self._group_norms(a[part], b[part], count, size)
+                owner = groups % self.batch
+                total.index_add_(0, owner, sq)
+                bound.index_add_(0, owner, terms)
         self.cache["abs"] = bound
-        return total
-
-    def sq_norms(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(‖G_i‖² [B] fp64, None)``: the Gram route over the (expert, example) groups, bucket
-        by bucket, or expert by expert the materialised one, whichever
-        :func:`ghost_is_cheaper` says for the largest group."""
-        import torch
-
-        from opake.dpsgd.bookkeeping import ghost_is_cheaper
-
-        experts, rows, cols = self.shape
-        index, steps = self._rows()
-        if ghost_is_cheaper(steps, rows, cols):
-            return self._gram_norms(), None
-        total = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
-        a = self._pad(self.a, index, experts * self.batch, steps)
-        b = self._pad(self.b, index, experts * self.batch, steps)
-        for expert, _, _ in self._groups():  # one expert's [B, R, C] at a time
-            mine = slice(expert * self.batch, (expert + 1) * self.batch)
-            g = torch.bmm(a[mine].transpose(1, 2), b[mine]).reshape(self.batch, -1)
-            total += (g * g).sum(dim=1, dtype=torch.float64)
         return total, None
 
     def weighted_sum(
