@@ -95,7 +95,7 @@ class ImplicitUse:
     attribute's per-example gradients.
     """
 
-    __slots__ = ("_layer", "_module", "_runner", "params")
+    __slots__ = ("_layer", "_module", "_replay", "_runner", "params")
 
     def __init__(
         self,
@@ -103,11 +103,13 @@ class ImplicitUse:
         layer: LayerRule,
         module: torch.nn.Module,
         params: dict[str, torch.Tensor],
+        replay: bool = False,
     ) -> None:
         self._runner = runner
         self._layer = layer
         self._module = module
         self.params = params
+        self._replay = replay  # activation checkpointing recomputes the recorded forward
 
     def tap(
         self, output: torch.Tensor, build: Callable[[torch.Tensor], Mapping[str, Any]]
@@ -121,6 +123,8 @@ class ImplicitUse:
         takes their gradients from ``build``, and the backward then skips the weight gradient.
         """
         runner = self._runner
+        if self._replay:  # the same computation, recorded once already
+            return output
         if runner._sink is None or _RECORDING.get() is not runner:
             raise OperationError(
                 f"book-keeping: the implicit use of layer {self._layer.module!r} was tapped "
@@ -148,7 +152,10 @@ def implicit_use(module: torch.nn.Module) -> ImplicitUse | None:
     import torch
 
     runner = _RECORDING.get()
-    if runner is None or not runner._recording:
+    # in the recorded backward (runner still current, its sink alive), activation
+    # checkpointing recomputes the forward: replay the recorded computation, recording nothing
+    replay = runner is not None and not runner._recording and runner._sink is not None
+    if runner is None or not (runner._recording or replay):
         return None
     layer = runner._by_module.get(id(module))
     if layer is None:
@@ -168,7 +175,7 @@ def implicit_use(module: torch.nn.Module) -> ImplicitUse | None:
                 "fmodel(params, ...) with the dict clipped_grad passes"
             )
         params[attr] = tensor
-    return ImplicitUse(runner, layer, module, params)
+    return ImplicitUse(runner, layer, module, params, replay)
 
 
 def implicit_pieces(use: LayerUse, batch: int) -> list[tuple[str, Piece]]:
