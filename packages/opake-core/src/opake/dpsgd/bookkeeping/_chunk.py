@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opake.dpsgd.bookkeeping._certify import exact_add, full_precision
-from opake.dpsgd.bookkeeping._rules import Piece, weighted_sum
+from opake.dpsgd.bookkeeping._rules import Piece, add_weighted
 
 if TYPE_CHECKING:
     import torch
@@ -33,17 +33,19 @@ class BookkeepingChunk:
     exact: torch.Tensor | None = None  # [m, leaves] bool; None: no exact route
     span: torch.Tensor | None = None  # [m, leaves] float64 Σ_t ‖a_t‖‖b_t‖: the rounding scale
 
-    def weighted(
+    def accumulate(
         self,
         names: tuple[str, ...],
         leaf_factor: torch.Tensor,
         keep: torch.Tensor,
-        like: Mapping[str, torch.Tensor],
-    ) -> dict[str, torch.Tensor]:
-        """``Σ_i leaf_factor[i, j] G_i`` for each leaf ``j`` (fp32, the leaf's shape)."""
-        import torch
+        sums: Mapping[str, torch.Tensor],
+    ) -> None:
+        """``sums[name] += Σ_i leaf_factor[i, j] G_i`` for each leaf ``j``, in place (fp32).
 
-        out: dict[str, torch.Tensor] = {}
+        Each leaf's pieces are released as soon as its sum is done (the recorded inputs and
+        output gradients of a layer are freed while the next layer's sum runs), so the chunk
+        can be accumulated once.
+        """
         exact = self.exact
         routed: list[list[int]] = [[] for _ in names]
         if exact is not None:
@@ -52,16 +54,14 @@ class BookkeepingChunk:
         everything = bool(keep.all())  # one host sync; skips the masking copies
         with full_precision():
             for j, name in enumerate(names):
-                shape = like[name].shape
-                total = torch.zeros(shape, dtype=torch.float32, device=leaf_factor.device)
-                own = self.pieces.get(name, ())
+                total = sums[name]
+                own = self.pieces.pop(name, [])
                 mask = None if everything and not routed[j] else keep
                 if routed[j]:
                     assert exact is not None
                     mask = keep & ~exact[:, j]
                 for piece in own:
-                    total += weighted_sum(piece, leaf_factor[:, j], mask).reshape(shape)
+                    add_weighted(piece, leaf_factor[:, j], mask, total)
                 for i in routed[j]:
                     exact_add(own, i, leaf_factor[i, j], total)
-                out[name] = total
-        return out
+                del own

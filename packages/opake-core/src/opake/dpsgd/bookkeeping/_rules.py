@@ -39,6 +39,7 @@ __all__ = [
     "ImplicitGrad",
     "OuterSum",
     "abs_norm",
+    "add_weighted",
     "example_rows",
     "ghost_is_cheaper",
     "inner",
@@ -343,22 +344,65 @@ def weighted_sum(piece: Piece, weights: torch.Tensor, keep: torch.Tensor | None)
 
     if isinstance(piece, Implicit):
         return piece.op.weighted_sum(_f32(weights), keep)[0].float()
-    w = _f32(weights)
+    shape = tuple(piece.g.shape[1:]) if isinstance(piece, Dense) else piece.shape
+    out = torch.zeros(shape, dtype=_wide(piece), device=weights.device)
+    add_weighted(piece, weights, keep, out)
+    return out
+
+
+def _wide(piece: OuterSum | Dense) -> torch.dtype:
+    """The dtype the weighted sum of ``piece`` is computed in (fp64 pieces stay fp64)."""
+    import torch
+
+    if isinstance(piece, Dense):
+        return _f32(piece.g).dtype
+    if piece.indexed:
+        return _f32(piece.b).dtype
+    return torch.promote_types(_f32(piece.a).dtype, _f32(piece.b).dtype)
+
+
+def add_weighted(
+    piece: Piece, weights: torch.Tensor, keep: torch.Tensor | None, out: torch.Tensor
+) -> None:
+    """``out += Σ_i w_i G_i`` in place: one matrix product over all examples' tokens for an
+    OuterSum (no per-example loop, no temporary of the parameter's size), one matrix-vector
+    product for a Dense.
+
+    ``out`` is a contiguous fp32 tensor with the parameter's elements (any shape of that
+    size). Rows with ``keep[i]`` false contribute exactly zero, as in :func:`weighted_sum`.
+
+    >>> import torch
+    >>> out = torch.ones(2, 3)
+    >>> add_weighted(OuterSum(torch.ones(2, 1, 2), torch.ones(2, 1, 3)), torch.ones(2), None, out)
+    >>> out.tolist()
+    [[3.0, 3.0, 3.0], [3.0, 3.0, 3.0]]
+    """
+    import torch
+
+    if isinstance(piece, Implicit):
+        out += piece.op.weighted_sum(_f32(weights), keep)[0].float().reshape(out.shape)
+        return
+    wide = _wide(piece)
+    if out.dtype != wide:  # e.g. fp64 pieces into an fp32 sum: form, then add
+        out += weighted_sum(piece, weights, keep).reshape(out.shape)
+        return
+    w = _f32(weights).to(wide)
     if keep is not None:
         w = torch.where(keep, w, 0.0)
     if isinstance(piece, Dense):
-        g = _f32(piece.g)
+        g = _f32(piece.g).reshape(piece.g.shape[0], -1)
         if keep is not None:
-            g = torch.where(keep.reshape(-1, *([1] * (g.dim() - 1))), g, 0.0)
-        return torch.einsum("b,b...->...", w, g)
+            g = torch.where(keep[:, None], g, 0.0)
+        out.view(-1).addmv_(g.T, w)
+        return
     b = _f32(piece.b)
     if keep is not None:
         b = torch.where(keep[:, None, None], b, 0.0)
-    cols = b.shape[-1]
+    rows, cols = piece.shape
+    flat = out.view(rows, cols)
     if piece.indexed:
-        rows = int(piece.rows or 0)
-        out = torch.zeros(rows, cols, dtype=b.dtype, device=b.device)
-        return out.index_add_(0, piece.a.reshape(-1), (b * w[:, None, None]).reshape(-1, cols))
+        flat.index_add_(0, piece.a.reshape(-1), (b * w[:, None, None]).reshape(-1, cols))
+        return
     a = _f32(piece.a)
     if keep is not None:
         a = torch.where(keep[:, None, None], a, 0.0)
@@ -366,7 +410,7 @@ def weighted_sum(piece: Piece, weights: torch.Tensor, keep: torch.Tensor | None)
         a = a * w[:, None, None]
     else:
         b = b * w[:, None, None]
-    return a.reshape(-1, a.shape[-1]).T @ b.reshape(-1, cols)
+    flat.addmm_(a.reshape(-1, rows).T, b.reshape(-1, cols))
 
 
 def _token_norms(x: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,4 @@ class BookkeepingEngine:
         self, out: ChunkOut, factors: ClipFactors, sums: dict[str, torch.Tensor]
     ) -> None:
         """Add the factor-weighted sum of the chunk's per-example gradients to ``sums``."""
-        weighted = out.payload.weighted(self.names, factors.leaf_factor, factors.contributes, sums)
-        for name, contrib in weighted.items():
-            sums[name].add_(contrib)
+        out.payload.accumulate(self.names, factors.leaf_factor, factors.contributes, sums)
