@@ -78,6 +78,7 @@ class BookkeepingRunner:
         self._batch = 0
         self._diff: Mapping[str, torch.Tensor] = {}
         self._by_module: dict[int, LayerRule] = {}
+        self._inside: set[int] = set()  # layers an implicit use recorded inside their forward
         self._half = False
         self._layout: tuple[str, ...] = ()  # the layers the last forward used, in order
         self._calls = 0
@@ -99,6 +100,9 @@ class BookkeepingRunner:
             import torch
 
             if not self._recording:
+                return None
+            if id(module) in self._inside:  # its forward recorded its parameters' use itself
+                self._inside.discard(id(module))
                 return None
             if not torch.is_grad_enabled() or self._sink is None:
                 raise OperationError(
@@ -150,6 +154,7 @@ class BookkeepingRunner:
             for layer in plan.layers
         ]
         self._uses = []
+        self._inside = set()
         self._batch = batch
         self._diff = args[self.argnums]
         self._by_module = {id(by_name[layer.module]): layer for layer in plan.layers}

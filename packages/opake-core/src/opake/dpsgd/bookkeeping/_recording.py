@@ -112,7 +112,11 @@ class ImplicitUse:
         self._replay = replay  # activation checkpointing recomputes the recorded forward
 
     def tap(
-        self, output: torch.Tensor, build: Callable[[torch.Tensor], Mapping[str, Any]]
+        self,
+        output: torch.Tensor,
+        build: Callable[[torch.Tensor], Mapping[str, Any]],
+        *,
+        inside: bool = False,
     ) -> torch.Tensor:
         """Record this use; returns ``output`` (identity) through the engine's gradient tap.
 
@@ -121,6 +125,8 @@ class ImplicitUse:
         sums and inner products computed by an operator) or the per-example gradients
         ``[B, *parameter.shape]``. Compute ``output`` from *detached* parameters: the engine
         takes their gradients from ``build``, and the backward then skips the weight gradient.
+        ``inside=True``: tapped by the layer's own forward (a layer whose output the engine's
+        hook cannot read, e.g. a tuple): this use replaces the hook's record of the call.
         """
         runner = self._runner
         if self._replay:  # the same computation, recorded once already
@@ -134,6 +140,8 @@ class ImplicitUse:
             self._layer, self._module, (), {}, dict(self.params), runner._batch, build=build
         )
         runner._uses.append(use)
+        if inside:
+            runner._inside.add(id(self._module))
         return Tap.apply(output, runner._sink, use)
 
 

@@ -77,7 +77,7 @@ def pieces(use: LayerUse) -> dict[str, Piece]:
 
     names = use.attrs
     train = {attr: use.params[attr].detach() for attr in names}
-    const = {k: v.detach() for k, v in use.params.items() if k not in names}
+    const = {k: v.detach() for k, v in use.params.items() if k not in names and v is not None}
     dims = _batch_dims(use)
 
     def unsqueeze(tree: Any, tree_dims: Any) -> Any:
