@@ -118,11 +118,14 @@ def lce_forward(
     if n == 0:
         return tok, lse, None
     gh = gw = gb = None
-    groups = spec.n_seg if fused else 1
+    # segments one at a time only for per-segment weight/bias gradients (tiles then stop at
+    # segment ends); the hidden states' gradient is per token: tiles span segments
+    split = fused and (pre[1] or (pre[2] and bias is not None))
+    groups = spec.n_seg if split else 1
     per = n // groups
     tt = min(tt, per)
     if fused:
-        tgrad = token_grad(torch.ones(groups, dtype=_F32, device=dev), labels, spec)
+        tgrad = token_grad(torch.ones(spec.n_seg, dtype=_F32, device=dev), labels, spec)
         gh = torch.empty(n, hidden.shape[1], dtype=_F32, device=dev) if pre[0] else None
         gw = torch.empty(groups, v, hidden.shape[1], dtype=_F32, device=dev) if pre[1] else None
         if pre[2] and bias is not None:
