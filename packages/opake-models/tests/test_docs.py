@@ -44,19 +44,17 @@ def _row(spec: FamilySpec) -> str:
 def _support_row(spec: FamilySpec) -> str:
     """family | engines | loss-only head | kernels | notes — what the adapter does for it."""
     moe = spec.moe
+    frozen = spec.bookkeeping_frozen
     if moe is None:
         engines = "vmap, book-keeping"
-    elif moe.routing == "family":
-        engines = "vmap (dense experts) only"
     else:
-        engines = "vmap (dense experts), book-keeping (`fused_experts` rule)"
-    frozen = []
-    if spec.attention.sinks:
-        frozen.append("the attention `sinks`")
-    if spec.attention.linear:
-        frozen.append(f"the `{spec.attention.linear}` blocks")
-    if frozen and (moe is None or moe.routing != "family"):
-        engines += " with " + " and ".join(frozen) + " frozen"
+        rules = ["`fused_experts`"]
+        if spec.attention.sinks and not any("sinks" in part for part in frozen):
+            rules.append("`attention_sinks`")
+        plural = "rules" if len(rules) > 1 else "rule"
+        engines = f"vmap (dense experts), book-keeping ({', '.join(rules)} {plural})"
+    if frozen:
+        engines += " with " + ", ".join(f"`{part}`" for part in frozen) + " frozen"
     head = spec.head
     if isinstance(head, CausalLMHead):
         loss_only = "yes, " + ("tied" if head.tied else "untied") + " by default"

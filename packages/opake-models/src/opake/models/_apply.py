@@ -256,6 +256,7 @@ def apply_family(spec: FamilySpec, model: Any, options: PatchOptions | None = No
         if options.compat:
             _windows(spec, base, report, patcher)
             _moe(spec, base, report, patcher)
+            _sinks(spec, base, report, patcher)
         elif spec.moe is not None:
             report.skipped["moe"] = (
                 "compat=False: the MoE blocks keep transformers' forward, which has "
@@ -316,6 +317,18 @@ def _moe(spec: FamilySpec, model: torch.nn.Module, report: FamilyReport, patcher
     if spec.moe.aux_loss and type(model).__name__ in spec.models:
         install_aux_logits_path(model, patcher)
         report.applied.append("moe: the router's load-balancing loss computed per example")
+
+
+def _sinks(
+    spec: FamilySpec, model: torch.nn.Module, report: FamilyReport, patcher: Patcher
+) -> None:
+    if not spec.attention.sinks:
+        return
+    from opake.models.bookkeeping import install_sinks
+
+    count = install_sinks(model, patcher)
+    if count:
+        report.applied.append(f"sinks: {count} attention modules book-keep their sinks")
 
 
 def _swap_kernels(

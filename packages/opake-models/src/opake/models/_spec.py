@@ -13,7 +13,7 @@ Nothing here imports torch or transformers.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -74,6 +74,9 @@ class FamilySpec:
             benchmark build models from it.
         requires: the library versions the adapter targets.
         moe: the mixture-of-experts block, see :class:`Moe` (None: a dense family).
+        bookkeeping_frozen: parameters the book-keeping engine cannot train, as parts of their
+            names mapped to the reason (descriptive: it feeds the support table and the tests,
+            which freeze them; trained, ``clipped_grad(method="auto")`` picks vmap).
 
     Example:
         >>> from opake.models import family_spec
@@ -93,6 +96,7 @@ class FamilySpec:
     tiny_config: Mapping[str, Any]
     requires: str = "transformers>=5.17,<6"
     moe: Moe | None = None
+    bookkeeping_frozen: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         owner = f"FamilySpec({self.name!r})"
@@ -123,6 +127,14 @@ class FamilySpec:
         if not isinstance(self.tiny_config, Mapping):
             raise InputTypeError(f"{owner}: tiny_config must be a mapping of config arguments.")
         object.__setattr__(self, "tiny_config", MappingProxyType(dict(self.tiny_config)))
+        frozen = self.bookkeeping_frozen
+        if not isinstance(frozen, Mapping) or not all(
+            isinstance(k, str) and k and isinstance(v, str) and v for k, v in frozen.items()
+        ):
+            raise InputTypeError(
+                f"{owner}: bookkeeping_frozen must map parameter-name parts to the reason."
+            )
+        object.__setattr__(self, "bookkeeping_frozen", MappingProxyType(dict(frozen)))
 
     @property
     def task(self) -> str:

@@ -62,6 +62,14 @@ SPEC = FamilySpec(
         shared="shared_experts",
         router_input_ids="is_hash",
     ),
+    bookkeeping_frozen={
+        "_hc.": "the hyper-connections return tuples, which the engine's hooks cannot tap",
+        "hc_head.": "the hyper-connections return tuples, which the engine's hooks cannot tap",
+        ".mlp.gate.": "family routing (hashed / bias-corrected top-k) is not recomputed from "
+        "tapped logits",
+        ".sinks": "owned by the attention, which has parameterised children",
+        ".position_bias": "owned by the compressor, which has parameterised children",
+    },
 )
 
 

@@ -1,4 +1,4 @@
-"""Book-keeping rules for the layers of opake-models' families (fused mixture-of-experts).
+"""Book-keeping rules for the layers of opake-models' families (fused experts, attention sinks).
 
 transformers stores a mixture of experts' weights fused, ``[E, in, out]`` per projection, and
 runs each expert on the tokens routed to it. Under the book-keeping engine the patched MoE
@@ -13,6 +13,10 @@ plugin through ``opake_bookkeeping_rules``): ``bookkeeping_plan`` names it for e
 layer, and a batch-first call of the experts that the patched block did not record itself is
 handled from the call's inputs.
 
+:data:`ATTENTION_SINKS` gives GPT-OSS's learned attention sinks their per-example gradients
+from the attention's additive mask (a tapped zero per example and head; softmax is shift
+invariant), in the patched attention that :func:`install_sinks` installs.
+
 >>> import torch
 >>> from opake.models.bookkeeping import ExpertGrads
 >>> a, b = torch.ones(2, 3), torch.ones(2, 4)  # two tokens, both routed to expert 1 of 2
@@ -26,5 +30,14 @@ from __future__ import annotations
 from opake.models.bookkeeping._grads import ExpertGrads
 from opake.models.bookkeeping._record import recorded_experts, supports_recording
 from opake.models.bookkeeping._rule import RULE as FUSED_EXPERTS
+from opake.models.bookkeeping._sinks import RULE as ATTENTION_SINKS
+from opake.models.bookkeeping._sinks import install_sinks
 
-__all__ = ["FUSED_EXPERTS", "ExpertGrads", "recorded_experts", "supports_recording"]
+__all__ = [
+    "ATTENTION_SINKS",
+    "FUSED_EXPERTS",
+    "ExpertGrads",
+    "install_sinks",
+    "recorded_experts",
+    "supports_recording",
+]
