@@ -130,8 +130,12 @@ def test_kept_is_automatic_when_one_tile_spans_the_vocabulary_and_fits(gen, monk
     args = (hidden.float(), weight.float(), labels, grads.float(), None, None)
     assert _recorded(*args)[2].kept is not None
     assert _recorded(*args, chunk_size=7)[2].kept is None  # tiles narrower than the vocabulary
-    monkeypatch.setattr(_kept, "available_memory", lambda device: 1024)
-    assert _recorded(*args)[2].kept is None  # 3·6·41·4 bytes > 1024 / 8
+    monkeypatch.setattr(_kept, "available_memory", lambda device: 1024)  # 3·6·41·4 B > 1024 / 8
+    kept = _recorded(*args, route="ghost")[2].kept
+    assert kept is not None  # u does not fit: the Gram form
+    assert kept.u is None
+    assert kept.gram is not None
+    assert _recorded(*args, route="materialised")[2].kept is None
     with pytest.raises(ConfigurationError, match="keep_logit_grads='yes'"):
         linear_cross_entropy_recorded(hidden, weight, labels, keep_logit_grads="yes")
 
@@ -179,3 +183,40 @@ def test_kept_and_recomputed_agree_on_random_shapes(b, t, h, v, route, seed):
     torch.testing.assert_close(
         op.weighted_sum(coef)[0], ref_op.weighted_sum(coef)[0], rtol=1e-4, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("option", ["plain", "everything"])
+def test_gram_form_gives_every_result_of_the_reference(gen, monkeypatch, option):
+    """When ``u`` does not fit: the forward keeps ``u W`` and each example's Gram matrix of
+    ``u``; the backward and the norms use them, the clipped sum recomputes the tiles once."""
+    opts = dict(OPTIONS[option])
+    opts.pop("bias", None)  # the Gram form is for a projection without bias
+    monkeypatch.setattr(_kept, "available_memory", lambda device: 1024)
+    hidden, weight, labels, grads, _ = _inputs(gen, t=5)
+    want_w, _ = _per_example(hidden, weight, labels, grads, None, **opts)
+    h32, w32, g32 = hidden.float(), weight.float(), grads.float()
+    tok, gh, record = _recorded(h32, w32, labels, g32, None, None, route="ghost", **opts)
+    assert record.kept is not None
+    assert record.kept.u is None
+    ref_tok, ref_gh, ref_rec = _recorded(
+        h32, w32, labels, g32, None, False, chunk_size=7, route="ghost", **opts
+    )
+    torch.testing.assert_close(tok, ref_tok)
+    torch.testing.assert_close(gh, ref_gh, rtol=1e-5, atol=1e-6)
+    op, ref = record.example_grads(g32), ref_rec.example_grads(g32)
+    assert op._norms is not None  # from the forward's Gram matrices, in the backward
+    torch.testing.assert_close(
+        op.sq_norms()[0].double(), want_w.square().sum((1, 2)), rtol=1e-5, atol=1e-7
+    )
+    torch.testing.assert_close(op.abs_norms(), ref.abs_norms(), rtol=1e-5, atol=1e-7)
+    coef = torch.tensor([0.3, 1.0, 0.05])
+    torch.testing.assert_close(
+        op.weighted_sum(coef)[0].double(),
+        torch.einsum("b,bvh->vh", coef.double(), want_w),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    # the hidden states' gradient again (u W freed): the recomputing tile pass
+    torch.testing.assert_close(op.hidden_grad(), ref_gh, rtol=1e-5, atol=1e-6)
+    again = record.example_grads(2 * g32)
+    torch.testing.assert_close(again.sq_norms()[0], 4 * op.sq_norms()[0], rtol=1e-5, atol=1e-6)

@@ -150,7 +150,7 @@ class LinearCEExampleGrads:
         hidden = self.hidden if hidden is None else hidden
         steps, hsize = hidden.shape[1], hidden.shape[2]
         vocab = self.weight.shape[0]
-        if self._kept is not None:  # one tile: the kept gradients scaled by the upstream ones
+        if self._kept is not None and self._kept.u is not None:  # one tile, scaled
             u = self._kept.u.view(-1, steps, vocab)[e0:e1]
             yield 0, vocab, u * tg[e0:e1].unsqueeze(2)
             return
@@ -182,10 +182,11 @@ class LinearCEExampleGrads:
     def hidden_grad(self) -> Tensor:
         """``∂(Σ token_grads · loss)/∂hidden`` ``[B, T, H]`` (fp32), computed in the same tile
         pass as the norms (which are then cached): the backward of a book-kept loss."""
+        kept = self._kept
         with torch.no_grad():
-            if self._kept is not None:
+            if kept is not None and (kept.u is not None or kept.hidden_grad is not None):
                 self._norms = self._sq_norms(None)
-                grad = kept_hidden_grad(self._kept, self.weight, self.token_grads)
+                grad = kept_hidden_grad(kept, self.weight, self.token_grads)
                 return grad.view(self.hidden.shape)
             grad = torch.zeros(self.hidden.shape, dtype=_F32, device=self.hidden.device)
             self._norms = self._sq_norms(grad)
@@ -206,12 +207,13 @@ class LinearCEExampleGrads:
             self._bias_grads = gb
         token_sq = torch.zeros(batch, steps, dtype=_F32, device=dev)
         self._token_sq = token_sq
-        if self._kept is not None and batch and steps:
+        kept = self._kept if hidden_grad is None else None  # the tile pass forms that gradient
+        if kept is not None and batch and steps:
             w_sq, self._token_sq, gb = kept_norms(
-                self._kept, self.hidden, self.token_grads, route=self.route, bias=gb is not None
+                kept, self.hidden, self.token_grads, route=self.route, bias=gb is not None
             )
             self._bias_grads = gb
-        if batch == 0 or steps == 0 or self._kept is not None:
+        if batch == 0 or steps == 0 or kept is not None:
             return w_sq, None if gb is None else gb.square().sum(1)
         ghost = self.route == "ghost"
         for e0, e1 in self._groups():
@@ -282,7 +284,7 @@ class LinearCEExampleGrads:
             raise ConfigurationError(
                 f"weighted_sum: weights of shape {tuple(weights.shape)}; expected ({self.batch},)"
             )
-        if self._kept is not None:
+        if self._kept is not None and self._kept.u is not None:
             with torch.no_grad():
                 bias = self.bias is not None
                 return kept_weighted_sum(

@@ -43,28 +43,41 @@ _FRACTION = 8  # kept gradients take at most this fraction of the available memo
 
 @dataclass
 class KeptLogitGrads:
-    """What the forward kept: ``u`` ``[N, V]`` and ``u W`` ``[N, H]`` (fp32; ``None`` when the
+    """What the forward kept (fp32): ``u`` ``[N, V]``, or only its Gram matrix per example
+    ``[B, T, T]`` (``gram``, when ``u`` does not fit); ``u W`` ``[N, H]`` (``None`` when the
     hidden states need no gradient)."""
 
-    u: Tensor
+    u: Tensor | None
     hidden_grad: Tensor | None
+    gram: Tensor | None = None
 
 
 def keeps_logit_grads(
-    tokens: int, vocab: int, tiles: tuple[int, int] | None, device: torch.device
-) -> bool:
-    """Whether the forward keeps the logit gradients (one tile spans the vocabulary and
-    ``4·tokens·vocab`` bytes fit an eighth of the available memory).
+    shape: tuple[int, int, int],
+    tiles: tuple[int, int] | None,
+    device: torch.device,
+    *,
+    gram_ok: bool = False,
+) -> str | None:
+    """What the forward keeps for hidden states ``[B, T]`` and a vocabulary ``V``
+    (``shape = (B, T, V)``): ``"u"`` when one tile spans the vocabulary and ``4·B·T·V`` bytes
+    fit an eighth of the available memory; else ``"gram"`` (``u W`` and each example's Gram
+    matrix of ``u``; the clipped sum then recomputes the tiles once) when ``gram_ok`` (the
+    Gram route, no bias) and one token tile holds a whole example; else ``None``.
 
     >>> import torch
-    >>> keeps_logit_grads(8, 50, (8, 50), torch.device("cpu"))
+    >>> keeps_logit_grads((2, 4, 50), (8, 50), torch.device("cpu"))
+    'u'
+    >>> keeps_logit_grads((2, 4, 50), (8, 25), torch.device("cpu")) is None
     True
-    >>> keeps_logit_grads(8, 50, (8, 25), torch.device("cpu"))
-    False
     """
+    batch, steps, vocab = shape
     if tiles is not None and tiles[1] < vocab:
-        return False
-    return 4 * tokens * vocab <= available_memory(device) // _FRACTION
+        return None
+    if 4 * batch * steps * vocab <= available_memory(device) // _FRACTION:
+        return "u"
+    fits = tiles is None or steps <= tiles[0]
+    return "gram" if gram_ok and fits else None
 
 
 def _unit_dprobs_(z: Tensor, y: Tensor, scale: Tensor, mask: Tensor, spec: LossSpec) -> None:
@@ -77,6 +90,31 @@ def _unit_dprobs_(z: Tensor, y: Tensor, scale: Tensor, mask: Tensor, spec: LossS
     _subtract_target(z, y, 0, (1.0 - eps) * mask)
 
 
+def _unit_grads_(
+    z: Tensor, y: Tensor, spec: LossSpec, tanh: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Transformed logits *z* (fp32, a tile) → the raw-logit gradients for a unit upstream
+    gradient, in place; returns the masked token losses and the log-sum-exps."""
+    vocab = z.shape[1]
+    zy = _target_logit(z, y, 0)
+    zs = z.sum(1) if spec.smoothing else None
+    t = None
+    if spec.softcap is not None and tanh is not None:
+        t = torch.div(z, spec.softcap, out=tanh[: z.numel()].view_as(z))
+    m = z.amax(1)
+    run = m + torch.log(z.sub_(m.unsqueeze(1)).exp_().sum(1))
+    mask = (y != spec.ignore_index).to(_F32)
+    loss = token_loss(run, zy, zs, vocab, spec)
+    # p = exp(z - m)·exp(m - lse): exp(z - lse) as the recomputing path forms it, with the
+    # same rounding of lse (both differences are exact near the maximum)
+    _unit_dprobs_(z, y, mask * torch.exp(m - run), mask, spec)
+    if t is not None:
+        z.mul_(t.mul_(t).neg_().add_(1.0))
+    if spec.mult is not None:
+        z.mul_(spec.mult)
+    return torch.where(mask > 0, loss, torch.zeros_like(loss)), run
+
+
 def kept_forward(
     hidden: Tensor,
     weight: Tensor,
@@ -86,63 +124,53 @@ def kept_forward(
     bias: Tensor | None,
     tiles: tuple[int, int] | None,
     with_hidden_grad: bool,
+    gram_steps: int | None = None,
 ) -> tuple[Tensor, Tensor, KeptLogitGrads]:
     """Per-token losses (masked), log-sum-exps (fp32 ``[N]``) and the kept gradients.
 
     ``hidden`` ``[N, H]``; each token tile spans the whole vocabulary and its logits are
-    written straight into its rows of ``u``.
+    written straight into its rows of ``u``. With ``gram_steps = T`` only each example's Gram
+    matrix of ``u`` is kept (tiles of whole examples, in one reused buffer).
     """
     n, hsize = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
     tt = max(1, min(n, tiles[0] if tiles is not None else n))
-    u = torch.empty(n, vocab, dtype=_F32, device=dev)
+    if gram_steps:
+        tt = max(gram_steps, tt - tt % gram_steps)
+    u = torch.empty(tt if gram_steps else n, vocab, dtype=_F32, device=dev)
+    gram = None
+    if gram_steps:
+        gram = torch.empty(n // gram_steps, gram_steps, gram_steps, dtype=_F32, device=dev)
     lse = torch.empty(n, dtype=_F32, device=dev)
     tok = torch.empty(n, dtype=_F32, device=dev)
     gh = torch.empty(n, hsize, dtype=_F32, device=dev) if with_hidden_grad else None
-    low = hidden.dtype != _F32
-    raw = torch.empty(tt * vocab, dtype=hidden.dtype, device=dev) if low else None
-    cap = spec.softcap
-    tanh = torch.empty(tt * vocab, dtype=_F32, device=dev) if cap is not None else None
+    raw = torch.empty(tt * vocab, dtype=hidden.dtype, device=dev) if hidden.dtype != _F32 else None
+    tanh = torch.empty(tt * vocab, dtype=_F32, device=dev) if spec.softcap is not None else None
     for t0 in range(0, n, tt):
         t1 = min(n, t0 + tt)
-        h, y, z = hidden[t0:t1], labels[t0:t1], u[t0:t1]
+        z = u[: t1 - t0] if gram_steps else u[t0:t1]
         out = z if raw is None else raw[: (t1 - t0) * vocab].view(t1 - t0, vocab)
         if bias is None:
-            torch.mm(h, weight.t(), out=out)
+            torch.mm(hidden[t0:t1], weight.t(), out=out)
         else:
-            torch.addmm(bias, h, weight.t(), out=out)
+            torch.addmm(bias, hidden[t0:t1], weight.t(), out=out)
         if raw is not None:
             z.copy_(out)
-        transform_logits_(z, spec)
-        zy = _target_logit(z, y, 0)
-        zs = z.sum(1) if spec.smoothing else None
-        t = None
-        if cap is not None and tanh is not None:
-            t = torch.div(z, cap, out=tanh[: z.numel()].view_as(z))
-        m = z.amax(1)
-        run = m + torch.log(z.sub_(m.unsqueeze(1)).exp_().sum(1))
-        lse[t0:t1] = run
-        mask = (y != spec.ignore_index).to(_F32)
-        loss = token_loss(run, zy, zs, vocab, spec)
-        tok[t0:t1] = torch.where(mask > 0, loss, torch.zeros_like(loss))
-        # p = exp(z - m)·exp(m - lse): exp(z - lse) as the recomputing path forms it, with the
-        # same rounding of lse (both differences are exact near the maximum)
-        _unit_dprobs_(z, y, mask * torch.exp(m - run), mask, spec)
-        if t is not None:
-            z.mul_(t.mul_(t).neg_().add_(1.0))
-        if spec.mult is not None:
-            z.mul_(spec.mult)
+        tok[t0:t1], lse[t0:t1] = _unit_grads_(transform_logits_(z, spec), labels[t0:t1], spec, tanh)
         if gh is not None:
-            zc = z if raw is None else out.copy_(z)
-            gh[t0:t1] = torch.mm(zc, weight)
-    return tok, lse, KeptLogitGrads(u, gh)
+            gh[t0:t1] = torch.mm(z if raw is None else out.copy_(z), weight)
+        if gram is not None and gram_steps:
+            z3 = z.view(-1, gram_steps, vocab)
+            torch.bmm(z3, z3.transpose(1, 2), out=gram[t0 // gram_steps : t1 // gram_steps])
+    return tok, lse, KeptLogitGrads(None if gram_steps else u, gh, gram)
 
 
 def kept_hidden_grad(kept: KeptLogitGrads, weight: Tensor, token_grads: Tensor) -> Tensor:
     """``∂(Σ g·loss)/∂hidden`` ``[N, H]`` (fp32): the kept ``u W`` with rows scaled by ``g``."""
     base = kept.hidden_grad
     if base is None:
+        assert kept.u is not None  # the Gram form keeps u W whenever hidden needs a gradient
         w = weight if weight.dtype == _F32 else weight.float()
         base = kept.u @ w
     return base * token_grads.reshape(-1, 1)
@@ -165,23 +193,27 @@ def kept_norms(
     """``(‖G_i‖² [B], ‖d_{i,t}‖² [B, T], the bias gradients [B, V] or None)`` in fp32.
 
     On the Gram route the token norms are the diagonal of ``d``'s Gram matrix, as on the
-    recomputing path; the ``T²`` products are summed in fp64 there too.
+    recomputing path; the ``T²`` products are summed in fp64 there too. The Gram form
+    (``kept.u`` None) has the Gram route and no bias.
     """
     batch, steps, hsize = hidden.shape
-    vocab = kept.u.shape[1]
     dev = hidden.device
-    u3 = kept.u.view(batch, steps, vocab)
     tg = token_grads
     w_sq = torch.zeros(batch, dtype=_F32, device=dev)
     token_sq = torch.zeros(batch, steps, dtype=_F32, device=dev)
-    gb = torch.bmm(tg.unsqueeze(1), u3).squeeze(1) if bias else None
+    u3 = None if kept.u is None else kept.u.view(batch, steps, -1)
+    gb = None if u3 is None or not bias else torch.bmm(tg.unsqueeze(1), u3).squeeze(1)
     if batch == 0 or steps == 0:
         return w_sq, token_sq, gb
-    if route == "ghost":
+    if route == "ghost" or u3 is None:
         group = _example_group(steps, dev)
         for e0 in range(0, batch, group):
             e1 = min(batch, e0 + group)
-            gram_d = torch.bmm(u3[e0:e1], u3[e0:e1].transpose(1, 2))
+            if u3 is None:
+                assert kept.gram is not None
+                gram_d = kept.gram[e0:e1].clone()
+            else:
+                gram_d = torch.bmm(u3[e0:e1], u3[e0:e1].transpose(1, 2))
             g = tg[e0:e1]
             gram_d.mul_(g.unsqueeze(2) * g.unsqueeze(1))
             token_sq[e0:e1] = gram_d.diagonal(dim1=1, dim2=2)
@@ -191,6 +223,7 @@ def kept_norms(
             w_sq[e0:e1] = ghost_sq.clamp_min(0.0).to(_F32)
         return w_sq, token_sq, gb
     # materialised: Uᵢᵀ (g ⊙ Hᵢ) per example, in vocabulary tiles of the workspace's size
+    vocab = u3.shape[2]
     token_sq = tg.square() * torch.linalg.vecdot(u3, u3)
     vt = max(1, min(vocab, workspace_budget(dev) // (4 * max(1, hsize))))
     for i in range(batch):
@@ -217,6 +250,7 @@ def kept_weighted_sum(
     or kept gradients may be NaN/Inf): they contribute exactly zero.
     """
     steps, hsize = hidden.shape[1], hidden.shape[2]
+    assert kept.u is not None  # the Gram form recomputes the tiles for the clipped sum
     scale = (weights.to(_F32).unsqueeze(1) * token_grads).reshape(-1)
     h2 = hidden.reshape(-1, hsize)
     u = kept.u

@@ -4,8 +4,11 @@ book-keeping engine clips with a loss-only forward.
 
 When one vocabulary tile spans the vocabulary and the logit gradients fit in memory
 (:func:`~._kept.keeps_logit_grads`), the forward keeps them (:mod:`._kept`): the backward, the
-norms and the clipped sum then compute no logit again. Otherwise the backward recomputes each
-tile once for the hidden states' gradient and the norms, and the clipped sum once more.
+norms and the clipped sum then compute no logit again. When they do not fit, the forward keeps
+what the backward and the Gram-route norms need (the hidden states' gradient for a unit
+upstream gradient, each example's Gram matrix of the logit gradients), and only the clipped sum
+recomputes the tiles, once. Otherwise (narrower tiles) the backward recomputes each tile once
+for the hidden states' gradient and the norms, and the clipped sum once more.
 """
 
 from __future__ import annotations
@@ -96,11 +99,14 @@ class _Recorded(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, record: RecordedLinearCE) -> Tensor:
         h2 = hidden.reshape(-1, hidden.shape[-1])
-        keep = record.keep
-        if keep is None:
-            keep = keeps_logit_grads(h2.shape[0], record.weight.shape[0], record.tiles, h2.device)
+        batch, steps = record.labels.shape
+        mode = "u" if record.keep else None
+        if record.keep is None:
+            gram_ok = record.route == "ghost" and record.bias is None
+            shape = (batch, steps, record.weight.shape[0])
+            mode = keeps_logit_grads(shape, record.tiles, h2.device, gram_ok=gram_ok)
         labels = record.labels.reshape(-1)
-        if keep:
+        if mode is not None:
             tok, lse, record.kept = kept_forward(
                 h2,
                 record.weight,
@@ -109,6 +115,7 @@ class _Recorded(torch.autograd.Function):
                 bias=record.bias,
                 tiles=record.tiles,
                 with_hidden_grad=hidden.requires_grad,
+                gram_steps=steps if mode == "gram" else None,
             )
         else:
             tok, lse, _ = _cores.lce_forward(
