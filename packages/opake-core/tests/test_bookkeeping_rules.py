@@ -11,6 +11,7 @@ from opake.dpsgd.bookkeeping._rules import (
     OuterSum,
     _inner_outer,
     _materialise,
+    add_weighted,
     ghost_is_cheaper,
     inner,
     sq_norm,
@@ -108,6 +109,55 @@ def test_weighted_sum_is_the_clipped_sum(shape):
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+@settings(max_examples=30, deadline=None)
+@given(shapes, st.sampled_from(["outer", "indexed", "dense", "outer64"]), st.floats(1e-3, 1e3))
+def test_add_weighted_adds_in_place_and_each_example_stays_within_the_bound(shape, kind, clip):
+    """The in-place clipped sum: ``out`` (already holding other chunks' sums) gains exactly
+    ``Σ_i w_i G_i``; a dropped example's NaN never reaches it; and with the clip factors of
+    the per-example loop's norms, every single example moves ``out`` by at most ``C``."""
+    batch, steps, rows, cols, seed = shape
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(batch, steps, rows, generator=gen) * 10.0 ** torch.randint(-3, 4, (1,)).item()
+    b = torch.randn(batch, steps, cols, generator=gen)
+    ids = torch.randint(0, rows, (batch, steps), generator=gen)
+    if kind == "indexed":
+        a = torch.nn.functional.one_hot(ids, rows).float()
+    per_example = _oracle(a, b)  # [B, R, C] float64
+    if kind == "outer":
+        piece = OuterSum(a, b)
+    elif kind == "outer64":  # fp64 pieces into the fp32 running sum
+        piece = OuterSum(a.double(), b.double())
+    elif kind == "indexed":
+        piece = OuterSum(ids, b, rows=rows)
+    else:
+        piece = Dense(per_example.float())
+    norms = per_example.square().sum(dim=(1, 2)).sqrt()
+    factor = (clip / norms.clamp(min=1e-30)).clamp(max=1.0).float()
+    keep = torch.rand(batch, generator=gen) > 0.3
+    start = torch.randn(rows, cols, generator=gen)
+    out = start.clone()
+    ptr = out.data_ptr()
+    add_weighted(piece, factor, keep, out)
+    assert out.data_ptr() == ptr
+    assert out.dtype == torch.float32
+    want = torch.einsum("b,brc->rc", torch.where(keep, factor, 0.0).double(), per_example)
+    torch.testing.assert_close(out.double() - start.double(), want, rtol=1e-4, atol=1e-3 * clip)
+    for i in range(batch):  # one example at a time: never more than C (fp32 rounding aside)
+        alone = torch.zeros(rows, cols)
+        add_weighted(piece, factor, torch.arange(batch) == i, alone)
+        assert float(alone.double().norm()) <= clip * (1.0 + 1e-4)
+    if kind != "dense":  # a dropped example's non-finite pieces contribute exactly zero
+        bad = b.clone()
+        bad[~keep] = float("nan")
+        poisoned = OuterSum(ids if kind == "indexed" else a, bad, rows=piece.rows)
+        if kind == "outer64":
+            poisoned = OuterSum(a.double(), bad.double())
+        out2 = start.clone()
+        add_weighted(poisoned, factor, keep, out2)
+        assert bool(torch.isfinite(out2).all())
+        torch.testing.assert_close(out2, out, rtol=1e-5, atol=1e-5 * max(1.0, clip))
 
 
 def test_mixopt_crossover():
