@@ -51,6 +51,11 @@ def _sinks_forward(original: Callable[..., Any]) -> Callable[..., Any]:
                 "sinks' per-example gradients come from the additive mask); load the model "
                 "with it, freeze the sinks, or use clipped_grad(method='vmap')"
             )
+        if attention_mask is not None and not attention_mask.is_floating_point():
+            raise OperationError(
+                f"book-keeping: trained attention sinks need an additive float attention mask, "
+                f"got {attention_mask.dtype}; use clipped_grad(method='vmap')"
+            )
         sinks = use.params["sinks"]
         dtype = attention_mask.dtype if attention_mask is not None else hidden_states.dtype
         zero = hidden_states.new_zeros(hidden_states.shape[0], sinks.shape[0], 1, 1, dtype=dtype)
