@@ -252,11 +252,12 @@ def _zero_dropout(model):
             module.p = 0.0
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "mixtral", "gpt_oss"])
 def test_patched_model_with_activation_checkpointing(family):
     """``apply_model_patches`` + ``gradient_checkpointing_enable()``: book-keeping's one
     backward recomputes every decoder layer once (hooks record only the first forward; a
-    mixture of experts' tapped router and sparse experts replay the recorded computation), and
+    mixture of experts' tapped router and sparse experts, GPT-OSS's tapped attention sinks
+    replay the recorded computation), and
     the clipped sum still equals the per-example loop on a patched, un-checkpointed copy."""
     import warnings
 
