@@ -220,3 +220,25 @@ def test_gram_form_gives_every_result_of_the_reference(gen, monkeypatch, option)
     torch.testing.assert_close(op.hidden_grad(), ref_gh, rtol=1e-5, atol=1e-6)
     again = record.example_grads(2 * g32)
     torch.testing.assert_close(again.sq_norms()[0], 4 * op.sq_norms()[0], rtol=1e-5, atol=1e-6)
+
+
+def test_gram_form_over_several_tiles_drops_a_non_finite_example(gen, monkeypatch):
+    """Whole examples per forward tile (two tiles here, in one reused buffer); the clipped sum
+    replays those tiles and leaves out a dropped example whose hidden states are NaN."""
+    monkeypatch.setattr(_kept, "available_memory", lambda device: 1024)
+    monkeypatch.setenv("OPAKE_CHUNK_WORKSPACE_MB", "0.021")  # 67 rows of 41 logits
+    hidden, weight, labels, grads, _ = _inputs(gen, t=30)
+    h32 = hidden.float()
+    h32[2, 4, 0] = float("nan")
+    _, _, record = _recorded(h32, weight.float(), labels, grads.float(), None, None, route="ghost")
+    assert record.kept is not None
+    assert record.kept.u is None
+    assert record.kept.tile == 60
+    op = record.example_grads(grads.float())
+    want, _ = _per_example(hidden[:2], weight, labels[:2], grads[:2], None)
+    norms = op.sq_norms()[0]
+    assert not torch.isfinite(norms[2])
+    torch.testing.assert_close(norms[:2].double(), want.square().sum((1, 2)), rtol=1e-5, atol=1e-7)
+    got, _ = op.weighted_sum(torch.ones(3), torch.tensor([True, True, False]))
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want.sum(0), rtol=1e-5, atol=1e-6)

@@ -38,6 +38,7 @@ from opake.kernels.chunked._example_args import (
 )
 from opake.kernels.chunked._kept import (
     KeptLogitGrads,
+    gram_form_weighted_sum,
     kept_hidden_grad,
     kept_norms,
     kept_weighted_sum,
@@ -284,6 +285,20 @@ class LinearCEExampleGrads:
             raise ConfigurationError(
                 f"weighted_sum: weights of shape {tuple(weights.shape)}; expected ({self.batch},)"
             )
+        kept = self._kept
+        if kept is not None and kept.u is None and kept.gram is not None and self.bias is None:
+            with torch.no_grad():  # replay the forward's tiles: the u the norms came from
+                gw = gram_form_weighted_sum(
+                    kept,
+                    self.hidden,
+                    self.weight,
+                    self.labels,
+                    self.spec,
+                    token_grads=self.token_grads,
+                    weights=weights,
+                    keep=keep,
+                )
+                return gw, None
         if self._kept is not None and self._kept.u is not None:
             with torch.no_grad():
                 bias = self.bias is not None

@@ -18,6 +18,7 @@ log-softmax; it is kept only while that fits an eighth of the device's available
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from opake.kernels.chunked._workspace import available_memory, workspace_budget
 
 __all__ = [
     "KeptLogitGrads",
+    "gram_form_weighted_sum",
     "keeps_logit_grads",
     "kept_forward",
     "kept_hidden_grad",
@@ -50,6 +52,7 @@ class KeptLogitGrads:
     u: Tensor | None
     hidden_grad: Tensor | None
     gram: Tensor | None = None
+    tile: int = 0  # token rows per forward tile (the Gram form's clipped sum replays them)
 
 
 def keeps_logit_grads(
@@ -115,6 +118,44 @@ def _unit_grads_(
     return torch.where(mask > 0, loss, torch.zeros_like(loss)), run
 
 
+def _unit_grad_tiles(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    spec: LossSpec,
+    *,
+    bias: Tensor | None,
+    tile: int,
+    into: Tensor,
+) -> Iterator[tuple[int, int, Tensor, Tensor, Tensor, Tensor]]:
+    """Yield ``(t0, t1, u, raw, losses, lse)`` per token tile: ``u`` the raw-logit gradients
+    of rows ``t0:t1`` for a unit upstream gradient (fp32, rows ``t0:t1`` of *into* when it has
+    a row per token, else its first rows, reused), ``raw`` the logits' matmul output (the input
+    dtype's buffer for half precision, else ``u``). The same arguments yield the same tiles."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    low = hidden.dtype != _F32
+    raw = torch.empty(tile * vocab, dtype=hidden.dtype, device=dev) if low else None
+    tanh = torch.empty(tile * vocab, dtype=_F32, device=dev) if spec.softcap is not None else None
+    for t0 in range(0, n, tile):
+        t1 = min(n, t0 + tile)
+        z = into[t0:t1] if into.shape[0] == n else into[: t1 - t0]
+        out = z if raw is None else raw[: (t1 - t0) * vocab].view(t1 - t0, vocab)
+        if bias is None:
+            torch.mm(hidden[t0:t1], weight.t(), out=out)
+        else:
+            torch.addmm(bias, hidden[t0:t1], weight.t(), out=out)
+        if raw is not None:
+            z.copy_(out)
+        tok, lse = _unit_grads_(transform_logits_(z, spec), labels[t0:t1], spec, tanh)
+        yield t0, t1, z, out, tok, lse
+
+
+def _tile_rows(n: int, tiles: tuple[int, int] | None, gram_steps: int | None) -> int:
+    tt = max(1, min(n, tiles[0] if tiles is not None else n))
+    return max(gram_steps, tt - tt % gram_steps) if gram_steps else tt
+
+
 def kept_forward(
     hidden: Tensor,
     weight: Tensor,
@@ -135,35 +176,60 @@ def kept_forward(
     n, hsize = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
-    tt = max(1, min(n, tiles[0] if tiles is not None else n))
-    if gram_steps:
-        tt = max(gram_steps, tt - tt % gram_steps)
-    u = torch.empty(tt if gram_steps else n, vocab, dtype=_F32, device=dev)
+    tt = _tile_rows(n, tiles, gram_steps)
+    u = torch.empty(tt if gram_steps and tt < n else n, vocab, dtype=_F32, device=dev)
     gram = None
     if gram_steps:
         gram = torch.empty(n // gram_steps, gram_steps, gram_steps, dtype=_F32, device=dev)
     lse = torch.empty(n, dtype=_F32, device=dev)
     tok = torch.empty(n, dtype=_F32, device=dev)
     gh = torch.empty(n, hsize, dtype=_F32, device=dev) if with_hidden_grad else None
-    raw = torch.empty(tt * vocab, dtype=hidden.dtype, device=dev) if hidden.dtype != _F32 else None
-    tanh = torch.empty(tt * vocab, dtype=_F32, device=dev) if spec.softcap is not None else None
-    for t0 in range(0, n, tt):
-        t1 = min(n, t0 + tt)
-        z = u[: t1 - t0] if gram_steps else u[t0:t1]
-        out = z if raw is None else raw[: (t1 - t0) * vocab].view(t1 - t0, vocab)
-        if bias is None:
-            torch.mm(hidden[t0:t1], weight.t(), out=out)
-        else:
-            torch.addmm(bias, hidden[t0:t1], weight.t(), out=out)
-        if raw is not None:
-            z.copy_(out)
-        tok[t0:t1], lse[t0:t1] = _unit_grads_(transform_logits_(z, spec), labels[t0:t1], spec, tanh)
+    low = hidden.dtype != _F32
+    for t0, t1, z, out, losses, run in _unit_grad_tiles(
+        hidden, weight, labels, spec, bias=bias, tile=tt, into=u
+    ):
+        tok[t0:t1], lse[t0:t1] = losses, run
         if gh is not None:
-            gh[t0:t1] = torch.mm(z if raw is None else out.copy_(z), weight)
+            gh[t0:t1] = torch.mm(out.copy_(z) if low else z, weight)
         if gram is not None and gram_steps:
             z3 = z.view(-1, gram_steps, vocab)
             torch.bmm(z3, z3.transpose(1, 2), out=gram[t0 // gram_steps : t1 // gram_steps])
-    return tok, lse, KeptLogitGrads(None if gram_steps else u, gh, gram)
+    return tok, lse, KeptLogitGrads(None if gram_steps else u, gh, gram, tt)
+
+
+def gram_form_weighted_sum(
+    kept: KeptLogitGrads,
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    spec: LossSpec,
+    *,
+    token_grads: Tensor,
+    weights: Tensor,
+    keep: Tensor | None,
+) -> Tensor:
+    """``Σ_i w_i G_i`` for the Gram form: the forward's tiles recomputed once, exactly as the
+    forward formed them (the same ``u`` its Gram matrices, hence the norms, came from), each
+    contracted with ``(w g) ⊙ H``. Rows of examples not kept contribute exactly zero."""
+    batch, steps, hsize = hidden.shape
+    vocab = weight.shape[0]
+    h2, n = hidden.reshape(-1, hsize), batch * steps
+    scale = (weights.to(_F32).unsqueeze(1) * token_grads).reshape(-1)
+    rows = None if keep is None else keep.repeat_interleave(steps)
+    if rows is not None:
+        scale = torch.where(rows, scale, 0.0)
+    gw = torch.zeros(vocab, hsize, dtype=_F32, device=hidden.device)
+    tt = kept.tile
+    buf = torch.empty(min(tt, n), vocab, dtype=_F32, device=hidden.device)
+    for t0, t1, z, _out, _tok, _lse in _unit_grad_tiles(
+        h2, weight, labels.reshape(-1), spec, bias=None, tile=tt, into=buf
+    ):
+        hs = h2[t0:t1].to(_F32)
+        if rows is not None:  # a dropped example's hidden states or u may be NaN/Inf
+            z.masked_fill_(~rows[t0:t1].unsqueeze(1), 0.0)
+            hs = torch.where(rows[t0:t1].unsqueeze(1), hs, 0.0)
+        gw.addmm_(z.t(), hs * scale[t0:t1].unsqueeze(1))
+    return gw
 
 
 def kept_hidden_grad(kept: KeptLogitGrads, weight: Tensor, token_grads: Tensor) -> Tensor:
