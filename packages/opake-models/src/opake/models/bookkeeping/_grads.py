@@ -89,7 +89,8 @@ class ExpertGrads:
     def _buckets(self) -> tuple[torch.Tensor, list[tuple[int, int, int, torch.Tensor]]]:
         """The non-empty (expert, example) groups in buckets of similar sizes, each padded to a
         multiple of ``q`` (a multiple of 8, so that at most ``BUCKETS`` buckets cover the
-        largest group; the small batched products run fastest on such sizes): the row of
+        largest group — the small batched products run fastest on such sizes; groups all
+        under 8 slots are not padded to 8): the row of
         every slot in one zero-padded buffer holding all buckets, and per bucket
         ``(first row, groups, padded size, the groups' ids expert·B + example)``."""
         import torch
@@ -99,6 +100,8 @@ class ExpertGrads:
             sizes = torch.bincount(group, minlength=len(self.counts) * self.batch)
             largest = int(sizes.max()) if sizes.numel() else 0
             quantum = 8 * max(1, -(-largest // (8 * BUCKETS)))
+            if largest < 8:  # small groups: no padding to 8
+                quantum = max(1, -(-largest // BUCKETS))
             level = torch.div(sizes + quantum - 1, quantum, rounding_mode="floor")  # 0: empty
             order = torch.argsort(level, stable=True)
             counts = torch.bincount(level, minlength=BUCKETS + 1).tolist()
