@@ -34,7 +34,7 @@ median over rounds is reported.
 ``--train experts`` (``no-experts``) trains only the fused experts (everything but them) in
 every method, which isolates the experts rule's share of the overhead.
 
-Results are recorded in docs/benchmarks.md ("Mixture of experts (opake-models)").
+Results are recorded in docs/benchmarks.md ("Mixture of experts").
 """
 
 from __future__ import annotations
