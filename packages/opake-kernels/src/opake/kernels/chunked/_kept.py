@@ -1,7 +1,8 @@
 """The recorded linear cross-entropy's kept logit gradients: one vocabulary pass per step.
 
-When one vocabulary tile spans the whole vocabulary, the forward pass has each token's
-probabilities at hand right after its log-sum-exp. It then keeps ``u_t = ∂loss_t/∂z_t`` — the
+The forward pass computes each token tile's logits over the whole vocabulary (written straight
+into the kept rows: no workspace bound on them), so each token's probabilities are at hand right
+after its log-sum-exp. It then keeps ``u_t = ∂loss_t/∂z_t`` — the
 gradient of the raw logits for a unit upstream gradient (fp32 ``[N, V]``, zero on ignored
 tokens) — and the hidden states' gradient for that unit gradient (``u_t W``). Every later use
 is linear in the upstream gradients ``g_t`` (``d_t = g_t u_t``), so none recomputes a logit:
@@ -13,7 +14,9 @@ is linear in the upstream gradients ``g_t`` (``d_t = g_t u_t``), so none recompu
 
 ``u`` costs ``4·N·V`` bytes, no more than the non-private head keeps for its logits and
 log-softmax; it is kept only while that fits an eighth of the device's available memory
-(:func:`keeps_logit_grads`), else the tiles are recomputed as before.
+(:func:`keeps_logit_grads`). Otherwise, when one vocabulary tile spans the vocabulary, the
+forward keeps ``u W`` and each example's Gram matrix of ``u`` (the "Gram form"), and only the
+clipped sum recomputes the tiles; else the tiles are recomputed as before.
 """
 
 from __future__ import annotations
@@ -63,22 +66,21 @@ def keeps_logit_grads(
     gram_ok: bool = False,
 ) -> str | None:
     """What the forward keeps for hidden states ``[B, T]`` and a vocabulary ``V``
-    (``shape = (B, T, V)``): ``"u"`` when one tile spans the vocabulary and ``4·B·T·V`` bytes
-    fit an eighth of the available memory; else ``"gram"`` (``u W`` and each example's Gram
-    matrix of ``u``; the clipped sum then recomputes the tiles once) when ``gram_ok`` (the
-    Gram route, no bias) and one token tile holds a whole example; else ``None``.
+    (``shape = (B, T, V)``) and the chunked kernel's ``tiles``: ``"u"`` when ``4·B·T·V``
+    bytes fit an eighth of the available memory (whatever the tiles); else ``"gram"``
+    (``u W`` and each example's Gram matrix of ``u``; the clipped sum then recomputes the
+    tiles once) when ``gram_ok`` (the Gram route, no bias), one vocabulary tile spans the
+    vocabulary and one token tile holds a whole example; else ``None``.
 
     >>> import torch
-    >>> keeps_logit_grads((2, 4, 50), (8, 50), torch.device("cpu"))
+    >>> keeps_logit_grads((2, 4, 50), (8, 25), torch.device("cpu"))
     'u'
-    >>> keeps_logit_grads((2, 4, 50), (8, 25), torch.device("cpu")) is None
-    True
     """
     batch, steps, vocab = shape
-    if tiles is not None and tiles[1] < vocab:
-        return None
     if 4 * batch * steps * vocab <= available_memory(device) // _FRACTION:
         return "u"
+    if tiles is not None and tiles[1] < vocab:
+        return None
     fits = tiles is None or steps <= tiles[0]
     return "gram" if gram_ok and fits else None
 
@@ -151,8 +153,11 @@ def _unit_grad_tiles(
         yield t0, t1, z, out, tok, lse
 
 
-def _tile_rows(n: int, tiles: tuple[int, int] | None, gram_steps: int | None) -> int:
-    tt = max(1, min(n, tiles[0] if tiles is not None else n))
+def _tile_rows(n: int, vocab: int, tiles: tuple[int, int] | None, gram_steps: int | None) -> int:
+    """Token rows per tile spanning the vocabulary: the chunked kernel's token tile when its
+    vocabulary tile spans the vocabulary, else as many rows as its tile has elements."""
+    rows = n if tiles is None else tiles[0] if tiles[1] >= vocab else tiles[0] * tiles[1] // vocab
+    tt = max(1, min(n, rows))
     return max(gram_steps, tt - tt % gram_steps) if gram_steps else tt
 
 
@@ -176,7 +181,7 @@ def kept_forward(
     n, hsize = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
-    tt = _tile_rows(n, tiles, gram_steps)
+    tt = _tile_rows(n, vocab, tiles, gram_steps)
     u = torch.empty(tt if gram_steps and tt < n else n, vocab, dtype=_F32, device=dev)
     gram = None
     if gram_steps:
