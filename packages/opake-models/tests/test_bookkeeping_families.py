@@ -37,10 +37,9 @@ LORA_TARGETS = {
 TIED = {name for name in family_names() if family_spec(name).task == "causal_lm"}
 MOE = {name for name in family_names() if family_spec(name).moe is not None}
 #: parameters owned by a module that also has parameterised children: the engine has no rule
-#: for them (Qwen3-Next's gated delta-net decay), "auto" picks vmap (GPT-OSS's attention sinks
-#: have one: ``attention_sinks``, in the patched attention)
+#: for them, "auto" picks vmap (GPT-OSS's attention sinks and Qwen3-Next's gated delta-net
+#: decay have one: ``attention_sinks``, ``broadcast_params``, in the patched modules)
 RULELESS = {
-    "qwen3_next": ("A_log", "dt_bias"),
     "deepseek_v4": ("sinks", "position_bias"),
 }
 #: what book-keeping runs with frozen (each spec's ``bookkeeping_frozen``, with the reason):
@@ -189,8 +188,8 @@ def test_full_finetuning(family):
 )
 @pytest.mark.parametrize("family", sorted(RULELESS))
 def test_parameters_without_a_rule_make_auto_pick_vmap(family):
-    """Trained, GPT-OSS's sinks and Qwen3-Next's decay parameters have no book-keeping rule:
-    the plan names them, ``"bookkeeping"`` raises, ``"auto"`` runs the vmap engine exactly."""
+    """Trained, DeepSeek-V4's sinks and position bias have no book-keeping rule: the plan
+    names them, ``"bookkeeping"`` raises, ``"auto"`` runs the vmap engine exactly."""
     from opake.core.errors import ConfigurationError
 
     model = _ready(family, tiny_model(family), freeze=False)
@@ -202,6 +201,28 @@ def test_parameters_without_a_rule_make_auto_pick_vmap(family):
         loss_fn, clipping_norm=1.0, batch_argnums=(2, 3, 4), method="bookkeeping"
     )
     with pytest.raises(ConfigurationError, match="no book-keeping rule"):
+        grad_fn(*args, state=state)
+    grad_fn, state = clipped_grad(loss_fn, clipping_norm=1.0, batch_argnums=(2, 3, 4))
+    grads, _ = grad_fn(*args, state=state)
+    assert grad_fn.engine == "vmap"
+    expected = testing.reference_clipped_grad(
+        oracle, args, clipping_norm=1.0, batch_argnums=(2, 3, 4)
+    )
+    testing.assert_grads_close(grads, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_qwen3_next_linear_attention_trained_makes_auto_fall_back_to_vmap():
+    """Trained, Qwen3-Next's delta-net conv1d (read outside its module) and gated norm (tokens
+    flattened across examples) have rules in the plan but fail when recorded: ``"bookkeeping"``
+    raises an OperationError, ``"auto"`` falls back to the vmap engine, exactly."""
+    from opake.core.errors import OperationError
+
+    model = _ready("qwen3_next", tiny_model("qwen3_next"), freeze=False)
+    loss_fn, oracle, args = _case(model)
+    grad_fn, state = clipped_grad(
+        loss_fn, clipping_norm=1.0, batch_argnums=(2, 3, 4), method="bookkeeping"
+    )
+    with pytest.raises(OperationError):
         grad_fn(*args, state=state)
     grad_fn, state = clipped_grad(loss_fn, clipping_norm=1.0, batch_argnums=(2, 3, 4))
     grads, _ = grad_fn(*args, state=state)

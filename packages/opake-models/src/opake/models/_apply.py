@@ -322,10 +322,14 @@ def _moe(spec: FamilySpec, model: torch.nn.Module, report: FamilyReport, patcher
 def _sinks(
     spec: FamilySpec, model: torch.nn.Module, report: FamilyReport, patcher: Patcher
 ) -> None:
+    from opake.models.bookkeeping import install_broadcast, install_sinks
+
+    if spec.attention.linear:
+        count = install_broadcast(model, patcher)
+        if count:
+            report.applied.append(f"linear attention: {count} blocks book-keep their decay")
     if not spec.attention.sinks:
         return
-    from opake.models.bookkeeping import install_sinks
-
     count = install_sinks(model, patcher)
     if count:
         report.applied.append(f"sinks: {count} attention modules book-keep their sinks")

@@ -58,6 +58,6 @@ def opake_model_families() -> list[ModelFamily]:
 def opake_bookkeeping_rules() -> list[BookkeepingRule]:
     """Book-keeping rules for the families' own layers (their callables imported when used)."""
     from opake.models._norm_rule import RULE as FAMILY_NORM
-    from opake.models.bookkeeping import ATTENTION_SINKS, FUSED_EXPERTS
+    from opake.models.bookkeeping import ATTENTION_SINKS, BROADCAST_PARAMS, FUSED_EXPERTS
 
-    return [FAMILY_NORM, FUSED_EXPERTS, ATTENTION_SINKS]
+    return [FAMILY_NORM, FUSED_EXPERTS, ATTENTION_SINKS, BROADCAST_PARAMS]

@@ -40,8 +40,6 @@ SPEC = FamilySpec(
     },
     moe=Moe("Qwen3NextSparseMoeBlock", shared="shared_expert", shared_gate="shared_expert_gate"),
     bookkeeping_frozen={
-        ".linear_attn.A_log": "owned by the gated delta-net, which has parameterised children",
-        ".linear_attn.dt_bias": "owned by the gated delta-net, which has parameterised children",
         ".linear_attn.conv1d.": "its weight is read outside its module (no recorded call)",
         ".linear_attn.norm.": "the gated norm sees the tokens flattened across examples",
     },

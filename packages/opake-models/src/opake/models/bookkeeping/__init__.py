@@ -16,6 +16,8 @@ handled from the call's inputs.
 :data:`ATTENTION_SINKS` gives GPT-OSS's learned attention sinks their per-example gradients
 from the attention's additive mask (a tapped zero per example and head; softmax is shift
 invariant), in the patched attention that :func:`install_sinks` installs.
+:data:`BROADCAST_PARAMS` does the same for parameters a block reads only broadcast against the
+batch (Qwen3-Next's gated delta-net ``A_log``, ``dt_bias``; :func:`install_broadcast`).
 
 >>> import torch
 >>> from opake.models.bookkeeping import ExpertGrads
@@ -27,6 +29,8 @@ invariant), in the patched attention that :func:`install_sinks` installs.
 
 from __future__ import annotations
 
+from opake.models.bookkeeping._broadcast import RULE as BROADCAST_PARAMS
+from opake.models.bookkeeping._broadcast import install_broadcast
 from opake.models.bookkeeping._grads import ExpertGrads
 from opake.models.bookkeeping._record import recorded_experts, supports_recording
 from opake.models.bookkeeping._rule import RULE as FUSED_EXPERTS
@@ -35,8 +39,10 @@ from opake.models.bookkeeping._sinks import install_sinks
 
 __all__ = [
     "ATTENTION_SINKS",
+    "BROADCAST_PARAMS",
     "FUSED_EXPERTS",
     "ExpertGrads",
+    "install_broadcast",
     "install_sinks",
     "recorded_experts",
     "supports_recording",
