@@ -44,6 +44,7 @@ __all__ = [
 Tensor = torch.Tensor
 _F32 = torch.float32
 _FRACTION = 8  # kept gradients take at most this fraction of the available memory
+_MIN_ROWS = 256  # token rows of a forward tile written straight into u
 
 
 @dataclass
@@ -153,11 +154,15 @@ def _unit_grad_tiles(
         yield t0, t1, z, out, tok, lse
 
 
-def _tile_rows(n: int, vocab: int, tiles: tuple[int, int] | None, gram_steps: int | None) -> int:
+def _tile_rows(
+    n: int, vocab: int, tiles: tuple[int, int] | None, gram_steps: int | None, *, scratch: bool
+) -> int:
     """Token rows per tile spanning the vocabulary: the chunked kernel's token tile when its
-    vocabulary tile spans the vocabulary, else as many rows as its tile has elements."""
+    vocabulary tile spans the vocabulary, else as many rows as its tile has elements; at least
+    ``_MIN_ROWS`` when the tile needs no scratch (it is then rows of ``u`` itself: skinny
+    matrix products cost up to twice as much per row)."""
     rows = n if tiles is None else tiles[0] if tiles[1] >= vocab else tiles[0] * tiles[1] // vocab
-    tt = max(1, min(n, rows))
+    tt = max(1, min(n, rows if scratch else max(rows, _MIN_ROWS)))
     return max(gram_steps, tt - tt % gram_steps) if gram_steps else tt
 
 
@@ -181,7 +186,8 @@ def kept_forward(
     n, hsize = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
-    tt = _tile_rows(n, vocab, tiles, gram_steps)
+    scratch = bool(gram_steps) or hidden.dtype != _F32 or spec.softcap is not None
+    tt = _tile_rows(n, vocab, tiles, gram_steps, scratch=scratch)
     u = torch.empty(tt if gram_steps and tt < n else n, vocab, dtype=_F32, device=dev)
     gram = None
     if gram_steps:
