@@ -44,7 +44,6 @@ __all__ = [
 Tensor = torch.Tensor
 _F32 = torch.float32
 _FRACTION = 8  # kept gradients take at most this fraction of the available memory
-_MIN_ROWS = 256  # token rows of a forward tile written straight into u
 
 
 @dataclass
@@ -158,11 +157,14 @@ def _tile_rows(
     n: int, vocab: int, tiles: tuple[int, int] | None, gram_steps: int | None, *, scratch: bool
 ) -> int:
     """Token rows per tile spanning the vocabulary: the chunked kernel's token tile when its
-    vocabulary tile spans the vocabulary, else as many rows as its tile has elements; at least
-    ``_MIN_ROWS`` when the tile needs no scratch (it is then rows of ``u`` itself: skinny
-    matrix products cost up to twice as much per row)."""
+    vocabulary tile spans the vocabulary, else as many rows as its tile has elements. A tile
+    that needs no scratch is rows of ``u`` itself: then one tile holds every token (skinny
+    products cost up to twice as much per row, and every tile is a few parallel regions of
+    elementwise work: with 2 threads, 256-row tiles took twice the CPU time of one tile)."""
+    if not scratch:
+        return max(1, n)
     rows = n if tiles is None else tiles[0] if tiles[1] >= vocab else tiles[0] * tiles[1] // vocab
-    tt = max(1, min(n, rows if scratch else max(rows, _MIN_ROWS)))
+    tt = max(1, min(n, rows))
     return max(gram_steps, tt - tt % gram_steps) if gram_steps else tt
 
 
