@@ -12,7 +12,7 @@ blocks:
 * ``dp8-full`` / ``dp8-lora`` / ``dp3-full`` / ``dp3-lora`` — ``opake train`` (DP-SGD, Poisson
   sampling, per-example clipping at C = 1, σ calibrated to ε = 8 or 3 at δ = 1/N²): full
   fine-tuning on the book-keeping engine with the loss-only head, or LoRA (r = 8, every linear
-  layer) on the vmap engine.
+  layer) on the engine ``auto`` chooses (book-keeping for this model).
 
 The table gives validation loss and perplexity, the fraction of the pretrained → non-private
 loss gain that DP keeps (``gap closed`` = (L_pretrained − L_dp) / (L_pretrained − L_nonprivate)),
@@ -25,6 +25,13 @@ budget checks the script and gives first figures, clearly not converged:
     python tools/bench/real_model.py                          # default budget
     python tools/bench/real_model.py --steps 3 --batch-size 4 --max-val-blocks 16   # a check
     python tools/bench/real_model.py --configs pretrained,dp8-lora --json out.json
+    # the recorded LoRA run (about 20 minutes per configuration at one CPU thread):
+    python tools/bench/real_model.py --configs pretrained,nonprivate-lora,dp8-lora,dp3-lora \
+        --steps 3 --batch-size 96 --microbatch 8 --max-val-blocks 64 --lr-lora 2e-3 \
+        --dp-lr-scale 1 --threads 1
+
+With ``--json FILE`` each configuration's result is also appended to ``FILE.partial`` as it
+ends, so an interrupted run keeps the configurations it finished.
 
 Results are recorded in docs/benchmarks.md ("A real pretrained model (SmolLM2-135M)").
 """
@@ -171,6 +178,9 @@ def _child(args: argparse.Namespace) -> int:
         result["cpu_sec"] = time.process_time() - cpu
         result["peak_rss_gb"] = _peak_rss_gb()
     print("RESULT " + json.dumps(result), flush=True)
+    if args.json:  # kept as each configuration ends: an interrupted run loses none of them
+        with open(f"{args.json}.partial", "a", encoding="utf-8") as partial:
+            partial.write(json.dumps({args.one: result}) + "\n")
     return 0
 
 
