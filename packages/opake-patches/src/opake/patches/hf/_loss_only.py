@@ -219,8 +219,8 @@ def per_example_lm_loss(
         per_ex: torch.Tensor = kernel.impl(
             hidden, weight, labels, reduction="per_example", **common
         )
-        losses = per_ex.reshape(labels.shape[0]).float()
-        return losses if per_example else losses.mean()
+        means = per_ex.reshape(labels.shape[0]).float()
+        return means if per_example else means.mean()
     recorded = _recorded_impl(kernel, hidden.device)
     per_token, record = recorded(hidden, weight, labels, **common)
     per_token = use.tap(per_token, functools.partial(_head_grads, record, tuple(use.params)))
