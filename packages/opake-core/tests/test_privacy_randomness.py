@@ -114,6 +114,32 @@ def test_gaussian_is_box_muller_of_the_keystream_element_by_element() -> None:
     np.testing.assert_allclose(got32.numpy(), expected[:count], rtol=2e-6, atol=2e-6)
 
 
+def test_gaussian_pieces_address_the_one_shot_keystream(monkeypatch) -> None:
+    # bounded pieces (small here, 2^18 pairs in use) must give exactly the layout of one shot:
+    # radius words of all pairs first, then their angle words; cosines, then sines
+    monkeypatch.setattr(_randomness, "_CHUNK_PAIRS", 40)
+    source = Randomness.seeded(11)
+    count = 2 * 40 * 3 + 17  # several pieces, a short last one, an odd count
+    pairs = (count + 1) // 2
+    raw = source.keystream("noise", 2, 12 * pairs)
+    k = np.frombuffer(bytes(raw[: 8 * pairs]), dtype="<u8") & np.uint64(2**63 - 1)
+    j = np.frombuffer(bytes(raw[8 * pairs :]), dtype="<i4").astype(np.float64)
+    radius = np.sqrt(-2.0 * np.log((k.astype(np.float64) + 0.5) * 2.0**-63))
+    theta = 2.0 * math.pi * j * 2.0**-32
+    want = np.concatenate([radius * np.cos(theta), radius * np.sin(theta)])[:count]
+    pieces = list(source.normal_pieces("noise", 2, count, dtype=torch.float64))
+    assert max(v.numel() for _, v in pieces) <= 40
+    got = source.normal("noise", 2, count, dtype=torch.float64)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+    covered = sorted(i for start, v in pieces for i in range(start, start + v.numel()))
+    assert covered == list(range(count))
+    # the noise of a model is the same draw, written piece by piece into each entry
+    grads = {"a": torch.zeros(7, 3), "b": torch.zeros(0), "c": torch.zeros(count - 21)}
+    out = GaussianNoise(1.0, seed=11).add(grads, sensitivity=1.0)
+    flat = Randomness.seeded(11).normal("noise", 0, count)
+    assert torch.equal(torch.cat([out[n].flatten() for n in sorted(grads)]), flat)
+
+
 def test_gaussian_tail_reaches_past_nine_sigma_and_never_overflows() -> None:
     # the smallest u is 2^-64 (k = 0): the radius is sqrt(128 ln 2) ≈ 9.42, finite
     assert math.sqrt(-2 * math.log(0.5 * 2.0**-63)) == pytest.approx(9.42, abs=0.01)

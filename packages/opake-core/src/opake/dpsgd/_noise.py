@@ -5,6 +5,8 @@ Implementation module behind :mod:`opake.dpsgd.noise`.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -158,25 +160,38 @@ def _draw(
     grads: Mapping[str, torch.Tensor], std: float, source: Randomness, index: int
 ) -> dict[str, torch.Tensor]:
     """Noise every entry from one keystream of ``source`` at ``index``, in sorted key order
-    (so every rank with the same key draws the same), generated on the CPU."""
+    (so every rank with the same key draws the same), generated on the CPU in bounded pieces
+    written straight into each entry's buffer (no model-sized keystream or flat copy)."""
     import torch
 
     names = sorted(grads)
-    total = sum(grads[name].numel() for name in names)
     wide = any(_noise_dtype(grads[name]) == torch.float64 for name in names)
-    flat = source.normal("noise", index, total, dtype=torch.float64 if wide else torch.float32)
+    dtype = torch.float64 if wide else torch.float32
+    bufs = [torch.empty(grads[name].numel(), dtype=dtype) for name in names]
+    ends = list(itertools.accumulate(buf.numel() for buf in bufs))
+    total = ends[-1] if ends else 0
+    for start, values in source.normal_pieces("noise", index, total, dtype=dtype):
+        _scatter(values, start, bufs, ends)
     out: dict[str, torch.Tensor] = {}
-    offset = 0
-    for name in names:
+    for name, buf in zip(names, bufs, strict=True):
         value = grads[name]
-        dtype = _noise_dtype(value)
-        size = value.numel()
-        noise = flat[offset : offset + size].view(value.shape)
-        offset += size
-        noise = noise.mul(std).to(device=value.device, dtype=dtype)
+        noise = buf.view(value.shape).mul_(std).to(device=value.device, dtype=_noise_dtype(value))
         # the noise buffer becomes the result (one tensor per entry, never the caller's)
-        out[name] = noise.add_(value.detach().to(dtype=dtype))
+        out[name] = noise.add_(value.detach().to(dtype=noise.dtype))
     return {name: out[name] for name in grads}
+
+
+def _scatter(values: torch.Tensor, start: int, bufs: list[torch.Tensor], ends: list[int]) -> None:
+    """Write ``values`` at flat positions ``start...`` of the buffers laid end to end."""
+    j = bisect.bisect_right(ends, start)
+    done = 0
+    while done < values.numel():
+        begin = ends[j] - bufs[j].numel()
+        at = start + done - begin
+        n = min(values.numel() - done, bufs[j].numel() - at)
+        bufs[j][at : at + n] = values[done : done + n]
+        done += n
+        j += 1
 
 
 def add_noise(

@@ -25,6 +25,7 @@ import hashlib
 import math
 import numbers
 import secrets
+from collections.abc import Iterator
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,8 @@ _MASK63 = np.uint64(0x7FFF_FFFF_FFFF_FFFF)
 
 #: 64-bit words drawn per piece by :meth:`Randomness.bernoulli` (16 MiB of keystream)
 _CHUNK_WORDS = 1 << 21
+#: Gaussian pairs per piece of :meth:`Randomness.normal_pieces` (3 MiB of keystream)
+_CHUNK_PAIRS = 1 << 18
 _BLOCK_BYTES = 64
 
 
@@ -185,24 +188,38 @@ class Randomness:
         """``count`` standard normal values (CPU tensor, fp32 by default, or fp64)."""
         import torch
 
-        dtype = torch.float32 if dtype is None else dtype
-        if dtype not in (torch.float32, torch.float64):
-            raise InputTypeError(f"dtype={dtype}: expected torch.float32 or torch.float64")
+        out = torch.empty(count, dtype=_normal_dtype(dtype))
+        for start, values in self.normal_pieces(stream, index, count, dtype=dtype):
+            out[start : start + values.numel()] = values
+        return out
+
+    def normal_pieces(
+        self, stream: str, index: int, count: int, *, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """The values of :meth:`normal` as ``(position, values)`` pieces, in bounded memory.
+
+        Pair ``i`` of the Box–Muller transform gives position ``i`` (its cosine) and position
+        ``pairs + i`` (its sine); each piece is a run of consecutive positions, and together
+        the pieces cover ``range(count)`` once, with exactly the values :meth:`normal` returns.
+        No piece holds more than 2¹⁸ values, so drawing the noise of a large model never holds
+        its whole keystream at once.
+        """
+        dtype = _normal_dtype(dtype)
         pairs = (count + 1) // 2
-        raw = self.keystream(stream, index, 12 * pairs)
-        radius_bits = np.frombuffer(raw, dtype="<u8", count=pairs).astype(np.uint64, copy=False)
-        angle_bits = np.frombuffer(raw, dtype="<i4", count=pairs, offset=8 * pairs)
-        np_dtype = np.float64 if dtype == torch.float64 else np.float32
-        # u = (k + 1/2)·2^-63 with k uniform on [0, 2^63): u ∈ [2^-64, 1]
-        k = (radius_bits & _MASK63).view(np.int64).astype(np_dtype)
-        u = torch.from_numpy(k).mul_(2.0**-63).add_(2.0**-64)
-        radius = u.log_().mul_(-2.0).clamp_min_(0.0).sqrt_()
-        # θ = 2π·j·2^-32 with j a signed 32-bit integer: θ ∈ [-π, π)
-        theta = torch.from_numpy(angle_bits.astype(np_dtype)).mul_(2.0 * math.pi * 2.0**-32)
-        out = torch.empty(2 * pairs, dtype=dtype)
-        torch.mul(radius, torch.cos(theta), out=out[:pairs])
-        torch.mul(radius, torch.sin(theta), out=out[pairs:])
-        return out[:count]
+        for p0 in range(0, pairs, _CHUNK_PAIRS):
+            p1 = min(pairs, p0 + _CHUNK_PAIRS)
+            radius_raw = self._span(stream, index, 8 * p0, 8 * p1)
+            angle_raw = self._span(stream, index, 8 * pairs + 4 * p0, 8 * pairs + 4 * p1)
+            cos_part, sin_part = _box_muller(radius_raw, angle_raw, p1 - p0, dtype)
+            yield p0, cos_part
+            kept = min(p1 - p0, count - pairs - p0)  # an odd count drops the last sine
+            if kept > 0:
+                yield pairs + p0, sin_part[:kept]
+
+    def _span(self, stream: str, index: int, start: int, stop: int) -> memoryview:
+        """Keystream bytes ``[start, stop)`` of ``(stream, index)`` (any byte offsets)."""
+        base = start - start % _BLOCK_BYTES
+        return memoryview(self.keystream(stream, index, stop - base, offset=base))[start - base :]
 
     def bernoulli(self, stream: str, index: int, count: int, p: float) -> np.ndarray:
         """``count`` independent Bernoulli(p) draws as a bool array (p within 2⁻⁶⁴)."""
@@ -223,6 +240,34 @@ class Randomness:
         """A uniformly random order of ``range(count)`` (argsort of random 64-bit keys)."""
         keys = self.uint64(stream, index, count)
         return np.argsort(keys, kind="stable")
+
+
+def _normal_dtype(dtype: torch.dtype | None) -> torch.dtype:
+    import torch
+
+    if dtype is None:
+        return torch.float32
+    if dtype not in (torch.float32, torch.float64):
+        raise InputTypeError(f"dtype={dtype}: expected torch.float32 or torch.float64")
+    return dtype
+
+
+def _box_muller(
+    radius_raw: memoryview, angle_raw: memoryview, n: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` pairs ``(r·cos θ, r·sin θ)`` from 8 radius bytes and 4 angle bytes per pair."""
+    import torch
+
+    radius_bits = np.frombuffer(radius_raw, dtype="<u8", count=n).astype(np.uint64, copy=False)
+    angle_bits = np.frombuffer(angle_raw, dtype="<i4", count=n)
+    np_dtype = np.float64 if dtype == torch.float64 else np.float32
+    # u = (k + 1/2)·2^-63 with k uniform on [0, 2^63): u ∈ [2^-64, 1]
+    k = (radius_bits & _MASK63).view(np.int64).astype(np_dtype)
+    u = torch.from_numpy(k).mul_(2.0**-63).add_(2.0**-64)
+    radius = u.log_().mul_(-2.0).clamp_min_(0.0).sqrt_()
+    # θ = 2π·j·2^-32 with j a signed 32-bit integer: θ ∈ [-π, π)
+    theta = torch.from_numpy(angle_bits.astype(np_dtype)).mul_(2.0 * math.pi * 2.0**-32)
+    return torch.cos(theta).mul_(radius), theta.sin_().mul_(radius)
 
 
 def check_seed(seed: object) -> int:
