@@ -271,3 +271,33 @@ def test_cuda_gradients_get_the_cpu_drawn_noise() -> None:
     assert first.device.type == "cuda"
     cpu = GaussianNoise(1.0, seed=4).add({"w": torch.zeros(1000)}, sensitivity=1.0)["w"]
     assert torch.equal(first.cpu(), cpu)  # drawn on the CPU, moved to the gradient's device
+
+
+def test_in_place_noise_is_the_same_draw_added_to_the_tensors_themselves() -> None:
+    def grads():
+        return {
+            "z": torch.arange(12.0).reshape(3, 4),
+            "a": torch.full((5,), -2.0, dtype=torch.float64),  # one fp64 entry: drawn in fp64
+            "m": torch.zeros(0),
+        }
+
+    want = GaussianNoise(1.5, seed=4).add(grads(), sensitivity=0.7)
+    sums = grads()
+    ids = {name: id(t) for name, t in sums.items()}
+    noise = GaussianNoise(1.5, seed=4)
+    got = noise.add_(sums, sensitivity=0.7)
+    assert noise.calls == 1
+    assert noise.last_noise_std == pytest.approx(1.05)
+    assert got.noise_std == want.noise_std
+    assert list(got) == list(want)
+    for name in want:
+        assert id(got[name]) == ids[name]
+        assert got[name] is sums[name]
+        assert got[name].dtype == want[name].dtype
+        assert torch.equal(got[name], want[name])
+    # what cannot be noised in place is refused, and nothing is changed
+    for bad in (torch.zeros(3, dtype=torch.bfloat16), torch.zeros(4, 3).t()):
+        before = bad.clone()
+        with pytest.raises(InputTypeError, match="in-place noise needs contiguous fp32"):
+            GaussianNoise(1.0, seed=0).add_({"w": bad}, sensitivity=1.0)
+        assert torch.equal(bad, before)

@@ -741,3 +741,23 @@ def test_physical_batches_with_different_bounds_use_the_largest() -> None:
     opt.accumulate(clipped_sum_loop(model, x[:2], y[:2], clip=0.5))
     opt.accumulate(clipped_sum_loop(model, x[2:], y[2:], clip=0.25))
     assert opt.step().sensitivity == 0.5
+
+
+def test_the_in_place_noised_step_equals_the_out_of_place_one() -> None:
+    # DPOptimizer noises its own fp32 sums in place; a GaussianNoise subclass overriding add()
+    # takes the out-of-place path: the same seed must give the same parameters
+    class OutOfPlace(GaussianNoise):
+        def add(self, grads, sensitivity=None):  # type: ignore[no-untyped-def,override]
+            return super().add(grads, sensitivity)
+
+    x, y = make_data(6)
+    results = []
+    for noise in (GaussianNoise(SIGMA, seed=SEED), OutOfPlace(SIGMA, seed=SEED)):
+        model = make_mlp()
+        opt = dp_for(model, noise=noise)
+        for _ in range(2):
+            opt.accumulate(clipped_sum_loop(model, x, y))
+            opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

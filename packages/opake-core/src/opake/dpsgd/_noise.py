@@ -157,23 +157,35 @@ def _draw_torch(
 
 
 def _draw(
-    grads: Mapping[str, torch.Tensor], std: float, source: Randomness, index: int
+    grads: Mapping[str, torch.Tensor],
+    std: float,
+    source: Randomness,
+    index: int,
+    *,
+    in_place: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Noise every entry from one keystream of ``source`` at ``index``, in sorted key order
     (so every rank with the same key draws the same), generated on the CPU in bounded pieces
-    written straight into each entry's buffer (no model-sized keystream or flat copy)."""
+    (no model-sized keystream or flat copy). Each piece becomes ``std·z`` in the entry's dtype;
+    it is written into a fresh noise buffer per entry (the result), or added in place to the
+    entry itself (``in_place``: the same values, ``value + std·z``)."""
     import torch
 
     names = sorted(grads)
     wide = any(_noise_dtype(grads[name]) == torch.float64 for name in names)
     dtype = torch.float64 if wide else torch.float32
-    bufs = [torch.empty(grads[name].numel(), dtype=dtype) for name in names]
-    ends = list(itertools.accumulate(buf.numel() for buf in bufs))
+    if in_place:
+        targets = [grads[name].detach().view(-1) for name in names]
+    else:
+        targets = [torch.empty(grads[name].numel(), dtype=dtype) for name in names]
+    ends = list(itertools.accumulate(t.numel() for t in targets))
     total = ends[-1] if ends else 0
     for start, values in source.normal_pieces("noise", index, total, dtype=dtype):
-        _scatter(values, start, bufs, ends)
+        _scatter(values, start, targets, ends, std if in_place else None)
+    if in_place:
+        return {name: grads[name] for name in grads}
     out: dict[str, torch.Tensor] = {}
-    for name, buf in zip(names, bufs, strict=True):
+    for name, buf in zip(names, targets, strict=True):
         value = grads[name]
         noise = buf.view(value.shape).mul_(std).to(device=value.device, dtype=_noise_dtype(value))
         # the noise buffer becomes the result (one tensor per entry, never the caller's)
@@ -181,15 +193,27 @@ def _draw(
     return {name: out[name] for name in grads}
 
 
-def _scatter(values: torch.Tensor, start: int, bufs: list[torch.Tensor], ends: list[int]) -> None:
-    """Write ``values`` at flat positions ``start...`` of the buffers laid end to end."""
+def _scatter(
+    values: torch.Tensor,
+    start: int,
+    targets: list[torch.Tensor],
+    ends: list[int],
+    std: float | None,
+) -> None:
+    """Write ``values`` at flat positions ``start...`` of the targets laid end to end; with
+    ``std``, add ``std·values`` (in each target's dtype, on its device) instead."""
     j = bisect.bisect_right(ends, start)
     done = 0
     while done < values.numel():
-        begin = ends[j] - bufs[j].numel()
+        begin = ends[j] - targets[j].numel()
         at = start + done - begin
-        n = min(values.numel() - done, bufs[j].numel() - at)
-        bufs[j][at : at + n] = values[done : done + n]
+        n = min(values.numel() - done, targets[j].numel() - at)
+        piece = values[done : done + n]
+        if std is None:
+            targets[j][at : at + n] = piece
+        else:
+            dest = targets[j]
+            dest[at : at + n].add_(piece.mul(std).to(device=dest.device, dtype=dest.dtype))
         done += n
         j += 1
 
@@ -342,6 +366,43 @@ class GaussianNoise:
         )
 
     __call__ = add
+
+    def add_(
+        self, grads: Mapping[str, torch.Tensor], sensitivity: float | None = None
+    ) -> NoisyGrads:
+        """:meth:`add` in place: the same draw, added to each tensor of ``grads`` itself.
+
+        For accumulators you own (what :class:`~opake.dpsgd.optimizer.DPOptimizer` does with
+        its gradient sum): no second gradient-sized buffer. Each tensor must be contiguous
+        fp32 or fp64 (the dtypes :meth:`add` returns); the result holds the same tensors.
+
+        Example:
+            >>> import torch
+            >>> sums = {"w": torch.zeros(2)}
+            >>> out = GaussianNoise(1.0, seed=0).add_(sums, sensitivity=0.5)
+            >>> out["w"] is sums["w"], torch.equal(
+            ...     sums["w"], GaussianNoise(1.0, seed=0).add({"w": torch.zeros(2)}, 0.5)["w"])
+            (True, True)
+        """
+        import torch
+
+        _check_grads(grads)
+        for name, value in grads.items():
+            if value.dtype not in (torch.float32, torch.float64) or not value.is_contiguous():
+                layout = "contiguous" if value.is_contiguous() else "non-contiguous"
+                raise InputTypeError(
+                    f"GaussianNoise.add_: grads[{name!r}] is a {layout} {value.dtype} tensor; "
+                    "in-place noise needs contiguous fp32 or fp64 accumulators (use add() for "
+                    "other tensors)"
+                )
+        sens = _resolve_sensitivity(grads, sensitivity)
+        std = self._noise_multiplier * sens
+        noisy = _draw(grads, std, self._source, self._calls, in_place=True)
+        self._calls += 1
+        self.last_noise_std = std
+        return NoisyGrads(
+            noisy, noise_multiplier=self._noise_multiplier, sensitivity=sens, secure=self.secure
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state: σ, the mode, the seed (seeded only) and the call count.

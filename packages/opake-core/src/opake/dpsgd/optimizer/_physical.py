@@ -16,6 +16,21 @@ if TYPE_CHECKING:
 def _noised(
     noise: Any, sums: Mapping[str, torch.Tensor], sensitivity: float
 ) -> Mapping[str, torch.Tensor]:
+    import torch
+
+    from opake.dpsgd.noise import GaussianNoise
+
+    # a GaussianNoise whose add() is not overridden: the sums are the optimizer's own, so noise
+    # them in place (no second gradient-sized copy); a subclass's add() is always honoured
+    in_place = (
+        isinstance(noise, GaussianNoise)
+        and type(noise).add is GaussianNoise.add
+        and all(
+            v.is_contiguous() and v.dtype in (torch.float32, torch.float64) for v in sums.values()
+        )
+    )
+    if in_place:
+        return noise.add_(sums, sensitivity=sensitivity)
     out = noise.add(dict(sums), sensitivity=sensitivity)
     if isinstance(out, tuple):  # (grads, info) style
         out = out[0]
