@@ -30,7 +30,8 @@ def _noised(
         )
     )
     if in_place:
-        return noise.add_(sums, sensitivity=sensitivity)
+        noised: Mapping[str, torch.Tensor] = noise.add_(sums, sensitivity=sensitivity)
+        return noised
     out = noise.add(dict(sums), sensitivity=sensitivity)
     if isinstance(out, tuple):  # (grads, info) style
         out = out[0]
