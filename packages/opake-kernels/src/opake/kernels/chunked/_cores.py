@@ -331,15 +331,18 @@ def rms_norm_forward(
     y = torch.empty_like(x)
     rstd = torch.empty(n, dtype=_F32, device=x.device)
     wf = None if weight is None else weight.float() + offset
+    fp32 = x.dtype == _F32 and x.is_contiguous()
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        xf = x[r0:r1].to(_F32, copy=True)
+        xf = x[r0:r1] if fp32 else x[r0:r1].to(_F32, copy=True)
         r = torch.rsqrt(xf.pow(2).mean(1) + eps)
         rstd[r0:r1] = r
-        xf.mul_(r.unsqueeze(1))
+        # fp32: computed straight into the output rows (no chunk-sized copy)
+        out = torch.mul(xf, r.unsqueeze(1), out=y[r0:r1]) if fp32 else xf.mul_(r.unsqueeze(1))
         if wf is not None:
-            xf.mul_(wf)
-        y[r0:r1] = xf
+            out.mul_(wf)
+        if not fp32:
+            y[r0:r1] = out
     return y, rstd
 
 
@@ -371,7 +374,11 @@ def rms_norm_backward(
             if gx is not None:
                 u = gf if wf is None else gf * wf
                 dot = (u * xhat).mean(1, keepdim=True)
-                gx[r0:r1] = (u - xhat * dot) * r
+                diff = u - xhat * dot
+                if gx.dtype == _F32 and gx.is_contiguous():
+                    torch.mul(diff, r, out=gx[r0:r1])
+                else:
+                    gx[r0:r1] = diff * r
     return gx, None if gw is None or weight is None else gw.to(weight.dtype)
 
 
@@ -406,10 +413,13 @@ def gated_forward(gate: Tensor, up: Tensor, kind: str, chunk: int) -> Tensor:
     """``act(gate) * up`` in fp32 chunks, written in the inputs' dtype."""
     out = torch.empty_like(gate)
     flat_g, flat_u, flat_o = gate.reshape(-1), up.reshape(-1), out.view(-1)
+    fp32 = out.dtype == _F32
     for i in range(0, flat_g.numel(), chunk):
-        flat_o[i : i + chunk] = activation(flat_g[i : i + chunk].float(), kind).mul_(
-            flat_u[i : i + chunk].float()
-        )
+        act = activation(flat_g[i : i + chunk].float(), kind)
+        if fp32:  # straight into the output (no chunk-sized copy)
+            torch.mul(act, flat_u[i : i + chunk], out=flat_o[i : i + chunk])
+        else:
+            flat_o[i : i + chunk] = act.mul_(flat_u[i : i + chunk].float())
     return out
 
 
@@ -425,8 +435,12 @@ def gated_backward(
         a = fg[i : i + chunk].float()
         go = fo[i : i + chunk].float()
         act, dact = act_and_grad(a, kind)
-        ou[i : i + chunk] = go * act
-        oa[i : i + chunk] = go * fu[i : i + chunk].float() * dact
+        if ga.dtype == _F32 and gu.dtype == _F32:  # straight into the outputs
+            torch.mul(go, act, out=ou[i : i + chunk])
+            torch.mul(go * fu[i : i + chunk], dact, out=oa[i : i + chunk])
+        else:
+            ou[i : i + chunk] = go * act
+            oa[i : i + chunk] = go * fu[i : i + chunk].float() * dact
     return ga, gu
 
 
