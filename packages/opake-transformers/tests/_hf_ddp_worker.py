@@ -41,6 +41,14 @@ def main(out: str) -> None:
             },
             Path(out) / "result.pt",
         )
+    # The Trainer leaves its process group up. Rank 0 hosts the rendezvous store: if it exits
+    # while rank 1 still tears its group down at interpreter exit, rank 1 aborts in gloo's
+    # threads ("terminate called without an active exception"). Leave together.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
