@@ -44,7 +44,10 @@ class BookkeepingChunk:
 
         Each leaf's pieces are released as soon as its sum is done (the recorded inputs and
         output gradients of a layer are freed while the next layer's sum runs), so the chunk
-        can be accumulated once.
+        can be accumulated once. The leaves go in reverse order: the last layers' recorded
+        tensors are freed first, and the first parameters — an embedding tied to the output
+        head, whose kept logit gradients and weighted sum are the largest — come last, when
+        every other layer's are gone (each leaf's sum is its own: the order changes no value).
         """
         exact = self.exact
         routed: list[list[int]] = [[] for _ in names]
@@ -53,7 +56,8 @@ class BookkeepingChunk:
                 routed[j].append(i)
         everything = bool(keep.all())  # one host sync; skips the masking copies
         with full_precision():
-            for j, name in enumerate(names):
+            for j in reversed(range(len(names))):
+                name = names[j]
                 total = sums[name]
                 own = self.pieces.pop(name, [])
                 mask = None if everything and not routed[j] else keep

@@ -1,0 +1,73 @@
+"""Book-keeping engine memory: what the recording holds is released as the clipped sum runs."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from opake.dpsgd.bookkeeping import BatchedLoss
+from opake.dpsgd.bookkeeping._engine import prepare
+from opake.dpsgd.bookkeeping._rules import OuterSum
+from opake.functional import make_functional
+
+F = torch.nn.functional
+
+
+class _Spy(dict):  # type: ignore[type-arg]
+    """Sums that note, as each leaf's sum is requested, which recorded tensors are alive."""
+
+    def __init__(self, sums: dict[str, torch.Tensor], alive: dict[str, weakref.ref]) -> None:
+        super().__init__(sums)
+        self.alive = alive
+        self.seen: list[tuple[str, set[str]]] = []
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        live = {leaf for leaf, ref in self.alive.items() if ref() is not None}
+        self.seen.append((name, live))
+        return super().__getitem__(name)
+
+
+def _chunk(mlp, mlp_batch):
+    fmodel, params = make_functional(mlp)
+
+    def losses(p, x, y):
+        return F.cross_entropy(fmodel(p, x), y, reduction="none")
+
+    _, runner = prepare(
+        BatchedLoss(losses, fmodel),
+        "bookkeeping",
+        argnums=0,
+        batch_argnums=(1, 2),
+        has_aux=False,
+    )
+    assert runner is not None
+    args = (params, *mlp_batch)
+    return runner.run(args, len(mlp_batch[0])), params
+
+
+def test_recorded_tensors_released_after_their_sum_last_layer_first(mlp, mlp_batch):
+    chunk, params = _chunk(mlp, mlp_batch)
+    names = tuple(params)
+    # the output gradient each linear weight's piece recorded: only the chunk holds it
+    alive = {}
+    for name in names:
+        (piece,) = chunk.pieces[name]
+        if isinstance(piece, OuterSum):
+            alive[name] = weakref.ref(piece.a)
+        del piece
+    assert len(alive) == 2
+    batch = len(mlp_batch[0])
+    sums = _Spy({n: torch.zeros(v.shape) for n, v in params.items()}, alive)
+    factor = torch.full((batch, len(names)), 0.5, dtype=torch.float64)
+    chunk.accumulate(names, factor, torch.ones(batch, dtype=torch.bool), sums)
+    order = [name for name, _ in sums.seen]
+    assert order == list(reversed(names))  # the last layer's leaves first
+    first, last = [n for n in names if n in alive]
+    live_at = dict(sums.seen)
+    # the last layer's recording is gone before the first layer's sum starts ...
+    assert live_at[last] == {first, last}
+    assert live_at[first] == {first}
+    # ... and nothing the recording held outlives the sum
+    assert all(ref() is None for ref in alive.values())
+    assert chunk.pieces == {}
