@@ -21,8 +21,8 @@ from opake.kernels._args import LossSpec
 from opake.kernels._math import token_grad, token_loss, transform_logits_
 
 __all__ = [
-    "act_and_grad",
     "activation",
+    "activation_backward_",
     "ce_backward",
     "ce_forward",
     "gated_backward",
@@ -150,11 +150,15 @@ def lce_forward(
                 t = None
                 if fused and spec.softcap is not None:
                     t = torch.div(z, spec.softcap, out=bufs.view(bufs.t, *z.shape))  # type: ignore[arg-type]
-                m_new = torch.maximum(m, z.amax(1))
-                s.mul_(torch.exp(m - m_new)).add_(z.sub_(m_new.unsqueeze(1)).exp_().sum(1))
-                m = m_new
-                if fused:  # one tile holds the whole vocabulary: z is now exp(z - m)
-                    d = _dprobs_(z.div_(s.unsqueeze(1)), y, tgrad[t0:t1], v0, v, spec, t)
+                if not fused:  # running log-sum-exp across vocabulary tiles
+                    m_new = torch.maximum(m, z.amax(1))
+                    s.mul_(torch.exp(m - m_new)).add_(z.sub_(m_new.unsqueeze(1)).exp_().sum(1))
+                    m = m_new
+                else:  # one tile holds the whole vocabulary: no rescaling
+                    m = z.amax(1)
+                    s = z.sub_(m.unsqueeze(1)).exp_().sum(1)
+                    # z is exp(z - m): normalised and times the token gradients in one pass
+                    d = _dprobs_(z, y, tgrad[t0:t1], v0, v, spec, t, norm=s)
                     if gb is not None:
                         gb[g] += d.sum(0)
                     dc = d if fp32 else bufs.view(bufs.raw, *d.shape).copy_(d)  # type: ignore[arg-type]
@@ -179,11 +183,13 @@ def _dprobs_(
     vocab: int,
     spec: LossSpec,
     t: Tensor | None,
+    norm: Tensor | None = None,
 ) -> Tensor:
     """Turn a tile of probabilities *p* (fp32) into the gradient w.r.t. the raw logits, in
     place: ``tgrad·(p - ε/V - (1-ε)·onehot)``, chained through the softcap (``t`` holds
-    ``tanh`` of the tile) and the scale."""
-    d = p.mul_(tgrad.unsqueeze(1))
+    ``tanh`` of the tile) and the scale. With *norm*, *p* holds unnormalised probabilities:
+    row ``i`` is divided by ``norm[i]`` in the same pass."""
+    d = p.mul_((tgrad if norm is None else tgrad / norm).unsqueeze(1))
     eps = spec.smoothing
     if eps:
         d.sub_((eps / vocab) * tgrad.unsqueeze(1))
@@ -367,25 +373,23 @@ def rms_norm_backward(
         for r0 in range(g * per, (g + 1) * per, rows):
             r1 = min((g + 1) * per, r0 + rows)
             r = rstd[r0:r1].unsqueeze(1)
-            xhat = x[r0:r1].float() * r
+            xf = x[r0:r1].float()
             gf = gy[r0:r1].float()
             if gw is not None:
-                gw[g] += (gf * xhat).sum(0)
+                gw[g] += (gf * (xf * r)).sum(0)
             if gx is not None:
-                u = gf if wf is None else gf * wf
-                dot = (u * xhat).mean(1, keepdim=True)
-                diff = u - xhat * dot
-                if gx.dtype == _F32 and gx.is_contiguous():
-                    torch.mul(diff, r, out=gx[r0:r1])
-                else:
-                    gx[r0:r1] = diff * r
+                _rms_grad_x(xf, gf if wf is None else gf * wf, r, gx, r0, r1)
     return gx, None if gw is None or weight is None else gw.to(weight.dtype)
 
 
-_SQRT1_2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_K_TANH = math.sqrt(2.0 / math.pi)
-_C_TANH = 0.044715
+def _rms_grad_x(xf: Tensor, u: Tensor, r: Tensor, gx: Tensor, r0: int, r1: int) -> None:
+    """``gx[r0:r1] = r·u - x·(r³·(u·x)/d)`` (= ``r·(u - x̂·mean(u·x̂))``): two passes over the
+    chunk after the row dot products, written straight into fp32 contiguous outputs."""
+    coef = torch.linalg.vecdot(u, xf, dim=1).unsqueeze(1).mul_(r.pow(3)).div_(xf.shape[1])
+    if gx.dtype == _F32 and gx.is_contiguous():
+        torch.mul(u, r, out=gx[r0:r1]).addcmul_(xf, coef, value=-1.0)
+    else:
+        gx[r0:r1] = torch.mul(u, r).addcmul_(xf, coef, value=-1.0)
 
 
 def activation(a: Tensor, kind: str) -> Tensor:
@@ -395,18 +399,15 @@ def activation(a: Tensor, kind: str) -> Tensor:
     return torch.nn.functional.gelu(a, approximate="none" if kind == "gelu" else "tanh")
 
 
-def act_and_grad(a: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-    """fp32 ``(act(a), act'(a))`` for ``kind`` in ``silu``, ``gelu``, ``gelu_tanh``."""
+def activation_backward_(grad: Tensor, a: Tensor, kind: str) -> Tensor:
+    """``grad · act'(a)`` written into *grad* (fp32), by PyTorch's own backward kernels (the ones
+    eager autograd runs): one pass."""
     if kind == "silu":
-        s = torch.sigmoid(a)
-        return a * s, s * (1.0 + a * (1.0 - s))
-    if kind == "gelu":
-        cdf = 0.5 * (1.0 + torch.erf(a * _SQRT1_2))
-        pdf = torch.exp(-0.5 * a * a) * _INV_SQRT_2PI
-        return a * cdf, cdf + a * pdf
-    t = torch.tanh(_K_TANH * (a + _C_TANH * a * a * a))
-    half = 0.5 * (1.0 + t)
-    return a * half, half + 0.5 * a * (1.0 - t * t) * _K_TANH * (1.0 + 3.0 * _C_TANH * a * a)
+        torch.ops.aten.silu_backward.grad_input(grad, a, grad_input=grad)
+    else:
+        approx = "none" if kind == "gelu" else "tanh"
+        torch.ops.aten.gelu_backward.grad_input(grad, a, approximate=approx, grad_input=grad)
+    return grad
 
 
 def gated_forward(gate: Tensor, up: Tensor, kind: str, chunk: int) -> Tensor:
@@ -431,16 +432,16 @@ def gated_backward(
     gu = torch.empty_like(up)
     fg, fu, fo = gate.reshape(-1), up.reshape(-1), g.reshape(-1)
     oa, ou = ga.view(-1), gu.view(-1)
+    fp32 = ga.dtype == _F32 and gu.dtype == _F32
     for i in range(0, fg.numel(), chunk):
         a = fg[i : i + chunk].float()
         go = fo[i : i + chunk].float()
-        act, dact = act_and_grad(a, kind)
-        if ga.dtype == _F32 and gu.dtype == _F32:  # straight into the outputs
-            torch.mul(go, act, out=ou[i : i + chunk])
-            torch.mul(go * fu[i : i + chunk], dact, out=oa[i : i + chunk])
+        if fp32:  # straight into the outputs: act(a)·g, then act'(a)·(g·up) in place
+            torch.mul(activation(a, kind), go, out=ou[i : i + chunk])
+            activation_backward_(torch.mul(go, fu[i : i + chunk], out=oa[i : i + chunk]), a, kind)
         else:
-            ou[i : i + chunk] = go * act
-            oa[i : i + chunk] = go * fu[i : i + chunk].float() * dact
+            ou[i : i + chunk] = activation(a, kind).mul_(go)
+            oa[i : i + chunk] = activation_backward_(go * fu[i : i + chunk].float(), a, kind)
     return ga, gu
 
 
