@@ -136,6 +136,32 @@ def test_gram_route_over_buckets_of_uneven_groups():
     torch.testing.assert_close(grads.abs_norms(), bound, rtol=1e-6, atol=0.0)
 
 
+def test_clipped_sum_as_one_grouped_matmul_equals_the_reference(monkeypatch):
+    """16-byte rows: the clipped sum is one grouped matmul over the slots (an expert without
+    slots adds exactly zero), equal to the slot-by-slot reference and to the per-expert loop."""
+    import opake.models.bookkeeping._grads as grads_module
+
+    gen = torch.Generator().manual_seed(7)
+    batch, experts, n = 4, 5, 60
+    expert = torch.randint(0, experts - 1, (n,), generator=gen)  # the last expert unused
+    example = torch.randint(0, batch, (n,), generator=gen)
+    slots = (torch.randn(n, 8, generator=gen), torch.randn(n, 12, generator=gen), expert, example)
+    grads = _grads(slots, experts, batch)
+    weights = torch.rand(batch, generator=gen)
+    calls = []
+    real = grads_module.grouped_mm_takes
+    monkeypatch.setattr(
+        grads_module, "grouped_mm_takes", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1]
+    )
+    total, _ = grads.weighted_sum(weights)
+    assert calls == [True]
+    want = torch.einsum("b,berc->erc", weights.double(), _reference(slots, experts, batch, 8, 12))
+    torch.testing.assert_close(total.double(), want, rtol=1e-5, atol=1e-6)
+    assert not bool(total[-1].any())
+    monkeypatch.setattr(grads_module, "grouped_mm_takes", lambda *a, **k: False)
+    torch.testing.assert_close(grads.weighted_sum(weights)[0], total, rtol=1e-6, atol=1e-6)
+
+
 def test_expert_grads_refuse_a_cross_term():
     from opake.core.errors import OperationError
 
@@ -249,6 +275,85 @@ def test_recorded_experts_equal_per_example_autograd(
             got = torch.einsum("b,b...->...", clip, piece)
         scale = float(total[name].abs().max()) + 1e-12
         torch.testing.assert_close(got, total[name], rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_recorded_experts_grouped_matmul_equals_the_loop(family, monkeypatch):
+    """Sizes the CPU grouped matmul takes (16-byte rows): the recorded forward runs each
+    projection as one grouped matmul, and its output, the input gradient (for an expanded
+    output gradient too) and the built pieces equal the per-expert loop's, an expert without
+    slots and a dropped slot included."""
+    from transformers import GptOssConfig, MixtralConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    import opake.models.bookkeeping._record as record
+
+    sizes = {"hidden_size": 8, "intermediate_size": 16, "num_local_experts": 4}
+    config, cls = {
+        "mixtral": (MixtralConfig(**sizes), MixtralExperts),
+        "gpt_oss": (GptOssConfig(**sizes), GptOssExperts),
+    }[family]
+    experts = cls(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    x = torch.randn(3, 5, 8, generator=gen)
+    index = torch.randint(0, 3, (3, 5, 2), generator=gen)  # expert 3: no slot
+    index[0, 0, 1] = 4  # dropped
+    weights = torch.rand(3, 5, 2, generator=gen)
+    grouped = []
+    real = record._grouped_ok
+    monkeypatch.setattr(record, "_grouped_ok", lambda *a: grouped.append(real(*a)) or real(*a))
+
+    def run(out_grad):
+        xi = x.clone().requires_grad_(True)
+        use = _Use(experts)
+        out = recorded_experts(experts, use, xi, index, weights)
+        (dx,) = torch.autograd.grad(out, xi, out_grad)
+        return out, dx, use.build(torch.randn(out.shape, generator=torch.Generator()))
+
+    ones = torch.ones(3)
+    for out_grad in (torch.ones(8).expand(3, 5, 8), torch.randn(3, 5, 8, generator=gen)):
+        grouped.clear()
+        got = run(out_grad)
+        assert grouped
+        assert all(grouped)
+        monkeypatch.setattr(record, "_grouped_ok", lambda *a: False)
+        want = run(out_grad)
+        monkeypatch.setattr(record, "_grouped_ok", lambda *a: grouped.append(real(*a)) or real(*a))
+        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+        for name, piece in got[2].items():
+            mine, other = piece, want[2][name]
+            if isinstance(piece, ExpertGrads):
+                mine, other = piece.weighted_sum(ones)[0], other.weighted_sum(ones)[0]
+            torch.testing.assert_close(mine, other, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_matmul_only_where_the_cpu_kernel_takes_the_operands():
+    from opake.models.bookkeeping._record import _grouped_ok
+
+    w = torch.randn(4, 8, 16)
+    assert _grouped_ok(torch.randn(10, 8), w)
+    assert _grouped_ok(torch.randn(10, 8), torch.randn(4, 16, 8).transpose(-2, -1))
+    assert not _grouped_ok(torch.randn(10, 8, dtype=torch.float64), w.double())  # no fp64
+    assert not _grouped_ok(torch.randn(10, 6), torch.randn(4, 6, 16))  # 24-byte rows
+    assert not _grouped_ok(torch.randn(10, 8), torch.randn(4, 8, 6))  # 24-byte output rows
+    assert not _grouped_ok(torch.randn(8, 10).T, w)  # column-major slots
+    assert not _grouped_ok(torch.randn(81)[1:].view(10, 8), w)  # data 4 bytes off alignment
+
+
+def test_grouped_matmul_backward_takes_an_expanded_gradient():
+    """``out.sum()``'s gradient has zero strides, which torch's own grouped backward refuses."""
+    from opake.models.bookkeeping._record import _per_expert
+
+    x = torch.randn(10, 8, requires_grad=True)
+    w = torch.randn(3, 16, 8)
+    _per_expert(x, w, (4, 0, 6), transposed=False).sum().backward()
+    want = torch.cat([torch.ones(4, 16) @ w[0], torch.ones(6, 16) @ w[2]])
+    torch.testing.assert_close(x.grad, want)
 
 
 # ----------------------------------------------------------------------------- the DP step

@@ -24,10 +24,41 @@ from opake.core.errors import OperationError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BUCKETS", "ExpertGrads"]
+__all__ = ["BUCKETS", "ExpertGrads", "grouped_mm_takes"]
 
 #: (expert, example) groups are padded in this many buckets of similar sizes (Gram route)
 BUCKETS = 4
+
+
+#: dtypes ``torch.nn.functional.grouped_mm`` takes on the CPU
+_GROUPED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def grouped_mm_takes(*operands: torch.Tensor, cols: int) -> bool:
+    """Whether torch's CPU ``grouped_mm`` takes these operands (one dtype it has a kernel for,
+    each row- or column-major with every other stride a multiple of 16 bytes, data 16-byte
+    aligned) and an output of ``cols`` columns (rows of a multiple of 16 bytes).
+
+    >>> import torch
+    >>> grouped_mm_takes(torch.ones(5, 8), torch.ones(2, 8, 4), cols=4)
+    True
+    >>> grouped_mm_takes(torch.ones(5, 8).double(), torch.ones(2, 8, 4).double(), cols=4)
+    False
+    """
+    import torch
+
+    first = operands[0]
+    if not hasattr(torch.nn.functional, "grouped_mm") or first.device.type != "cpu":
+        return False
+    if str(first.dtype).removeprefix("torch.") not in _GROUPED_DTYPES:
+        return False
+    size = first.element_size()
+    for t in operands:
+        if t.dtype != first.dtype or t.device != first.device or 1 not in t.stride()[-2:]:
+            return False
+        if t.data_ptr() % 16 or any(s != 1 and (s * size) % 16 for s in t.stride()):
+            return False
+    return (cols * size) % 16 == 0
 
 
 @dataclass(frozen=True)
@@ -184,10 +215,7 @@ class ExpertGrads:
             a = a * scale
         else:
             b = b * scale
-        out = a.new_zeros(self.shape)
-        for expert, start, stop in self._groups():
-            out[expert] = a[start:stop].T @ b[start:stop]
-        return out, None
+        return _expert_sums(a, b, self.counts), None
 
     def inner_outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """No cross term: a fused expert weight is read by its experts layer only."""
@@ -221,3 +249,26 @@ class ExpertGrads:
                 a, b = self.a[lo:hi][mine].double(), self.b[lo:hi][mine].double()
                 out[expert - start] = a.T @ b
         return out.reshape(stop - start, rows * cols)
+
+
+def _expert_sums(a: torch.Tensor, b: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+    """``[E, R, C]``: expert ``e``'s block ``Σ_s a_s b_sᵀ`` over its consecutive ``counts[e]``
+    slots; one grouped matmul over the slots where the CPU kernel takes them, else one matmul
+    per expert."""
+    import torch
+
+    experts, cols = len(counts), int(b.shape[-1])
+    if a.shape[0] and grouped_mm_takes(a.T, b, cols=cols):
+        ends = torch.tensor(counts, device=a.device).cumsum(0).to(torch.int32)
+        out = torch.nn.functional.grouped_mm(a.T, b, offs=ends)
+        unused = [e for e, count in enumerate(counts) if not count]
+        if unused:  # an expert without slots adds exactly zero, whatever the kernel leaves
+            out[unused] = 0.0
+        return out
+    out = a.new_zeros(experts, int(a.shape[-1]), cols)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            out[expert] = a[start : start + count].T @ b[start : start + count]
+        start += count
+    return out

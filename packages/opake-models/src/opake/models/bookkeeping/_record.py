@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from opake.models.bookkeeping._grads import ExpertGrads
+from opake.models.bookkeeping._grads import ExpertGrads, grouped_mm_takes
 
 if TYPE_CHECKING:
     import torch
@@ -74,25 +74,64 @@ def _slots(index: torch.Tensor, weights: torch.Tensor, experts: int) -> _Slots:
     return _Slots(token, example, weights.reshape(-1)[order], key[order], counts[:experts])
 
 
-def _matmul(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """``x`` through one expert's weight (``[in, out]`` when transposed, else ``[out, in]``)."""
-    return x @ weight if transposed else x @ weight.T
+def _grouped_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether one CPU ``grouped_mm`` can run the row-major slots ``x [N, in]`` through
+    ``weight [E, in, out]`` (and its backward); not for no slots at all."""
+    if x.dim() != 2 or not x.shape[0] or x.stride(-1) != 1:
+        return False
+    return grouped_mm_takes(x, weight, cols=int(weight.shape[-1]))
+
+
+class _GroupedMatmul:
+    """``grouped_mm(x, w, offs=ends)`` differentiable in ``x`` only (the weights are detached
+    while recording), its backward the grouped matmul of the contiguous output gradient with
+    ``wᵀ`` (torch's own backward refuses an expanded gradient's zero strides)."""
+
+    fn: Any = None
+
+    @classmethod
+    def apply(cls, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        if cls.fn is None:
+            import torch
+
+            class GroupedMatmul(torch.autograd.Function):
+                @staticmethod
+                def forward(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+                    return torch.nn.functional.grouped_mm(x, w, offs=ends)
+
+                @staticmethod
+                def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+                    ctx.w, ctx.ends = inputs[1], inputs[2]
+
+                @staticmethod
+                def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+                    grad = grad.contiguous()
+                    if grad.data_ptr() % 16:  # a view at an odd offset
+                        grad = grad.clone()
+                    back = ctx.w.transpose(-2, -1)
+                    out = torch.nn.functional.grouped_mm(grad, back, offs=ctx.ends)
+                    return out, None, None
+
+            cls.fn = GroupedMatmul
+        return cls.fn.apply(x, w, ends)  # type: ignore[no-any-return]
 
 
 def _per_expert(
     x: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...], transposed: bool
 ) -> torch.Tensor:
-    """Each expert's slots ``x`` (consecutive, ``counts``) through its weight ``[E, ...]``."""
+    """Each expert's slots ``x`` (consecutive, ``counts``) through its weight (``[E, in, out]``
+    when ``transposed``, else ``[E, out, in]``): one grouped matmul where the CPU kernel takes
+    the operands, else one matmul per expert over ``torch.split`` views (whose backward
+    concatenates, instead of a zero-filled full-size gradient per slice)."""
     import torch
 
-    outs, start = [], 0
-    for expert, count in enumerate(counts):
-        if count:
-            outs.append(_matmul(x[start : start + count], weight[expert], transposed))
-        start += count
+    w = weight if transposed else weight.transpose(-2, -1)  # [E, in, out]
+    if _grouped_ok(x, w):
+        ends = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return _GroupedMatmul.apply(x, w.detach(), ends)
+    outs = [part @ w[e] for e, part in enumerate(torch.split(x, list(counts))) if counts[e]]
     if not outs:
-        cols = weight.shape[-1] if transposed else weight.shape[-2]
-        return x.new_zeros(0, cols)
+        return x.new_zeros(0, w.shape[-1])
     return torch.cat(outs)
 
 
