@@ -6,9 +6,11 @@ import weakref
 
 import torch
 
+from opake.core import testing
 from opake.dpsgd.bookkeeping import BatchedLoss
 from opake.dpsgd.bookkeeping._engine import prepare
 from opake.dpsgd.bookkeeping._rules import OuterSum
+from opake.dpsgd.clipping import clipped_grad
 from opake.functional import make_functional
 
 F = torch.nn.functional
@@ -71,3 +73,47 @@ def test_recorded_tensors_released_after_their_sum_last_layer_first(mlp, mlp_bat
     # ... and nothing the recording held outlives the sum
     assert all(ref() is None for ref in alive.values())
     assert chunk.pieces == {}
+
+
+def test_norm_pieces_built_in_the_backward_release_the_recording(mlp_batch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Tanh(), torch.nn.Linear(16, 4)
+    )
+    seen = {}
+
+    def keep_ref(module, args):
+        seen["input"] = weakref.ref(args[0])
+
+    model[1].register_forward_pre_hook(keep_ref)
+    fmodel, params = make_functional(model)
+
+    def losses(p, x, y):
+        return F.cross_entropy(fmodel(p, x), y, reduction="none")
+
+    _, runner = prepare(
+        BatchedLoss(losses, fmodel), "bookkeeping", argnums=0, batch_argnums=(1, 2), has_aux=False
+    )
+    assert runner is not None
+    args = (params, *mlp_batch)
+    _, _, uses = runner._forward_backward(args, len(mlp_batch[0]))
+    (norm,) = [use for use in uses if use.layer.rule == "layer_norm"]
+    # the norm's pieces exist; its input, output and output gradient are gone already
+    assert norm.built is not None
+    assert {name for name, _ in norm.built} == {"1.weight", "1.bias"}
+    assert norm.grad is None
+    assert norm.output is None
+    assert norm.args == ()
+    assert norm.grad_dtype == torch.float32
+    assert seen["input"]() is None
+    # a linear use keeps its recording for the clipped sum
+    assert all(use.grad is not None for use in uses if use.layer.rule == "linear")
+    # and the result equals the per-example loop
+    grad_fn, state = clipped_grad(
+        BatchedLoss(losses, fmodel), clipping_norm=0.5, batch_argnums=(1, 2), method="bookkeeping"
+    )
+    got, _ = grad_fn(*args, state=state)
+    one = BatchedLoss(losses, fmodel).per_example(batch_argnums=(1, 2), has_aux=False)
+    per_example, _ = testing.per_example_grads_loop(one, args, batch_argnums=(1, 2))
+    want = testing.reference_clipped_sum(per_example, clipping_norm=0.5)
+    testing.assert_grads_close(got, want, rtol=1e-5)

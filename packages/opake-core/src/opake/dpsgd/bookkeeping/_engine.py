@@ -28,12 +28,10 @@ from opake.dpsgd.bookkeeping._recording import (
     holding,
     implicit_pieces,
     implicit_use,
+    rule_pieces,
 )
 from opake.dpsgd.bookkeeping._rules import (
-    Dense,
     GramCache,
-    Implicit,
-    OuterSum,
     Piece,
     inner,
     sq_norm_abs,
@@ -42,8 +40,6 @@ from opake.dpsgd.bookkeeping._use import LayerRule, LayerUse
 
 if TYPE_CHECKING:
     import torch
-
-_KINDS: dict[type, str] = {OuterSum: "outer", Dense: "dense", Implicit: "implicit"}
 
 __all__ = [
     "BookkeepingChunk",
@@ -197,40 +193,20 @@ class BookkeepingRunner:
         self._diff = {}
         # half-precision activations (autocast, or a half model): the first-call check compares
         # with per-example autograd at half-precision tolerance
-        self._half = any(
-            use.grad is not None and use.grad.dtype in (torch.float16, torch.bfloat16)
-            for use in uses
-        )
+        self._half = any(use.grad_dtype in (torch.float16, torch.bfloat16) for use in uses)
         return losses.detach(), aux, uses
 
     # ------------------------------------------------------------------ pieces
     @staticmethod
     def _pieces(use: LayerUse, batch: int) -> list[tuple[str, Piece]]:
-        """The pieces of one use: its rule's, checked against what the rule declares."""
+        """The pieces of one use: built in the backward (an eager rule), or now."""
+        if use.built is not None:
+            return use.built
         if use.grad is None:
             return []
         if use.build is not None:
             return implicit_pieces(use, batch)
-        spec = use.layer.spec
-        assert spec is not None
-        got = spec.load_pieces()(use)
-        names = use.attrs
-        if not isinstance(got, Mapping) or set(got) != set(names):
-            keys = sorted(got) if isinstance(got, Mapping) else type(got).__name__
-            raise use.fail(
-                f"its rule {spec.name!r} produced pieces for {keys}; expected exactly "
-                f"{sorted(names)}"
-            )
-        out: list[tuple[str, Piece]] = []
-        for attr, piece in got.items():
-            kind = _KINDS.get(type(piece))
-            if kind is None or kind != spec.kind_of(attr):
-                raise use.fail(
-                    f"its rule {spec.name!r} produced a {type(piece).__name__} for {attr!r}; it "
-                    f"declares a {spec.kind_of(attr)!r} piece"
-                )
-            out.append((names[attr], piece))
-        return out
+        return rule_pieces(use)
 
     def run(self, args: tuple[Any, ...], batch: int) -> BookkeepingChunk:
         """Forward + backward on one microbatch; norms per leaf and the pieces of the sum."""

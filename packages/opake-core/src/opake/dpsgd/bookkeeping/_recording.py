@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import OperationError
-from opake.dpsgd.bookkeeping._rules import Dense, Implicit, ImplicitGrad, Piece
+from opake.dpsgd.bookkeeping._rules import Dense, Implicit, ImplicitGrad, OuterSum, Piece
 from opake.dpsgd.bookkeeping._use import LayerRule, LayerUse
 
 if TYPE_CHECKING:
@@ -16,7 +16,23 @@ if TYPE_CHECKING:
 
     from opake.dpsgd.bookkeeping._engine import BookkeepingRunner
 
-__all__ = ["ImplicitUse", "Tap", "holding", "implicit_pieces", "implicit_use"]
+__all__ = [
+    "EAGER_RULES",
+    "ImplicitUse",
+    "Tap",
+    "holding",
+    "implicit_pieces",
+    "implicit_use",
+    "rule_pieces",
+]
+
+_KINDS: dict[type, str] = {OuterSum: "outer", Dense: "dense", Implicit: "implicit"}
+
+#: closed-form norm rules whose pieces (``[B, d]`` per-example gradients, no autograd inside)
+#: are built in the backward, as soon as the output gradient arrives: the layer's input and
+#: output gradient (two activation-sized tensors per norm) are released there instead of
+#: being held until every layer's gradient is known
+EAGER_RULES = frozenset({"layer_norm", "rms_norm", "family_norm"})
 
 
 @contextlib.contextmanager
@@ -72,12 +88,47 @@ class Tap:
 
                 @staticmethod
                 def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-                    use = ctx.use
-                    use.grad = grad if use.grad is None else use.grad + grad
+                    _receive(ctx.use, grad)
                     return grad, None, None
 
             cls.fn = Tap
         return cls.fn.apply(x, sink, use)  # type: ignore[no-any-return]
+
+
+def _receive(use: LayerUse, grad: torch.Tensor) -> None:
+    """A use's output gradient arrives (the tap's backward); an eager rule builds its pieces
+    now and the use lets go of its recorded tensors."""
+    if use.built is not None:
+        raise use.fail("a second output gradient reached a use whose pieces were built")
+    use.grad = grad if use.grad is None else use.grad + grad
+    use.grad_dtype = grad.dtype
+    spec = use.layer.spec
+    if use.build is None and spec is not None and spec.name in EAGER_RULES:
+        use.built = rule_pieces(use)
+        use.grad, use.output, use.args, use.kwargs = None, None, (), {}
+
+
+def rule_pieces(use: LayerUse) -> list[tuple[str, Piece]]:
+    """The pieces of a use its layer's rule builds, checked against what the rule declares."""
+    spec = use.layer.spec
+    assert spec is not None
+    got = spec.load_pieces()(use)
+    names = use.attrs
+    if not isinstance(got, Mapping) or set(got) != set(names):
+        keys = sorted(got) if isinstance(got, Mapping) else type(got).__name__
+        raise use.fail(
+            f"its rule {spec.name!r} produced pieces for {keys}; expected exactly {sorted(names)}"
+        )
+    out: list[tuple[str, Piece]] = []
+    for attr, piece in got.items():
+        kind = _KINDS.get(type(piece))
+        if kind is None or kind != spec.kind_of(attr):
+            raise use.fail(
+                f"its rule {spec.name!r} produced a {type(piece).__name__} for {attr!r}; it "
+                f"declares a {spec.kind_of(attr)!r} piece"
+            )
+        out.append((names[attr], piece))
+    return out
 
 
 #: the runner whose batched forward is being recorded (what :func:`implicit_use` reports to)

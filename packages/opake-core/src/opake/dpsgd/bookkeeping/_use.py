@@ -55,6 +55,10 @@ class LayerUse:
     output: torch.Tensor | None = None
     grad: torch.Tensor | None = None
     build: Callable[[torch.Tensor], Mapping[str, Any]] | None = None
+    #: the pieces, when the rule built them in the backward (``grad``, ``args``, ``output``
+    #: are then released); see :data:`~opake.dpsgd.bookkeeping._recording.EAGER_RULES`
+    built: list[tuple[str, Any]] | None = None
+    grad_dtype: torch.dtype | None = None  # the output gradient's dtype (kept when released)
 
     @property
     def attrs(self) -> dict[str, str]:
