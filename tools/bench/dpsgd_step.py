@@ -19,7 +19,9 @@ the non-private step are taken within each round).
   chunked_linear_cross_entropy=True)``, a ``BatchedLoss`` over the loss-only head
   (``loss_only=True, per_example_loss=True``) that closes over the frozen weights, and
   ``clipped_grad(method="auto")``; ``opake-user-vmap`` / ``opake-user-bk`` force each engine
-  on that path (what ``auto`` should choose is the faster of the two).
+  on that path (what ``auto`` should choose is the faster of the two). Each step starts with
+  ``optimizer.zero_grad()``, as the non-private step does: the last step's ``.grad`` is not
+  held through the next forward and backward.
 - ``opacus-hooks`` / ``opacus-ghost``: Opacus ``GradSampleModule`` (per-sample gradient hooks)
   and ghost clipping, if ``import opacus`` works in ``--opacus-python`` (default: this
   interpreter); skipped with a note otherwise.
@@ -278,8 +280,12 @@ def _opake_user(
     state = {"clip": clip_state}
 
     def step() -> None:
+        # like the non-private step: the last step's .grad goes before the forward, so it is
+        # not held (a gradient-sized buffer) through the next clipped_grad
+        opt.zero_grad(set_to_none=True)
         grads, state["clip"] = grad_fn(trainable, ids, state=state["clip"])
         opt.accumulate(grads)
+        del grads  # the optimizer holds its own copy
         opt.step()
 
     def clipped() -> dict[str, Any]:
