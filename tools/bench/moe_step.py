@@ -32,7 +32,11 @@ median over rounds is reported.
     python tools/bench/moe_step.py --methods nonprivate bookkeeping --threads 1 --train experts
 
 ``--train experts`` (``no-experts``) trains only the fused experts (everything but them) in
-every method, which isolates the experts rule's share of the overhead.
+every method, which isolates the experts rule's share of the overhead. ``--breakdown`` adds,
+per model, the book-keeping step's process time inside its main calls (:data:`BREAKDOWN`,
+median over rounds; the calls nest, so the rows do not add up).
+
+    python tools/bench/moe_step.py --methods nonprivate bookkeeping --threads 1 --breakdown
 
 Results are recorded in docs/benchmarks.md ("Mixture of experts").
 """
@@ -78,6 +82,39 @@ TRAIN = {
     "no-experts": lambda name: ".experts." not in name,
 }
 _TRAIN = ["all"]
+#: ``--breakdown``: (module, attribute) timed inside each book-keeping step
+BREAKDOWN = (
+    ("opake.dpsgd.bookkeeping._engine", "BookkeepingRunner._forward_backward"),
+    ("opake.dpsgd.bookkeeping._engine", "sq_norm_abs"),
+    ("opake.dpsgd.bookkeeping._chunk", "BookkeepingChunk.accumulate"),
+    ("opake.models.bookkeeping._record", "experts_forward"),
+    ("opake.models.bookkeeping._record", "_Saved.build"),
+    ("opake.models.bookkeeping._grads", "ExpertGrads.sq_norms"),
+    ("opake.models.bookkeeping._grads", "ExpertGrads.weighted_sum"),
+)
+_SPENT: dict[str, float] = {}
+
+
+def _instrument() -> None:
+    """Wrap every :data:`BREAKDOWN` call to add its process time to ``_SPENT``."""
+    import functools
+    import importlib
+
+    for module_name, path in BREAKDOWN:
+        owner: Any = importlib.import_module(module_name)
+        *parents, attr = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        original = getattr(owner, attr)
+
+        def timed(*args: Any, _f: Any = original, _key: str = path, **kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                _SPENT[_key] = _SPENT.get(_key, 0.0) + time.process_time() - start
+
+        setattr(owner, attr, functools.wraps(original)(timed))
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -180,6 +217,7 @@ def _build(name: str, method: str, args: argparse.Namespace) -> Callable[[], Non
 
 def _time(step: Callable[[], None], steps: int) -> tuple[float, float]:
     step()  # warm-up (and book-keeping's first-call check)
+    _SPENT.clear()
     walls, cpus = [], []
     for _ in range(steps):
         w, c = time.perf_counter(), time.process_time()
@@ -201,8 +239,11 @@ def main() -> None:
     parser.add_argument(
         "--train", default="all", choices=list(TRAIN), help="trained parameters (rest frozen)"
     )
+    parser.add_argument("--breakdown", action="store_true", help="book-keeping's main calls")
     args = parser.parse_args()
     _TRAIN[0] = args.train
+    if args.breakdown:
+        _instrument()
     if args.threads:
         torch.set_num_threads(args.threads)
     steps: dict[tuple[str, str], Callable[[], None]] = {}
@@ -218,9 +259,14 @@ def main() -> None:
                 first = str(err).splitlines()[0][:160] if str(err) else ""
                 skipped[name, method] = f"{type(err).__name__}: {first}"
     results: dict[tuple[str, str], list[tuple[float, float]]] = {k: [] for k in steps}
+    inside: dict[str, dict[str, list[float]]] = {}
     for _ in range(args.rounds):
         for key, step in steps.items():
             results[key].append(_time(step, args.steps))
+            if key[1] == "bookkeeping":  # per step: the mean over the timed steps
+                per = inside.setdefault(key[0], {})
+                for call, spent in _SPENT.items():
+                    per.setdefault(call, []).append(spent / args.steps)
     rows = []
     print(
         f"batch {BATCH} × {SEQ}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
@@ -245,6 +291,10 @@ def main() -> None:
             rows.append({"model": name, "method": method, "wall": wall, "cpu": cpu,
                          "wall_ratio": rw, "cpu_ratio": rc})  # fmt: skip
             print(f"| {name} | {method} | {wall:.3f} | {cpu:.3f} | {rw:.2f} | {rc:.2f} |")
+    for name, per in inside.items():
+        print(f"\n{name}, book-keeping step, CPU ms inside (median over rounds):")
+        for call, values in per.items():
+            print(f"- {call}: {1000 * statistics.median(values):.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
