@@ -263,7 +263,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for key, step in steps.items():
             results[key].append(_time(step, args.steps))
-            if key[1] == "bookkeeping":  # per step: the mean over the timed steps
+            if args.breakdown and key[1] == "bookkeeping":  # per step: mean of the timed
                 per = inside.setdefault(key[0], {})
                 for call, spent in _SPENT.items():
                     per.setdefault(call, []).append(spent / args.steps)
