@@ -6,7 +6,9 @@ block runs those experts with :func:`recorded_experts`: sparse (each expert on i
 tokens, as the family's own code), its output tapped, and each fused weight's per-example
 gradients held as an :class:`ExpertGrads` — ghost norms over each example's tokens routed to
 each expert (or that block of the gradient materialised, whichever costs less), and the clipped
-sum as one matmul per expert. No per-layer ``vmap`` fallback and no dense dispatch.
+sum as one matmul per expert (on the CPU one grouped matmul for all experts where the kernel
+takes the operands, as the recorded forward's projections). No per-layer ``vmap`` fallback and
+no dense dispatch.
 
 :data:`FUSED_EXPERTS` is the engine's rule for those modules (registered by opake-models'
 plugin through ``opake_bookkeeping_rules``): ``bookkeeping_plan`` names it for every experts

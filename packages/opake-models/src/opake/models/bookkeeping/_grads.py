@@ -10,8 +10,8 @@ adds the outer product ``a_s b_sᵀ`` to block ``e`` of example ``i``'s gradient
 example sends many slots to one expert (``|S_ie|·(R + C) > R·C``, the linear layers'
 crossover), ``G_ie`` itself. The (expert, example) groups are padded in a few buckets of
 similar sizes, each bucket taking the cheaper route for its size. The clipped sum
-``Σ_i w_i G_i`` is one ``[R, C]`` matmul per expert over its slots, the rows scaled by their
-example's factor.
+``Σ_i w_i G_i`` is an ``[R, C]`` matmul per expert over its slots, the rows scaled by their
+example's factor (all experts in one grouped matmul where torch's CPU kernel takes the operands).
 """
 
 from __future__ import annotations
