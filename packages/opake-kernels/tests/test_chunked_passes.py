@@ -43,7 +43,10 @@ def test_gated_backward_makes_four_passes_per_chunk(kind, passes):
     assert len(mode.ops) <= passes, mode.ops
     a = gate.clone().requires_grad_()
     u = up.clone().requires_grad_()
-    ref = _cores.activation(a, kind) * u
+    f = torch.nn.functional
+    approximate = "tanh" if kind == "gelu_tanh" else "none"
+    act = f.silu(a) if kind == "silu" else f.gelu(a, approximate=approximate)
+    ref = act * u
     ea, eu = torch.autograd.grad(ref, (a, u), g)
     torch.testing.assert_close(ga, ea, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(gu, eu, rtol=1e-6, atol=1e-6)
@@ -92,3 +95,26 @@ def test_fused_linear_cross_entropy_forward_passes_per_tile():
     ref = torch.nn.functional.cross_entropy(h @ weight.t(), labels)
     torch.testing.assert_close(tok.mean(), ref.detach())
     torch.testing.assert_close(stash[0], torch.autograd.grad(ref, h)[0])
+
+
+class _AllOps(TorchDispatchMode):
+    """Records every op (with its overload) that is not a view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not func.is_view:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_gated_forward_in_fp32_writes_the_activation_into_its_output():
+    gen = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(64, 32, generator=gen), torch.randn(64, 32, generator=gen)
+    with _AllOps() as mode:
+        out = _cores.gated_forward(gate, up, "silu", chunk=gate.numel())
+    # one allocation (the output), no temporary activation
+    assert mode.ops == ["aten.empty_like.default", "aten.silu.out", "aten.mul_.Tensor"]
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=0, atol=0)

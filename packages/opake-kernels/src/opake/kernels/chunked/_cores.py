@@ -378,7 +378,11 @@ def rms_norm_backward(
             if gw is not None:
                 gw[g] += (gf * (xf * r)).sum(0)
             if gx is not None:
-                _rms_grad_x(xf, gf if wf is None else gf * wf, r, gx, r0, r1)
+                u = gf
+                if wf is not None:  # fp32 contiguous: u = g·w lives in the output rows
+                    direct = gx.dtype == _F32 and gx.is_contiguous()
+                    u = torch.mul(gf, wf, out=gx[r0:r1]) if direct else gf * wf
+                _rms_grad_x(xf, u, r, gx, r0, r1)
     return gx, None if gw is None or weight is None else gw.to(weight.dtype)
 
 
@@ -387,16 +391,25 @@ def _rms_grad_x(xf: Tensor, u: Tensor, r: Tensor, gx: Tensor, r0: int, r1: int) 
     chunk after the row dot products, written straight into fp32 contiguous outputs."""
     coef = torch.linalg.vecdot(u, xf, dim=1).unsqueeze(1).mul_(r.pow(3)).div_(xf.shape[1])
     if gx.dtype == _F32 and gx.is_contiguous():
-        torch.mul(u, r, out=gx[r0:r1]).addcmul_(xf, coef, value=-1.0)
+        out = gx[r0:r1]
+        (out.mul_(r) if out.data_ptr() == u.data_ptr() else torch.mul(u, r, out=out)).addcmul_(
+            xf, coef, value=-1.0
+        )
     else:
         gx[r0:r1] = torch.mul(u, r).addcmul_(xf, coef, value=-1.0)
 
 
-def activation(a: Tensor, kind: str) -> Tensor:
-    """fp32 ``act(a)`` for ``kind`` in ``silu``, ``gelu``, ``gelu_tanh`` (PyTorch's own ops)."""
+def activation(a: Tensor, kind: str, out: Tensor | None = None) -> Tensor:
+    """fp32 ``act(a)`` for ``kind`` in ``silu``, ``gelu``, ``gelu_tanh`` (PyTorch's own ops),
+    written into *out* when given (no temporary)."""
+    if out is None:
+        out = torch.empty_like(a)
     if kind == "silu":
-        return torch.nn.functional.silu(a)
-    return torch.nn.functional.gelu(a, approximate="none" if kind == "gelu" else "tanh")
+        torch.ops.aten.silu.out(a, out=out)
+    else:
+        approx = "none" if kind == "gelu" else "tanh"
+        torch.ops.aten.gelu.out(a, approximate=approx, out=out)
+    return out
 
 
 def activation_backward_(grad: Tensor, a: Tensor, kind: str) -> Tensor:
@@ -416,11 +429,11 @@ def gated_forward(gate: Tensor, up: Tensor, kind: str, chunk: int) -> Tensor:
     flat_g, flat_u, flat_o = gate.reshape(-1), up.reshape(-1), out.view(-1)
     fp32 = out.dtype == _F32
     for i in range(0, flat_g.numel(), chunk):
-        act = activation(flat_g[i : i + chunk].float(), kind)
-        if fp32:  # straight into the output (no chunk-sized copy)
-            torch.mul(act, flat_u[i : i + chunk], out=flat_o[i : i + chunk])
+        a = flat_g[i : i + chunk].float()
+        if fp32:  # straight into the output (no temporary)
+            activation(a, kind, out=flat_o[i : i + chunk]).mul_(flat_u[i : i + chunk])
         else:
-            flat_o[i : i + chunk] = act.mul_(flat_u[i : i + chunk].float())
+            flat_o[i : i + chunk] = activation(a, kind).mul_(flat_u[i : i + chunk].float())
     return out
 
 
@@ -437,7 +450,7 @@ def gated_backward(
         a = fg[i : i + chunk].float()
         go = fo[i : i + chunk].float()
         if fp32:  # straight into the outputs: act(a)·g, then act'(a)·(g·up) in place
-            torch.mul(activation(a, kind), go, out=ou[i : i + chunk])
+            activation(a, kind, out=ou[i : i + chunk]).mul_(go)
             activation_backward_(torch.mul(go, fu[i : i + chunk], out=oa[i : i + chunk]), a, kind)
         else:
             ou[i : i + chunk] = activation(a, kind).mul_(go)
