@@ -116,6 +116,32 @@ def test_accumulated_physical_batches_equal_one_physical_batch():
         torch.testing.assert_close(_params(model_b)[name], value, atol=1e-6, rtol=1e-6)
 
 
+def test_a_new_step_releases_the_last_steps_grad_before_clipping():
+    x, y = _data()
+    model, training = _training()
+    batches = training.batches()
+    first = next(batches)
+    training.step(x[first], y[first])
+    held = [p.grad for p in model.parameters()]
+    assert all(g is not None for g in held)  # visible between steps, as after optimizer.step()
+    seen = []
+    clip = training._grad_fn
+
+    def watching(*args, **kwargs):
+        seen.append([p.grad for p in model.parameters()])
+        return clip(*args, **kwargs)
+
+    training._grad_fn = watching
+    second = next(batches)
+    half = len(second) // 2
+    training.logical_step(
+        [(x[second[:half]], y[second[:half]]), (x[second[half:]], y[second[half:]])]
+    )
+    assert len(seen) == 2
+    assert all(g is None for g in seen[0])  # released before the new step's first clipping
+    assert all(g is None for g in seen[1])  # and nothing set between its physical batches
+
+
 def test_epsilon_after_n_steps_equals_the_accountant_for_the_schedule():
     x, y = _data()
     _, training = _training()

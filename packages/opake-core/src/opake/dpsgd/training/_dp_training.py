@@ -344,6 +344,10 @@ class DPTraining:
             )
         if not self._pending_aux:
             self._check_budget()  # refuse before touching the data of a step we may not take
+            # a new logical step: the last step's ``.grad`` (one gradient-sized tensor per
+            # parameter) is not needed through this step's clipping, as a non-private loop's
+            # ``zero_grad()`` at the top of the step would release it
+            self._optimizer.zero_grad()
         kwargs: dict[str, Any] = {"end_step": False}
         if example_mask is not None:
             kwargs["example_mask"] = example_mask
