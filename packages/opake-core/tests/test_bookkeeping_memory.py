@@ -117,3 +117,40 @@ def test_norm_pieces_built_in_the_backward_release_the_recording(mlp_batch):
     per_example, _ = testing.per_example_grads_loop(one, args, batch_argnums=(1, 2))
     want = testing.reference_clipped_sum(per_example, clipping_norm=0.5)
     testing.assert_grads_close(got, want, rtol=1e-5)
+
+
+def test_sum_buffers_are_allocated_at_their_first_add_not_before_the_backward(
+    mlp, mlp_batch, monkeypatch
+):
+    from opake.dpsgd.clipping import _bookkeeping
+
+    fmodel, params = make_functional(mlp)
+
+    def losses(p, x, y):
+        return F.cross_entropy(fmodel(p, x), y, reduction="none")
+
+    held_at_accumulate = []
+    accumulate = _bookkeeping.BookkeepingEngine.accumulate
+
+    def watching(self, out, factors, sums):
+        held_at_accumulate.append(len(sums))
+        return accumulate(self, out, factors, sums)
+
+    monkeypatch.setattr(_bookkeeping.BookkeepingEngine, "accumulate", watching)
+    grad_fn, state = clipped_grad(
+        BatchedLoss(losses, fmodel),
+        clipping_norm=0.5,
+        batch_argnums=(1, 2),
+        method="bookkeeping",
+        microbatch_size=4,
+    )
+    args = (params, *mlp_batch)
+    got, _ = grad_fn(*args, state=state)
+    # no sum buffer exists through the first chunk's forward and backward; later chunks add
+    # into the buffers the first one allocated
+    assert held_at_accumulate == [0, len(params), len(params)]
+    assert list(got) == list(params)  # the leaves' order
+    one = BatchedLoss(losses, fmodel).per_example(batch_argnums=(1, 2), has_aux=False)
+    per_example, _ = testing.per_example_grads_loop(one, args, batch_argnums=(1, 2))
+    want = testing.reference_clipped_sum(per_example, clipping_norm=0.5)
+    testing.assert_grads_close(got, want, rtol=1e-5)

@@ -36,6 +36,32 @@ __all__ = ["ClippedGradFn"]
 _log = logging.getLogger("opake.core")
 
 
+class _LazySums(dict):  # type: ignore[type-arg]
+    """Running fp32 sums by leaf name, each allocated (zeros) on its first lookup.
+
+    The book-keeping engine frees each layer's recorded tensors as it adds that layer's sum,
+    so a sum allocated on its first add replaces the recording instead of sitting beside it
+    through the forward and the backward (one parameter-sized fp32 tensor per leaf).
+
+    >>> import torch
+    >>> sums = _LazySums({"w": (2,)}, torch.device("cpu"))
+    >>> len(sums), sums["w"].tolist(), len(sums)
+    (0, [0.0, 0.0], 1)
+    """
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], device: torch.device) -> None:
+        super().__init__()
+        self._shapes = shapes
+        self._device = device
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        import torch
+
+        value = torch.zeros(self._shapes[name], dtype=torch.float32, device=self._device)
+        self[name] = value
+        return value
+
+
 @dataclass(frozen=True)
 class _Call:
     """One ``grad_fn`` call, checked: what every chunk of it needs."""
@@ -385,9 +411,9 @@ class ClippedGradFn:
 
         leaves, mask, state = call.tree.leaves, call.mask, call.state
         device = next(iter(leaves.values())).device
-        sums = {
-            n: torch.zeros(v.shape, dtype=torch.float32, device=device) for n, v in leaves.items()
-        }
+        sums: dict[str, torch.Tensor] = _LazySums(
+            {n: tuple(v.shape) for n, v in leaves.items()}, device
+        )
         real = torch.tensor(call.batch, device=device) if mask is None else mask.sum()
         record = CallRecord(device, real, call.differentiable)
         for start, stop, chunk_args in self._chunks(call.args, call.batch):
@@ -401,6 +427,7 @@ class ClippedGradFn:
             factors = state.factors(norms)
             engine.accumulate(out, factors, sums)
             record.add(out, norms, factors, self.has_aux)
+        sums = {name: sums[name] for name in leaves}  # leaf order; a leaf never added: zeros
         if self.normalize_by != 1.0:
             sums = {name: value / self.normalize_by for name, value in sums.items()}
         return sums, record.result(state.group_names()), record.count
