@@ -412,6 +412,24 @@ def test_logical_step_runs_grad_fn_per_physical_batch() -> None:
     assert_params_close(model, ref)
 
 
+def test_logical_step_releases_the_last_steps_grad_before_clipping() -> None:
+    model = make_mlp()
+    opt = dp_for(model, expected_batch_size=4.0)
+    x, y = make_data(4)
+    opt.accumulate(clipped_sum_loop(model, x, y))
+    opt.step()
+    assert all(p.grad is not None for p in model.parameters())  # visible after the step
+    held = []
+
+    def grad_fn(params, x, y, *, state):  # type: ignore[no-untyped-def]
+        held.append([p.grad for p in model.parameters()])
+        return clipped_sum_loop(model, x, y), state
+
+    opt.logical_step(grad_fn, {}, [(x[:2], y[:2]), (x[2:], y[2:])], state=None)
+    assert len(held) == 2
+    assert all(g is None for grads in held for g in grads)
+
+
 def test_logical_step_tells_clipped_grad_when_the_logical_step_ends() -> None:
     model = make_mlp()
     opt = dp_for(model)

@@ -374,6 +374,9 @@ class DPOptimizer:
                 "batch is passed as a batch of size 0)"
             )
         self._check_clip_state(state)
+        # the last step's .grad is not needed through this step's clipping (a non-private
+        # loop's zero_grad() at the top of the step releases it the same way)
+        self.zero_grad()
         takes_end_step = _accepts_keyword(grad_fn, "end_step")
         auxes = []
         try:
