@@ -142,6 +142,28 @@ def test_kept_is_automatic_when_one_tile_spans_the_vocabulary_and_fits(gen, monk
         linear_cross_entropy_recorded(hidden, weight, labels, keep_logit_grads="yes")
 
 
+def test_kept_automatic_route_is_the_gram_route_up_to_twice_the_recomputing_bound(gen):
+    # T·(V + H) = 6·45 = 270: above V·H = 164 (the recomputing path's materialised route) but
+    # within 2·V·H, where the kept gradients' Gram route is the faster one
+    hidden, weight, labels, grads, _ = _inputs(gen, h=4)
+    want, _ = _per_example(hidden, weight, labels, grads, None)
+    args = (hidden.float(), weight.float(), labels, grads.float(), None)
+    for keep, route in ((True, "ghost"), (False, "materialised")):
+        _, _, record = _recorded(*args, keep)
+        assert record.route == route
+        op = record.example_grads(grads.float())
+        assert op.route == route
+        torch.testing.assert_close(
+            op.sq_norms()[0].double(), want.square().sum((1, 2)), rtol=1e-5, atol=1e-7
+        )
+    # a route asked for is kept
+    assert _recorded(*args, True, route="materialised")[2].grads.route == "materialised"
+    # past twice the bound the kept gradients take the materialised route too
+    hidden, weight, labels, grads, _ = _inputs(gen, t=8, h=4)  # 8·45 = 360 > 328
+    record = _recorded(hidden.float(), weight.float(), labels, grads.float(), None, True)[2]
+    assert record.grads.route == "materialised"
+
+
 def test_kept_half_precision_inputs_give_fp32_results_close_to_fp32(gen):
     hidden, weight, labels, grads, _ = _inputs(gen)
     g32 = grads.float()

@@ -13,6 +13,7 @@ for the hidden states' gradient and the norms, and the clipped sum once more.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from opake.core.errors import ConfigurationError
 from opake.kernels._args import LossSpec
 from opake.kernels._autograd import apply
 from opake.kernels.chunked import _cores
+from opake.kernels.chunked._example_args import kept_ghost_is_cheaper
 from opake.kernels.chunked._example_grads import LinearCEExampleGrads
 from opake.kernels.chunked._example_grads import prepare as _prepare
 from opake.kernels.chunked._example_grads import token_grads_of as _token_grads
@@ -29,6 +31,7 @@ from opake.kernels.chunked._kept import KeptLogitGrads, keeps_logit_grads, kept_
 __all__ = ["RecordedLinearCE", "linear_cross_entropy_recorded"]
 
 Tensor = torch.Tensor
+logger = logging.getLogger("opake.kernels")
 
 
 class RecordedLinearCE:
@@ -50,6 +53,7 @@ class RecordedLinearCE:
         tiles: tuple[int, int] | None,
         route: str,
         keep: bool | None = None,
+        auto_route: bool = False,
     ) -> None:
         self.hidden = hidden
         self.weight = weight
@@ -58,6 +62,8 @@ class RecordedLinearCE:
         self.spec = spec
         self.tiles = tiles
         self.route = route
+        #: the route was chosen automatically: re-chosen for the kept gradients if kept
+        self.auto_route = auto_route
         self.lse: Tensor | None = None
         self.keep = keep  # keep the logit gradients in the forward (None: when they fit)
         self.kept: KeptLogitGrads | None = None  # set by the forward when it keeps them
@@ -106,6 +112,12 @@ class _Recorded(torch.autograd.Function):
             shape = (batch, steps, record.weight.shape[0])
             mode = keeps_logit_grads(shape, record.tiles, h2.device, gram_ok=gram_ok)
         labels = record.labels.reshape(-1)
+        if mode == "u" and record.auto_route:
+            hsize, vocab = h2.shape[1], record.weight.shape[0]
+            route = "ghost" if kept_ghost_is_cheaper(steps, hsize, vocab) else "materialised"
+            if route != record.route:
+                logger.debug("recorded linear cross-entropy: kept logit gradients, %s route", route)
+            record.route = route
         if mode is not None:
             tok, lse, record.kept = kept_forward(
                 h2,
@@ -173,6 +185,7 @@ def linear_cross_entropy_recorded(
     >>> record.example_grads(torch.ones(2, 3)).sq_norms()[0].shape
     torch.Size([2])
     """
+    asked = route
     hidden, weight, labels, bias, spec, tiles, route = _prepare(
         hidden,
         weight,
@@ -206,5 +219,6 @@ def linear_cross_entropy_recorded(
         tiles=tiles,
         route=route,
         keep=keep_logit_grads,
+        auto_route=asked == "auto",
     )
     return apply(_Recorded, hidden, record), record
