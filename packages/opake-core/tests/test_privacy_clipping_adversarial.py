@@ -279,3 +279,61 @@ def test_no_example_exceeds_its_bound(name, examples, method, kind, clip, seed):
             one, (params64, x64, y.double()), clipping_norm=clip, batch_argnums=(1, 2)
         )
         testing.assert_grads_close(total, want, rtol=2e-3, atol=2e-3 * clip * x.shape[0])
+
+
+class _NormNet(torch.nn.Module):
+    """Linear → LayerNorm → RMSNorm → Linear: the norm layers' per-example pieces are built in
+    the backward (their recordings released there), the linears' after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 6)
+        self.ln = torch.nn.LayerNorm(6)
+        self.rms = torch.nn.RMSNorm(6)
+        self.b = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.rms(self.ln(self.a(x))))
+
+
+@SETTINGS
+@given(
+    scale=st.sampled_from([1e-30, 1e-8, 1.0, 1e8, 1e30]),
+    cancel=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_norms_built_in_the_backward_and_sums_made_at_first_add_keep_the_bound(scale, cancel, seed):
+    torch.manual_seed(0)
+    model = _NormNet()
+    fmodel, params = make_functional(model)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 3, 4, generator=gen)
+    y = torch.randn(5, 3, 3, generator=gen) * scale
+    if cancel:  # tokens whose output gradients cancel up to a tiny residual
+        y[:, 1] = -y[:, 0] * (1 + 1e-7)
+    y[2] = 0.0  # a zero-gradient example between the others
+
+    def losses(p, x, y):
+        return (fmodel(p, x) * y).sum(dim=(1, 2))
+
+    clip = 0.7
+    grad_fn, state = clipped_grad(
+        BatchedLoss(losses, fmodel),
+        clipping_norm=clip,
+        batch_argnums=(1, 2),
+        method="bookkeeping",
+        microbatch_size=2,  # three chunks: later ones add into sums the first one made
+    )
+    total, _ = grad_fn(params, x, y, state=state)
+    parts, worst = [], 0.0
+    for i in range(5):
+        mask = torch.zeros(5, dtype=torch.bool)
+        mask[i] = True
+        got, _ = grad_fn(params, x, y, state=state, example_mask=mask)
+        norm = math.sqrt(sum(float(v.double().pow(2).sum()) for v in got.values()))
+        worst = max(worst, norm / clip)
+        assert norm <= clip * (1 + TOL), (i, norm)
+        parts.append(got)
+    target(worst)
+    for name, value in total.items():
+        torch.testing.assert_close(value, sum(p[name] for p in parts), rtol=1e-5, atol=1e-6 * clip)
