@@ -122,6 +122,7 @@ def test_gaussian_pieces_address_the_one_shot_keystream(monkeypatch) -> None:
     count = 2 * 40 * 3 + 17  # several pieces, a short last one, an odd count
     pairs = (count + 1) // 2
     raw = source.keystream("noise", 2, 12 * pairs)
+    assert bytes(raw) == reference_keystream(source.export_key(), "noise", 2, 12 * pairs)
     k = np.frombuffer(bytes(raw[: 8 * pairs]), dtype="<u8") & np.uint64(2**63 - 1)
     j = np.frombuffer(bytes(raw[8 * pairs :]), dtype="<i4").astype(np.float64)
     radius = np.sqrt(-2.0 * np.log((k.astype(np.float64) + 0.5) * 2.0**-63))
@@ -129,6 +130,12 @@ def test_gaussian_pieces_address_the_one_shot_keystream(monkeypatch) -> None:
     want = np.concatenate([radius * np.cos(theta), radius * np.sin(theta)])[:count]
     pieces = list(source.normal_pieces("noise", 2, count, dtype=torch.float64))
     assert max(v.numel() for _, v in pieces) <= 40
+    # the draw reuses its keystream buffers from piece to piece: a piece drawn earlier keeps
+    # its values once later pieces overwrite them
+    for start, values in pieces:
+        np.testing.assert_allclose(
+            values.numpy(), want[start : start + values.numel()], rtol=1e-12, atol=1e-12
+        )
     got = source.normal("noise", 2, count, dtype=torch.float64)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
     covered = sorted(i for start, v in pieces for i in range(start, start + v.numel()))

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import opake.kernels.chunked._workspace as ws
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.kernels.chunked import (
     WORKSPACE_CAP,
@@ -88,7 +89,6 @@ def test_bad_values_raise(args, error):
 def test_budget_respects_cap_and_available_memory(monkeypatch):
     monkeypatch.delenv("OPAKE_CHUNK_WORKSPACE_MB", raising=False)
     assert workspace_budget("cpu") <= WORKSPACE_CAP["cpu"]
-    import opake.kernels.chunked._workspace as ws
 
     monkeypatch.setattr(ws, "available_memory", lambda device: 24 * MIB)
     assert workspace_budget("cpu") == 3 * MIB  # an eighth of what is free
@@ -105,11 +105,27 @@ def test_environment_override(monkeypatch):
 
 
 def test_available_memory_without_psutil_reads_meminfo(monkeypatch):
+    monkeypatch.setattr(ws, "_HOST_TTL_S", 0.0)  # a fresh reading each time
     with_psutil = available_memory("cpu")
     monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil -> ImportError
     without = available_memory("cpu")
     assert without > 0
     assert abs(without - with_psutil) < max(with_psutil, without) * 0.5
+
+
+def test_host_memory_readings_are_reused_for_a_short_time(monkeypatch):
+    readings = iter([800 * MIB, 8 * MIB])
+    monkeypatch.setattr(ws, "_meminfo_available", lambda: next(readings))
+    monkeypatch.setitem(sys.modules, "psutil", None)
+    monkeypatch.setattr(ws, "_host_reading", [])
+    clock = [100.0]
+    monkeypatch.setattr(ws.time, "monotonic", lambda: clock[0])
+    assert available_memory("cpu") == 800 * MIB
+    clock[0] += ws._HOST_TTL_S / 2  # within the window: the same reading, no new one
+    assert available_memory("cpu") == 800 * MIB
+    clock[0] += ws._HOST_TTL_S  # past it: read again, and the budget follows
+    assert available_memory("cpu") == 8 * MIB
+    assert workspace_budget("cpu") == MIB
 
 
 def test_cuda_budget_without_cuda_assumes_a_default():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import TYPE_CHECKING
 
 from opake.core.errors import ConfigurationError
@@ -60,7 +61,8 @@ def available_memory(device: object) -> int:
     """Bytes currently free for *device*: CUDA/XPU free memory, else host available memory.
 
     CPU and MPS (unified memory) read the host's available memory through ``psutil`` when it is
-    installed, else ``/proc/meminfo``; when nothing can be read, 1 GiB is assumed.
+    installed, else ``/proc/meminfo`` (a reading is reused for a quarter of a second); when
+    nothing can be read, 1 GiB is assumed.
 
     >>> available_memory("cpu") > 0
     True
@@ -74,12 +76,28 @@ def available_memory(device: object) -> int:
             free, _total = backend.mem_get_info(getattr(device, "device", device))
             return int(free)
         return _ASSUMED
+    return _host_available()
+
+
+#: seconds a reading of the host's available memory is reused: kernels ask once per call
+#: (dozens of times per training step), and a fresh reading costs as much as a small kernel
+_HOST_TTL_S = 0.25
+_host_reading: list[float] = []  # [time, bytes] of the last reading
+
+
+def _host_available() -> int:
+    now = time.monotonic()
+    if _host_reading and now - _host_reading[0] < _HOST_TTL_S:
+        return int(_host_reading[1])
     try:
         import psutil
     except ImportError:
         found = _meminfo_available()
-        return found if found is not None else _ASSUMED
-    return int(psutil.virtual_memory().available)
+        value = found if found is not None else _ASSUMED
+    else:
+        value = int(psutil.virtual_memory().available)
+    _host_reading[:] = [now, float(value)]
+    return value
 
 
 def workspace_budget(device: object) -> int:
