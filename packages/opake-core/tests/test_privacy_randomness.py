@@ -130,8 +130,8 @@ def test_gaussian_pieces_address_the_one_shot_keystream(monkeypatch) -> None:
     want = np.concatenate([radius * np.cos(theta), radius * np.sin(theta)])[:count]
     pieces = list(source.normal_pieces("noise", 2, count, dtype=torch.float64))
     assert max(v.numel() for _, v in pieces) <= 40
-    # the draw reuses its keystream buffers from piece to piece: a piece drawn earlier keeps
-    # its values once later pieces overwrite them
+    # every piece keeps its values once later pieces are drawn (no piece aliases a buffer
+    # that the next one overwrites)
     for start, values in pieces:
         np.testing.assert_allclose(
             values.numpy(), want[start : start + values.numel()], rtol=1e-12, atol=1e-12

@@ -164,24 +164,15 @@ class Randomness:
     def keystream(self, stream: str, index: int, nbytes: int, *, offset: int = 0) -> bytearray:
         """``nbytes`` keystream bytes of ``(stream, index)``, from byte ``offset`` (a multiple of
         64) on."""
-        out = bytearray(nbytes)
-        if nbytes:
-            self._keystream_into(stream, index, out, bytes(nbytes), offset)
-        return out
-
-    def _keystream_into(
-        self, stream: str, index: int, out: bytearray | memoryview, zeros: bytes, offset: int
-    ) -> None:
-        """Write ``len(out)`` keystream bytes from byte ``offset`` (a multiple of 64) into
-        *out*, encrypting the first ``len(out)`` bytes of *zeros* (all zero, at least as long):
-        callers drawing many pieces reuse both buffers (fresh large buffers cost the CPU
-        more in page faults and zero-filling than the cipher itself)."""
         stream_id = _stream_id(stream)
         index = _index(index)
         if offset % _BLOCK_BYTES:
             raise ConfigurationError(f"offset={offset}: expected a multiple of {_BLOCK_BYTES}")
-        cipher = _cipher(self._key, stream_id, index, offset // _BLOCK_BYTES)
-        cipher.update_into(memoryview(zeros)[: len(out)], out)
+        out = bytearray(nbytes)
+        if nbytes:
+            cipher = _cipher(self._key, stream_id, index, offset // _BLOCK_BYTES)
+            cipher.update_into(bytes(nbytes), out)
+        return out
 
     def uint64(self, stream: str, index: int, count: int, *, offset: int = 0) -> np.ndarray:
         """``count`` independent uniform 64-bit integers (``numpy.uint64``), words ``offset``
@@ -215,46 +206,20 @@ class Randomness:
         """
         dtype = _normal_dtype(dtype)
         pairs = (count + 1) // 2
-        # one scratch per draw, reused by every piece: the radius and angle bytes of a piece
-        # (block-aligned, so up to one block more) and the zeros the cipher encrypts
-        step = min(pairs, _CHUNK_PAIRS)
-        scratch = _Scratch(8 * step + _BLOCK_BYTES, 4 * step + _BLOCK_BYTES)
         for p0 in range(0, pairs, _CHUNK_PAIRS):
             p1 = min(pairs, p0 + _CHUNK_PAIRS)
-            radius_raw = self._span(
-                stream, index, 8 * p0, 8 * p1, zeros=scratch.zeros, buf=scratch.radius
-            )
-            angle_raw = self._span(
-                stream,
-                index,
-                8 * pairs + 4 * p0,
-                8 * pairs + 4 * p1,
-                zeros=scratch.zeros,
-                buf=scratch.angle,
-            )
-            # the conversion copies out of the scratch, so the next piece may overwrite it
+            radius_raw = self._span(stream, index, 8 * p0, 8 * p1)
+            angle_raw = self._span(stream, index, 8 * pairs + 4 * p0, 8 * pairs + 4 * p1)
             cos_part, sin_part = _box_muller(radius_raw, angle_raw, p1 - p0, dtype)
             yield p0, cos_part
             kept = min(p1 - p0, count - pairs - p0)  # an odd count drops the last sine
             if kept > 0:
                 yield pairs + p0, sin_part[:kept]
 
-    def _span(
-        self,
-        stream: str,
-        index: int,
-        start: int,
-        stop: int,
-        *,
-        zeros: bytes,
-        buf: bytearray,
-    ) -> memoryview:
-        """Keystream bytes ``[start, stop)`` of ``(stream, index)`` (any byte offsets), written
-        into *buf* (a view of it is returned)."""
+    def _span(self, stream: str, index: int, start: int, stop: int) -> memoryview:
+        """Keystream bytes ``[start, stop)`` of ``(stream, index)`` (any byte offsets)."""
         base = start - start % _BLOCK_BYTES
-        out = memoryview(buf)[: stop - base]
-        self._keystream_into(stream, index, out, zeros, base)
-        return out[start - base :]
+        return memoryview(self.keystream(stream, index, stop - base, offset=base))[start - base :]
 
     def bernoulli(self, stream: str, index: int, count: int, p: float) -> np.ndarray:
         """``count`` independent Bernoulli(p) draws as a bool array (p within 2⁻⁶⁴)."""
@@ -275,17 +240,6 @@ class Randomness:
         """A uniformly random order of ``range(count)`` (argsort of random 64-bit keys)."""
         keys = self.uint64(stream, index, count)
         return np.argsort(keys, kind="stable")
-
-
-class _Scratch:
-    """Reusable buffers of one Gaussian draw (see :meth:`Randomness.normal_pieces`)."""
-
-    __slots__ = ("angle", "radius", "zeros")
-
-    def __init__(self, radius_bytes: int, angle_bytes: int) -> None:
-        self.radius = bytearray(radius_bytes)
-        self.angle = bytearray(angle_bytes)
-        self.zeros = bytes(max(radius_bytes, angle_bytes))
 
 
 def _normal_dtype(dtype: torch.dtype | None) -> torch.dtype:
