@@ -117,9 +117,9 @@ def test_host_memory_readings_are_reused_for_a_short_time(monkeypatch):
     readings = iter([800 * MIB, 8 * MIB])
     monkeypatch.setattr(ws, "_meminfo_available", lambda: next(readings))
     monkeypatch.setitem(sys.modules, "psutil", None)
-    monkeypatch.setattr(ws, "_host_reading", [])
+    monkeypatch.setattr(ws, "_host_reading", None)
     clock = [100.0]
-    monkeypatch.setattr(ws.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(ws, "_clock", lambda: clock[0])
     assert available_memory("cpu") == 800 * MIB
     clock[0] += ws._HOST_TTL_S / 2  # within the window: the same reading, no new one
     assert available_memory("cpu") == 800 * MIB

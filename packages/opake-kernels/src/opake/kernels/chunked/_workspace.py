@@ -82,13 +82,15 @@ def available_memory(device: object) -> int:
 #: seconds a reading of the host's available memory is reused: kernels ask once per call
 #: (dozens of times per training step), and a fresh reading costs as much as a small kernel
 _HOST_TTL_S = 0.25
-_host_reading: list[float] = []  # [time, bytes] of the last reading
+_clock = time.monotonic
+_host_reading: tuple[float, int] | None = None  # (when, bytes) of the last reading
 
 
 def _host_available() -> int:
-    now = time.monotonic()
-    if _host_reading and now - _host_reading[0] < _HOST_TTL_S:
-        return int(_host_reading[1])
+    global _host_reading  # one cached reading per process
+    now = _clock()
+    if _host_reading is not None and now - _host_reading[0] < _HOST_TTL_S:
+        return _host_reading[1]
     try:
         import psutil
     except ImportError:
@@ -96,7 +98,7 @@ def _host_available() -> int:
         value = found if found is not None else _ASSUMED
     else:
         value = int(psutil.virtual_memory().available)
-    _host_reading[:] = [now, float(value)]
+    _host_reading = (now, value)
     return value
 
 
