@@ -67,3 +67,39 @@ def test_the_check_sees_a_long_function(tmp_path: Path) -> None:
     assert long_functions(sample) == ["f (line 1, 81 lines)"]
     sample.write_text(f'def f():\n    """Doc."""\n{body}\n', encoding="utf-8")
     assert long_functions(sample) == []
+
+
+def undecorated_functions(path: Path) -> list[str]:
+    """Every ``torch.autograd.Function`` subclass of *path* that defines ``setup_context`` but
+    is not decorated with ``cached_signature`` (its ``apply`` derives a signature per call)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        bases = {ast.unparse(base) for base in node.bases}
+        methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+        if "torch.autograd.Function" not in bases or "setup_context" not in methods:
+            continue
+        if "cached_signature" not in {ast.unparse(d) for d in node.decorator_list}:
+            found.append(f"{node.name} (line {node.lineno})")
+    return found
+
+
+def test_autograd_functions_cache_their_signature() -> None:
+    missing = {str(p.relative_to(ROOT)): undecorated_functions(p) for p in SOURCES}
+    assert not {k: v for k, v in missing.items() if v}, (
+        "decorate with opake.functional.cached_signature"
+    )
+
+
+def test_the_check_sees_an_undecorated_function(tmp_path: Path) -> None:
+    body = (
+        "class F(torch.autograd.Function):\n"
+        "    @staticmethod\n    def forward(x):\n        return x\n"
+        "    @staticmethod\n    def setup_context(ctx, inputs, output):\n        pass\n"
+    )
+    sample = tmp_path / "sample.py"
+    sample.write_text(body, encoding="utf-8")
+    assert undecorated_functions(sample) == ["F (line 1)"]
+    sample.write_text("@cached_signature\n" + body, encoding="utf-8")
+    assert undecorated_functions(sample) == []

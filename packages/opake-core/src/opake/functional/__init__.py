@@ -3,7 +3,9 @@
 :func:`make_functional` turns a module into ``fmodel(params, *args, **kwargs)`` plus its
 parameter dict(s), the form :func:`opake.dpsgd.clipping.clipped_grad` differentiates. With
 ``partition_trainable=True`` only the trainable parameters (e.g. LoRA adapters) are exposed to
-``vmap``, so per-example gradients are materialised for them alone.
+``vmap``, so per-example gradients are materialised for them alone. :func:`cached_signature` makes
+``apply`` of a ``torch.autograd.Function`` with ``setup_context`` cheaper (every Opake Function
+uses it).
 
 >>> import torch
 >>> from opake.functional import make_functional
@@ -16,6 +18,7 @@ torch.Size([1, 1])
 
 from __future__ import annotations
 
+from opake.functional._autograd import cached_signature
 from opake.functional._make_functional import FunctionalModel, make_functional
 
-__all__ = ["FunctionalModel", "make_functional"]
+__all__ = ["FunctionalModel", "cached_signature", "make_functional"]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from opake.core.errors import OperationError
 from opake.dpsgd.bookkeeping._rules import Dense, Implicit, ImplicitGrad, OuterSum, Piece
 from opake.dpsgd.bookkeeping._use import LayerRule, LayerUse
+from opake.functional._autograd import cached_signature
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +78,7 @@ class Tap:
         if cls.fn is None:
             import torch
 
+            @cached_signature
             class Tap(torch.autograd.Function):
                 @staticmethod
                 def forward(x: torch.Tensor, sink: torch.Tensor, use: LayerUse) -> torch.Tensor:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
+from opake.functional._autograd import cached_signature
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +45,7 @@ def _grad_scale_function() -> Any:
     if _GRAD_SCALE is None:
         import torch
 
+        @cached_signature
         class GradScale(torch.autograd.Function):
             generate_vmap_rule = True
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from opake.functional import cached_signature
 from opake.kernels._args import LossSpec
 from opake.kernels._autograd._common import (
     Tensor,
@@ -35,6 +36,7 @@ def make_ce_function(
 ) -> type[torch.autograd.Function]:
     """Cross-entropy on logits: ``apply(logits (N,V), labels (N,), spec, opts) -> (loss, lse)``."""
 
+    @cached_signature
     class _Backward(torch.autograd.Function):
         @staticmethod
         def forward(
@@ -52,6 +54,7 @@ def make_ce_function(
         def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
             return _ce_backward_vmap(_Backward, info, in_dims, *args)
 
+    @cached_signature
     class _Forward(torch.autograd.Function):
         @staticmethod
         def forward(

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from opake.functional import cached_signature
 from opake.kernels._autograd._common import (
     Tensor,
     apply,
@@ -42,6 +43,7 @@ def make_rms_norm_function(
     The backward core is ``(x, weight, rstd, grad_y, offset, needs, groups) -> (gx, gw (G,D))``.
     """
 
+    @cached_signature
     class _Backward(torch.autograd.Function):
         @staticmethod
         def forward(
@@ -65,6 +67,7 @@ def make_rms_norm_function(
         def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
             return _rms_backward_vmap(_Backward, info, in_dims, *args)
 
+    @cached_signature
     class _Forward(torch.autograd.Function):
         @staticmethod
         def forward(
@@ -167,6 +170,7 @@ def make_pointwise_function(
     ) -> list[Tensor]:
         return [_front(t, d, b) for t, d in zip(tensors, in_dims, strict=False)]
 
+    @cached_signature
     class _Backward(torch.autograd.Function):
         @staticmethod
         def forward(gate: Tensor, up: Tensor, g: Tensor, kind: str) -> tuple[Tensor, Tensor]:
@@ -185,6 +189,7 @@ def make_pointwise_function(
             gate, up, g = _same_front(info.batch_size, in_dims[:3], (gate, up, g))
             return apply(_Backward, gate, up, g, kind), (0, 0)
 
+    @cached_signature
     class _Forward(torch.autograd.Function):
         @staticmethod
         def forward(gate: Tensor, up: Tensor, kind: str) -> Tensor:
@@ -247,6 +252,7 @@ def make_rope_function(
     (rarely needed) gradients of ``cos``/``sin`` are reduced with plain tensor ops.
     """
 
+    @cached_signature
     class _Backward(torch.autograd.Function):
         @staticmethod
         def forward(g: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -265,6 +271,7 @@ def make_rope_function(
             g, cos, sin = _rope_align(info.batch_size, in_dims, g, cos, sin)
             return apply(_Backward, g, cos, sin), 0
 
+    @cached_signature
     class _Forward(torch.autograd.Function):
         @staticmethod
         def forward(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from opake.functional import cached_signature
 from opake.kernels._args import LossSpec
 from opake.kernels._autograd._common import (
     Tensor,
@@ -84,6 +85,7 @@ def _sum_segments(t: Tensor, batch: int, n_seg: int) -> Tensor:
     return t[:, 0] if n_seg == 1 else t.sum(1)
 
 
+@cached_signature
 class _ScaleStash(torch.autograd.Function):
     """The backward of a forward that precomputed its gradients: scale them (first-order only,
     like every fused backward here: differentiating it again raises). ``inputs`` (the op's
@@ -146,6 +148,7 @@ def make_lce_function(
     ``loss`` is ``(N,)`` for ``spec.reduction == "none"`` and ``(spec.n_seg,)`` otherwise.
     """
 
+    @cached_signature
     class _Backward(torch.autograd.Function):
         @staticmethod
         def forward(
@@ -174,6 +177,7 @@ def make_lce_function(
         def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
             return _lce_backward_vmap(_Backward, info, in_dims, *args)
 
+    @cached_signature
     class _Forward(torch.autograd.Function):
         @staticmethod
         def forward(

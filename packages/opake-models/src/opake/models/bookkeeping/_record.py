@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from opake.functional import cached_signature
 from opake.models.bookkeeping._grads import ExpertGrads, grouped_mm_takes
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ class _GroupedMatmul:
         if cls.fn is None:
             import torch
 
+            @cached_signature
             class GroupedMatmul(torch.autograd.Function):
                 @staticmethod
                 def forward(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:

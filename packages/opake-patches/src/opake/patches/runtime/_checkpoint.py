@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import OperationError
+from opake.functional import cached_signature
 from opake.patches.runtime._lift import LiftedCall, lift_call
 from opake.patches.runtime._offload import OffloadPolicy, current_offload
 from opake.patches.runtime._transforms import TransformStack, transform_stack
@@ -279,6 +280,7 @@ class _Region:
 def _function_class() -> type:
     import torch
 
+    @cached_signature
     class _VmapCheckpoint(torch.autograd.Function):
         generate_vmap_rule = True
 
