@@ -92,6 +92,20 @@ def test_keystream_is_chacha20_under_the_key(stream: str) -> None:
         assert bytes(source.keystream(stream, index, nbytes)) == expected
 
 
+@pytest.mark.parametrize(("offset", "nbytes"), [(0, 128), (64, 129), (128, 1000), (0, 320)])
+def test_keystream_longer_than_the_zero_source_continues_the_counter(
+    monkeypatch, offset: int, nbytes: int
+) -> None:
+    # the cipher reads a shared zero buffer (1 MiB in use, 128 bytes here) segment by segment:
+    # the keystream must run on across segments exactly as one call, and the buffer stay zero
+    zeros = memoryview(bytes(128))
+    monkeypatch.setattr(_randomness, "_ZEROS", zeros)
+    source = Randomness.seeded(99)
+    got = bytes(source.keystream("noise", 4, nbytes, offset=offset))
+    assert got == reference_keystream(source.export_key(), "noise", 4, offset + nbytes)[offset:]
+    assert bytes(zeros) == bytes(128)
+
+
 def test_gaussian_is_box_muller_of_the_keystream_element_by_element() -> None:
     source = Randomness.seeded(3)
     count = 9

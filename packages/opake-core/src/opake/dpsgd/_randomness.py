@@ -56,6 +56,9 @@ _CHUNK_WORDS = 1 << 21
 #: Gaussian pairs per piece of :meth:`Randomness.normal_pieces` (3 MiB of keystream)
 _CHUNK_PAIRS = 1 << 18
 _BLOCK_BYTES = 64
+#: the plaintext the keystream is read through (ChaCha20 of zeros), shared and never written:
+#: a fresh zero buffer per draw cost more than the cipher (each of its pages faulted in)
+_ZEROS = memoryview(bytes(1 << 20))
 
 
 def _cipher(key: bytes, stream: int, index: int, block: int = 0) -> Any:
@@ -171,7 +174,10 @@ class Randomness:
         out = bytearray(nbytes)
         if nbytes:
             cipher = _cipher(self._key, stream_id, index, offset // _BLOCK_BYTES)
-            cipher.update_into(bytes(nbytes), out)
+            view, step = memoryview(out), len(_ZEROS)
+            for start in range(0, nbytes, step):  # the cipher's counter runs on between calls
+                stop = min(nbytes, start + step)
+                cipher.update_into(_ZEROS[: stop - start], view[start:stop])
         return out
 
     def uint64(self, stream: str, index: int, count: int, *, offset: int = 0) -> np.ndarray:
