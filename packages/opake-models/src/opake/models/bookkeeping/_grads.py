@@ -26,8 +26,10 @@ if TYPE_CHECKING:
 
 __all__ = ["BUCKETS", "ExpertGrads", "grouped_mm_takes"]
 
-#: (expert, example) groups are padded in this many buckets of similar sizes (Gram route)
-BUCKETS = 4
+#: (expert, example) groups are padded in at most this many buckets of similar sizes: with
+#: groups of up to 64 slots each bucket is a multiple of 8 (Qwen3-MoE-style test model, sizes up
+#: to 42: norms 29 → 19 ms at 1 thread against 4 buckets of multiples of 16)
+BUCKETS = 8
 
 
 #: dtypes ``torch.nn.functional.grouped_mm`` takes on the CPU
