@@ -38,6 +38,12 @@ median over rounds; the calls nest, so the rows do not add up).
 
     python tools/bench/moe_step.py --methods nonprivate bookkeeping --threads 1 --breakdown
 
+``--processes N`` repeats the whole run in N fresh processes and reports, per row, the median
+and range of their ratios (one process's memory layout can shift its ratio by more than the
+rounds inside it vary):
+
+    python tools/bench/moe_step.py --methods nonprivate bookkeeping --rounds 5 --processes 7
+
 Results are recorded in docs/benchmarks.md ("Mixture of experts").
 """
 
@@ -227,6 +233,38 @@ def _time(step: Callable[[], None], steps: int) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(cpus)
 
 
+def _across_processes(args: argparse.Namespace) -> None:
+    """Run this benchmark (without ``--processes``) in ``args.processes`` fresh processes, one
+    after another, and print each one's ratios and, per row, their median and range: a
+    process's memory layout moves its step times by more than a round-to-round spread shows."""
+    import subprocess
+    import sys
+    import tempfile
+
+    argv = sys.argv[1:]
+    at = argv.index("--processes")
+    argv = argv[:at] + argv[at + 2 :]
+    runs: list[list[dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(args.processes):
+            out = f"{tmp}/run{k}.json"
+            subprocess.run([sys.executable, __file__, *argv, "--json", out], check=True)
+            with open(out) as f:
+                runs.append(json.load(f)["rows"])
+    print(f"\n{args.processes} processes, median [min–max] of their ratios to non-private:\n")
+    print("| model | method | wall ÷ non-private | CPU ÷ non-private | CPU ratio per process |")
+    print("|---|---|---|---|---|")
+    for i, row in enumerate(runs[0]):
+        wall = [run[i]["wall_ratio"] for run in runs]
+        cpu = [run[i]["cpu_ratio"] for run in runs]
+        each = " / ".join(f"{v:.2f}" for v in cpu)
+        print(
+            f"| {row['model']} | {row['method']} | {statistics.median(wall):.2f} "
+            f"[{min(wall):.2f}–{max(wall):.2f}] | {statistics.median(cpu):.2f} "
+            f"[{min(cpu):.2f}–{max(cpu):.2f}] | {each} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -240,7 +278,16 @@ def main() -> None:
         "--train", default="all", choices=list(TRAIN), help="trained parameters (rest frozen)"
     )
     parser.add_argument("--breakdown", action="store_true", help="book-keeping's main calls")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="repeat the whole run in this many fresh processes; report the median of their ratios",
+    )
     args = parser.parse_args()
+    if args.processes > 1:
+        _across_processes(args)
+        return
     _TRAIN[0] = args.train
     if args.breakdown:
         _instrument()
