@@ -235,15 +235,14 @@ def _time(step: Callable[[], None], steps: int) -> tuple[float, float]:
 
 def _across_processes(args: argparse.Namespace) -> None:
     """Run this benchmark (without ``--processes``) in ``args.processes`` fresh processes, one
-    after another, and print each one's ratios and, per row, their median and range: a
-    process's memory layout moves its step times by more than a round-to-round spread shows."""
+    after another, and print each one's ratios and, per row, their median and range (``--json``:
+    every process's rows): a process's memory layout moves its step times by more than a
+    round-to-round spread shows."""
     import subprocess
     import sys
     import tempfile
 
-    argv = sys.argv[1:]
-    at = argv.index("--processes")
-    argv = argv[:at] + argv[at + 2 :]
+    argv = _without(sys.argv[1:], ("--processes", "--json"))
     runs: list[list[dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.processes):
@@ -263,6 +262,22 @@ def _across_processes(args: argparse.Namespace) -> None:
             f"[{min(wall):.2f}–{max(wall):.2f}] | {statistics.median(cpu):.2f} "
             f"[{min(cpu):.2f}–{max(cpu):.2f}] | {each} |"
         )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"processes": runs}, f)
+
+
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` without each of ``options`` and its value (``--opt V`` or ``--opt=V``)."""
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token in options:
+            skip = True
+        elif not token.startswith(tuple(f"{o}=" for o in options)):
+            out.append(token)
+    return out
 
 
 def main() -> None:
