@@ -13,6 +13,14 @@ and wall time, medians):
   bookkeeping; clip, sum, noise, SGD update).
 
     python tools/bench/noise_generation.py --rounds 5
+    python tools/bench/noise_generation.py --threads 2 --baseline OLD_TREE --draws 40
+
+``--threads`` sets torch's thread count (default 1). ``--baseline DIR`` (a source tree of Opake,
+e.g. ``git worktree add /tmp/before <commit>``) also times the draw alone
+(``Randomness.normal_pieces`` over the model's 5.26 M values, nothing added) with the randomness
+module of DIR and of this tree, loaded side by side in this process with the same key, in a
+random order per round over ``--draws`` rounds, after checking both give the same values; it
+reports medians, quartiles and their ratio.
 
 Results are recorded in docs/benchmarks.md ("Secure noise generation").
 """
@@ -50,13 +58,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--engine", choices=("vmap", "bookkeeping"), default="bookkeeping")
     parser.add_argument("--microbatch-size", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--baseline", type=Path, default=None, help="an older source tree")
+    parser.add_argument("--draws", type=int, default=40, help="rounds of the --baseline A/B")
     args = parser.parse_args()
 
     import torch
 
     from opake.dpsgd.noise import GaussianNoise, add_noise
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     bench = _dpsgd_step()
     model, ids = bench._build("full")
     step, _ = bench._opake(model, ids, args, engine=args.engine)
@@ -80,11 +91,58 @@ def main() -> None:
     med = {name: (statistics.median(c for c, _ in t), statistics.median(w for _, w in t))
            for name, t in times.items()}  # fmt: skip
     step_cpu, _step_wall = med["DP step"]
-    print(f"{count:,} noised values; engine {args.engine}; {args.rounds} rounds; 1 torch thread")
+    threads = f"{args.threads} torch thread{'s' if args.threads > 1 else ''}"
+    print(f"{count:,} noised values; engine {args.engine}; {args.rounds} rounds; {threads}")
     print("| what | CPU s | wall s | fraction of the DP step (CPU) |")
     print("|---|---:|---:|---:|")
     for name, (cpu, wall) in med.items():
         print(f"| {name} | {cpu:.4f} | {wall:.4f} | {cpu / step_cpu:.3f} |")
+    if args.baseline is not None:
+        _draw_ab(args.baseline, count, args.draws)
+
+
+def _load(path: Path, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _draw_ab(baseline: Path, count: int, draws: int) -> None:
+    """The draw alone, this tree's randomness module against ``baseline``'s, interleaved."""
+    import random
+
+    import torch
+
+    relative = Path("packages/opake-core/src/opake/dpsgd/_randomness.py")
+    here = Path(__file__).resolve().parents[2]
+    modules = {"this tree": _load(here / relative, "_randomness_new"),
+               "baseline": _load(baseline / relative, "_randomness_old")}  # fmt: skip
+    sources = {name: m.Randomness.seeded(1) for name, m in modules.items()}
+
+    first, second = (s.normal("noise", 0, 1_000_001) for s in sources.values())
+    if not torch.equal(first, second):
+        raise SystemExit("the two trees draw different values")
+    times: dict[str, list[float]] = {name: [] for name in sources}
+    order = list(sources)
+    rng = random.Random(0)
+    for _ in range(draws + 2):
+        rng.shuffle(order)
+        for name in order:
+            start = time.perf_counter()
+            for _ in sources[name].normal_pieces("noise", 0, count):
+                pass
+            times[name].append(time.perf_counter() - start)
+    print(f"\nthe draw alone ({count:,} values), {draws} interleaved rounds, wall ms")
+    print("| tree | median | quartiles |")
+    print("|---|---:|---:|")
+    for name, values in times.items():
+        q = statistics.quantiles(values[2:], n=4)
+        print(f"| {name} | {q[1] * 1e3:.1f} | {q[0] * 1e3:.1f}–{q[2] * 1e3:.1f} |")
+    ratio = statistics.median(times["this tree"][2:]) / statistics.median(times["baseline"][2:])
+    print(f"this tree / baseline: {ratio:.2f}")
 
 
 if __name__ == "__main__":

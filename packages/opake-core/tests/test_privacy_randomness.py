@@ -161,6 +161,34 @@ def test_gaussian_pieces_address_the_one_shot_keystream(monkeypatch) -> None:
     assert torch.equal(torch.cat([out[n].flatten() for n in sorted(grads)]), flat)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gaussian_pieces_convert_the_keystream_bit_for_bit(monkeypatch, dtype) -> None:
+    # the pieces read the keystream through one reused scratch buffer and convert it in place;
+    # the floats Box–Muller receives must be exactly the plain route's: fresh bytes, astype
+    monkeypatch.setattr(_randomness, "_CHUNK_PAIRS", 20)  # 160 bytes: radius words too
+    seen: list[tuple[np.ndarray, np.ndarray]] = []
+    box_muller = _randomness._box_muller
+
+    def recording(k: np.ndarray, j: np.ndarray):
+        seen.append((k.copy(), j.copy()))
+        return box_muller(k, j)
+
+    monkeypatch.setattr(_randomness, "_box_muller", recording)
+    source = Randomness.seeded(17)
+    count = 2 * 20 * 4 + 9  # pieces whose words start mid-block, a short last one
+    pairs = (count + 1) // 2
+    source.normal("noise", 6, count, dtype=dtype)
+    raw = reference_keystream(source.export_key(), "noise", 6, 12 * pairs)
+    np_dtype = np.float64 if dtype == torch.float64 else np.float32
+    k = (np.frombuffer(raw[: 8 * pairs], dtype="<u8") & np.uint64(2**63 - 1)).view(np.int64)
+    j = np.frombuffer(raw[8 * pairs :], dtype="<i4")
+    got_k = np.concatenate([piece_k for piece_k, _ in seen])
+    got_j = np.concatenate([piece_j for _, piece_j in seen])
+    assert got_k.dtype == got_j.dtype == np_dtype
+    assert got_k.tobytes() == k.astype(np_dtype).tobytes()
+    assert got_j.tobytes() == j.astype(np_dtype).tobytes()
+
+
 def test_gaussian_tail_reaches_past_nine_sigma_and_never_overflows() -> None:
     # the smallest u is 2^-64 (k = 0): the radius is sqrt(128 ln 2) ≈ 9.42, finite
     assert math.sqrt(-2 * math.log(0.5 * 2.0**-63)) == pytest.approx(9.42, abs=0.01)
