@@ -761,6 +761,20 @@ def test_physical_batches_with_different_bounds_use_the_largest() -> None:
     assert opt.step().sensitivity == 0.5
 
 
+def test_the_in_place_noised_step_hands_its_own_sum_to_the_parameters() -> None:
+    # noised in place and divided in place: the step adds no gradient-sized buffer; the
+    # fp32 parameters' .grad is the optimizer's own sum, finished where it lay
+    model = make_mlp()
+    opt = dp_for(model)
+    x, y = make_data(4)
+    opt.accumulate(clipped_sum_loop(model, x, y))
+    where = {name: t.data_ptr() for name, t in opt._sums.items()}
+    opt.step()
+    for name, param in model.named_parameters():
+        assert param.grad is not None
+        assert param.grad.data_ptr() == where[name]
+
+
 def test_the_in_place_noised_step_equals_the_out_of_place_one() -> None:
     # DPOptimizer noises its own fp32 sums in place; a GaussianNoise subclass overriding add()
     # takes the out-of-place path: the same seed must give the same parameters

@@ -289,7 +289,8 @@ class DPOptimizer:
             self._check_unused(skipped)
         sensitivity = self._sensitivity
         sigma = self.noise_multiplier
-        noisy = dict(_noised(self.noise, self._sums, sensitivity))
+        noised, owned = _noised(self.noise, self._sums, sensitivity)
+        noisy = dict(noised)
         extra = [name for name in noisy if name not in self._sums]
         if extra:
             raise OperationError(
@@ -306,7 +307,13 @@ class DPOptimizer:
         self._sums.clear()
         grads: dict[str, torch.Tensor] = {}
         for name in list(noisy):
-            grads[name] = noisy.pop(name) / self._expected_batch_size
+            value = noisy.pop(name)
+            # the optimizer's own sums (noised in place) are divided in place too; a noise
+            # object's own result is left as it returned it
+            if owned:
+                grads[name] = value.div_(self._expected_batch_size)
+            else:
+                grads[name] = value / self._expected_batch_size
         for name, param in self._params.items():
             if name not in grads:
                 param.grad = None

@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 
 def _noised(
     noise: Any, sums: Mapping[str, torch.Tensor], sensitivity: float
-) -> Mapping[str, torch.Tensor]:
+) -> tuple[Mapping[str, torch.Tensor], bool]:
+    """The noised sums, and whether they are ``sums``' own tensors (noised in place: the caller
+    may then finish them in place too)."""
     import torch
 
     from opake.dpsgd.noise import GaussianNoise
@@ -31,7 +33,7 @@ def _noised(
     )
     if in_place:
         noised: Mapping[str, torch.Tensor] = noise.add_(sums, sensitivity=sensitivity)
-        return noised
+        return noised, True
     out = noise.add(dict(sums), sensitivity=sensitivity)
     if isinstance(out, tuple):  # (grads, info) style
         out = out[0]
@@ -39,7 +41,7 @@ def _noised(
         raise OperationError(
             f"noise.add returned {type(out).__name__}; expected the name -> tensor dict"
         )
-    return out
+    return out, False
 
 
 def _split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
