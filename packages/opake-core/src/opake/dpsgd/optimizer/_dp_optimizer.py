@@ -307,13 +307,9 @@ class DPOptimizer:
         self._sums.clear()
         grads: dict[str, torch.Tensor] = {}
         for name in list(noisy):
-            value = noisy.pop(name)
-            # the optimizer's own sums (noised in place) are divided in place too; a noise
-            # object's own result is left as it returned it
-            if owned:
-                grads[name] = value.div_(self._expected_batch_size)
-            else:
-                grads[name] = value / self._expected_batch_size
+            value, size = noisy.pop(name), self._expected_batch_size
+            # its own sums (noised in place) divided in place; a noise object's result is not
+            grads[name] = value.div_(size) if owned else value / size
         for name, param in self._params.items():
             if name not in grads:
                 param.grad = None
