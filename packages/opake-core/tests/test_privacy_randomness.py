@@ -189,6 +189,46 @@ def test_gaussian_pieces_convert_the_keystream_bit_for_bit(monkeypatch, dtype) -
     assert got_j.tobytes() == j.astype(np_dtype).tobytes()
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    chunk=st.integers(1, 40),
+    count=st.integers(0, 240),
+    index=st.sampled_from([0, 1, 2**32 + 5, 2**64 - 1]),
+    wide=st.booleans(),
+)
+def test_gaussian_pieces_convert_every_layout_bit_for_bit(
+    chunk: int, count: int, index: int, wide: bool
+) -> None:
+    # a search over piece sizes (words starting anywhere in a block), counts (odd, empty,
+    # shorter than a piece) and indices: Box–Muller must always receive exactly the plain
+    # conversion of the reference keystream, and the pieces must cover every position once
+    dtype = torch.float64 if wide else torch.float32
+    np_dtype = np.float64 if wide else np.float32
+    seen: list[tuple[np.ndarray, np.ndarray]] = []
+    box_muller = _randomness._box_muller
+
+    def recording(k: np.ndarray, j: np.ndarray):  # type: ignore[no-untyped-def]
+        seen.append((k.copy(), j.copy()))
+        return box_muller(k, j)
+
+    source = Randomness.seeded(23)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_randomness, "_CHUNK_PAIRS", chunk)
+        patch.setattr(_randomness, "_box_muller", recording)
+        pieces = list(source.normal_pieces("noise", index, count, dtype=dtype))
+    pairs = (count + 1) // 2
+    raw = reference_keystream(source.export_key(), "noise", index, 12 * pairs)
+    k = (np.frombuffer(raw[: 8 * pairs], dtype="<u8") & np.uint64(2**63 - 1)).view(np.int64)
+    j = np.frombuffer(raw[8 * pairs :], dtype="<i4")
+    got_k = np.concatenate([a for a, _ in seen]) if seen else np.empty(0, np_dtype)
+    got_j = np.concatenate([b for _, b in seen]) if seen else np.empty(0, np_dtype)
+    assert got_k.tobytes() == k.astype(np_dtype).tobytes()
+    assert got_j.tobytes() == j.astype(np_dtype).tobytes()
+    assert all(v.dtype == dtype and v.numel() <= chunk for _, v in pieces)
+    covered = sorted(i for start, v in pieces for i in range(start, start + v.numel()))
+    assert covered == list(range(count))
+
+
 def test_gaussian_tail_reaches_past_nine_sigma_and_never_overflows() -> None:
     # the smallest u is 2^-64 (k = 0): the radius is sqrt(128 ln 2) ≈ 9.42, finite
     assert math.sqrt(-2 * math.log(0.5 * 2.0**-63)) == pytest.approx(9.42, abs=0.01)
