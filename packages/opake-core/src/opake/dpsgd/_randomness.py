@@ -305,9 +305,9 @@ class _Address(NamedTuple):
         n = h1 - h0
         radius = self.span_into(8 * h0, 8 * h1, buf, 0)
         angle = self.span_into(8 * pairs + 4 * h0, 8 * pairs + 4 * h1, buf, 8 * n + _BLOCK_BYTES)
-        bits = np.frombuffer(radius, dtype="<u8").view(np.uint64)
+        bits = np.frombuffer(radius, dtype="<u8")  # little-endian words on every platform
         np.bitwise_and(bits, _MASK63, out=bits)  # the top bit dropped, in the scratch
-        np.copyto(k, bits.view(np.int64), casting="unsafe")  # as numpy's astype rounds
+        np.copyto(k, bits.view("<i8"), casting="unsafe")  # as numpy's astype rounds
         np.copyto(j, np.frombuffer(angle, dtype="<i4"), casting="unsafe")
 
 
