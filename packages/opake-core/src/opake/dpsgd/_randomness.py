@@ -27,8 +27,9 @@ import math
 import numbers
 import secrets
 from collections.abc import Iterator
+from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -273,7 +274,8 @@ def _box_muller(k: np.ndarray, j: np.ndarray) -> tuple[torch.Tensor, torch.Tenso
     return torch.cos(theta).mul_(radius), theta.sin_().mul_(radius)
 
 
-class _Address(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class _Address:
     """One keystream: a key, a stream identifier and an index (what a draw reads)."""
 
     key: bytes
