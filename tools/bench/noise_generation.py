@@ -36,15 +36,18 @@ from pathlib import Path
 from typing import Any
 
 
-def _dpsgd_step() -> Any:
-    path = Path(__file__).with_name("dpsgd_step.py")
-    spec = importlib.util.spec_from_file_location("dpsgd_step", path)
+def _load(path: Path, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["dpsgd_step"] = module  # its dataclasses look their module up
+    sys.modules[name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def _dpsgd_step() -> Any:
+    return _load(Path(__file__).with_name("dpsgd_step.py"), "dpsgd_step")
 
 
 def _timed(fn: Any) -> tuple[float, float]:
@@ -99,16 +102,6 @@ def main() -> None:
         print(f"| {name} | {cpu:.4f} | {wall:.4f} | {cpu / step_cpu:.3f} |")
     if args.baseline is not None:
         _draw_ab(args.baseline, count, args.draws)
-
-
-def _load(path: Path, name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def _draw_ab(baseline: Path, count: int, draws: int) -> None:
