@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
@@ -378,3 +379,90 @@ def test_bad_arguments_raise_typed_errors() -> None:
 def test_shuffle_sampler_warns_at_construction() -> None:
     with pytest.warns(OpakePrivacyWarning, match="does not hold"):
         ShuffleSampler(10, 2, seed=0)
+
+
+# -- batch_at: any step's batch, recomputed -------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["poisson", "fixed", "shuffle"])
+def test_batch_at_is_what_iteration_yields_without_moving_the_position(kind: str) -> None:
+    def make(rank: int) -> PoissonSampler | ShuffleSampler:
+        shard: dict[str, Any] = {"seed": 4, "rank": rank, "world_size": 2}
+        if kind == "poisson":
+            return PoissonSampler(60, 0.3, steps_per_epoch=4, **shard)
+        if kind == "fixed":
+            # B_max barely above q·N: some steps are truncated
+            return FixedShapePoissonSampler(60, 0.3, 20, steps_per_epoch=4, **shard)
+        return _shuffle(60, 8, **shard)
+
+    for rank in (0, 1):
+        drawn = make(rank)
+        yielded = [b for _ in range(3) for b in drawn]  # three epochs
+        peek = make(rank)
+        assert [peek.batch_at(step) for step in range(len(yielded))] == yielded
+        assert peek.position == 0
+        if kind == "fixed":
+            assert drawn.truncated_steps > 0  # type: ignore[union-attr]
+            assert peek.truncated_steps == 0  # type: ignore[union-attr]
+    with pytest.raises(ConfigurationError, match="step"):
+        make(0).batch_at(-1)
+
+
+# -- a batch order that is not Poisson gets no ε ---------------------------------------------
+
+
+def _not_poisson(which: str) -> object:
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    if which == "ShuffleSampler":
+        return _shuffle(64, 8, seed=0)
+    return BatchSampler(RandomSampler(range(64)), batch_size=8, drop_last=False)
+
+
+@pytest.mark.parametrize("which", ["ShuffleSampler", "BatchSampler"])
+def test_dp_optimizer_refuses_a_batch_order_that_is_not_poisson_with_a_sample_rate(
+    which: str,
+) -> None:
+    from opake.dpsgd.optimizer import DPOptimizer
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ConfigurationError, match=r"not (describe )?Poisson sampling"):
+        DPOptimizer(
+            torch.optim.SGD([w], lr=0.1),
+            {"w": w},
+            noise_multiplier=1.0,
+            sampler=_not_poisson(which),
+            sample_rate=8 / 64,
+            accountant=RDPAccountant(),
+        )
+
+
+@pytest.mark.parametrize("which", ["ShuffleSampler", "BatchSampler", "shuffle"])
+@pytest.mark.parametrize("rate", [{"sample_rate": 0.125}, {"expected_batch_size": 8.0}, {}])
+def test_dp_training_refuses_a_batch_order_that_is_not_poisson(
+    which: str, rate: dict[str, Any]
+) -> None:
+    from opake.dpsgd.training import DPTraining
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    sampler = which if which == "shuffle" else _not_poisson(which)
+    with pytest.raises(ConfigurationError) as err:
+        DPTraining(
+            lambda p, x: (p["w"] * x).sum(),
+            torch.optim.SGD([w], lr=0.1),
+            {"w": w},
+            dataset_size=64,
+            noise_multiplier=1.0,
+            delta=1e-5,
+            sampler=sampler,  # type: ignore[arg-type]
+            seed=0,
+            **rate,
+        )
+    message = str(err.value)
+    given = "'shuffle'" if which == "shuffle" else which
+    assert message.startswith(f"sampler={given}")
+    for name, value in rate.items():
+        assert f"{name}={value!r}" in message
+    assert "not Poisson sampling" in message
+    assert "training.batches()" in message
+    assert "\n" not in message

@@ -34,7 +34,9 @@ class DPTrainingArguments(TrainingArguments):
         clipping: ``"flat"`` (clip to C, default) or ``"automatic"`` (AUTO-S normalisation).
         accountant: ``"pld"`` (tight, default) or ``"rdp"``.
         dp_sampler: ``"poisson"`` (variable batch sizes, default) or ``"fixed"`` (truncated
-            Poisson in fixed-size padded batches, the truncation accounted in δ).
+            Poisson in fixed-size padded batches, the truncation accounted in δ). No other
+            batch order is accounted: anything else is refused, and so is a training loader
+            other than the one ``DPTrainer.get_train_dataloader`` builds.
         engine: per-example engine, ``"auto"`` (default), ``"vmap"`` or ``"bookkeeping"``.
         microbatch_size: examples per chunk inside each physical batch (memory), default one.
         reproducible: draw Poisson batches and noise from ``seed`` (bitwise-reproducible runs,
@@ -97,10 +99,20 @@ class DPTrainingArguments(TrainingArguments):
                 raise ConfigurationError(f"{name}={value!r}: expected a number > 0")
         if self.target_delta is not None and not 0.0 < self.target_delta < 1.0:
             raise ConfigurationError(f"target_delta={self.target_delta!r}: expected 0 < δ < 1")
+        if not (isinstance(self.dp_sampler, str) and self.dp_sampler in SAMPLERS):
+            sampler: object = self.dp_sampler
+            given = repr(sampler) if isinstance(sampler, str) else type(sampler).__name__
+            raise ConfigurationError(
+                f"dp_sampler={given}: "
+                f"expected one of {', '.join(SAMPLERS)} — DPTrainer draws its own Poisson "
+                "batches, the only sampling its ε is computed for; a shuffle into batches of one "
+                "size (ShuffleSampler, a DataLoader's sampler) is not Poisson sampling, whatever "
+                "sample rate comes with it. Use dp_sampler='poisson' (or 'fixed': truncated "
+                "Poisson in static shapes)"
+            )
         for name, allowed in (
             ("clipping", _CLIPPING),
             ("accountant", ACCOUNTANTS),
-            ("dp_sampler", SAMPLERS),
             ("engine", ENGINES),
         ):
             if getattr(self, name) not in allowed:

@@ -179,7 +179,15 @@ class PoissonBatches:
         return self.steps_per_epoch * self.chunks
 
     def __iter__(self) -> Iterator[list[int]]:
+        from opake.dpsgd.sampling import PoissonSampler
+
         sampler = self._sampler()
+        if not isinstance(sampler, PoissonSampler):
+            raise ConfigurationError(
+                f"PoissonBatches got sampler={type(sampler).__name__}: expected the DP step's "
+                "PoissonSampler or FixedShapePoissonSampler (ε is computed for Poisson sampling "
+                "only); do not replace the sampler of DPTrainer's training loader"
+            )
         stream: Iterator[list[int]] = iter(())
         for _ in range(self.steps_per_epoch):
             indices = next(stream, None)

@@ -4,7 +4,9 @@ How the Trainer's loop maps onto DP-SGD:
 
 - the training ``DataLoader`` draws Poisson batches (:class:`~opake.transformers._collate.
   PoissonBatches`): one logical batch per optimizer step, split into
-  ``gradient_accumulation_steps`` physical batches per rank (empty ones included);
+  ``gradient_accumulation_steps`` physical batches per rank (empty ones included). The Trainer
+  may iterate no other loader, and every physical batch must be the DP sampler's draw
+  (:mod:`opake.transformers._train_loader`): ε holds for that sampling only;
 - :meth:`DPTrainer.training_step` clips and sums each physical batch
   (:meth:`DPTraining.accumulate`) instead of ``loss.backward()``;
 - the Trainer's ``optimizer.step()`` is :meth:`DPTraining.finish_step`: noise once, division by
@@ -31,6 +33,13 @@ from opake.transformers._args import DPTrainingArguments
 from opake.transformers._collate import DPDataCollator, PoissonBatches
 from opake.transformers._losses import detect_task, has_dropout, per_example_losses
 from opake.transformers._refusals import check_arguments, check_model
+from opake.transformers._train_loader import (
+    BATCH_INDICES_KEY,
+    EXAMPLE_MASK_KEY,
+    DrawnBatches,
+    check_train_loader,
+    poisson_loader,
+)
 
 if TYPE_CHECKING:
     from opake.dpsgd.training import DPTraining
@@ -41,8 +50,6 @@ logger = logging.getLogger("opake.transformers")
 
 #: the DP state (optimizer, noise generator, sampler position, accountant) beside the weights
 DP_STATE_FILE = "opake_dp_state.pt"
-#: key of the padding mask in a fixed-shape batch (removed before the model sees the batch)
-EXAMPLE_MASK_KEY = "opake_example_mask"
 #: PLD discretisation: pessimistic (ε stays an upper bound) and fast enough for every step
 _PLD_OPTIONS = dict(TRAINING_PLD_OPTIONS)
 
@@ -84,6 +91,7 @@ class _PrivacyBudget(TrainerCallback):
         self._trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self._trainer._check_train_loader(kwargs.get("train_dataloader"))
         self._trainer._bind_params()
         return control
 
@@ -119,7 +127,9 @@ class DPTrainer(Trainer):
     ``auto_find_batch_size``, ``dataloader_drop_last``, non-random
     ``train_sampling_strategy``/``group_by_length``, DeepSpeed, FSDP, ``torch_compile``,
     NEFTune, DataParallel, reentrant activation checkpointing, ``compute_loss_func`` and an
-    iterable training set.
+    iterable training set. When training begins, a training loader other than the one
+    :meth:`get_train_dataloader` builds (e.g. a subclass returning a shuffled ``DataLoader``)
+    is refused, and so is any physical batch that is not the Poisson sampler's draw.
     ``label_smoothing_factor`` is applied within each example; the Trainer's token-count
     normalisation across the batch (``num_items_in_batch``) is never used.
 
@@ -168,6 +178,11 @@ class DPTrainer(Trainer):
         self._per_example_loss = per_example_loss
         self._task = "custom" if per_example_loss is not None else detect_task(self.model)
         self._dp: DPTraining | None = None
+        # the training loader get_train_dataloader built last and its batch sampler (the only
+        # ones the Trainer may iterate), and the check of each physical batch against the draw
+        self._train_loader: Any = None
+        self._train_batches: PoissonBatches | None = None
+        self._drawn = DrawnBatches(self.args.gradient_accumulation_steps, self.args.dp_sampler)
         self.privacy_stop_message: str | None = None
         self.add_callback(_PrivacyBudget(self))
 
@@ -210,13 +225,15 @@ class DPTrainer(Trainer):
     # -- data ---------------------------------------------------------------------------------
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
-        """Poisson batches in physical chunks, collated without mixing examples."""
-        from opake.dpsgd.sampling import EmptyBatchCollate, PaddedDataset
+        """Poisson batches in physical chunks, collated without mixing examples.
 
+        The loader returned is the only one the Trainer may iterate: do not override this
+        method to return another (a shuffled ``DataLoader`` would be trained on as if it were
+        Poisson-sampled); training refuses it.
+        """
         dataset: Any = self.train_dataset
         if dataset is None:
             raise ConfigurationError("DPTrainer: training requires a train_dataset")
-        base = self._user_collator
         try:
             import datasets
 
@@ -228,35 +245,31 @@ class DPTrainer(Trainer):
         collator = DPDataCollator(
             pad_token_id=pad if pad is not None else 0,
             causal=self._task == "causal_lm",
-            base=base,
+            base=self._user_collator,
         )
-        chunks = PoissonBatches(
+        batches = PoissonBatches(
             lambda: self.dp_training.sampler,
             chunks=self.args.gradient_accumulation_steps,
             steps_per_epoch=self._steps_per_epoch(),
         )
-        if self.args.dp_sampler == "fixed":
-            padded: Any = PaddedDataset(dataset)
-
-            def collate(items: list[Any]) -> dict[str, Any]:
-                batch = collator([example for example, _ in items])
-                batch[EXAMPLE_MASK_KEY] = torch.tensor([real for _, real in items])
-                return batch
-
-            return torch.utils.data.DataLoader(
-                padded,
-                batch_sampler=chunks,
-                collate_fn=EmptyBatchCollate(padded, collate_fn=collate),
-                num_workers=self.args.dataloader_num_workers,
-                pin_memory=self.args.dataloader_pin_memory,
-            )
-        return torch.utils.data.DataLoader(
+        loader = poisson_loader(
             dataset,
-            batch_sampler=chunks,
-            collate_fn=EmptyBatchCollate(dataset, collate_fn=collator),
+            collator,
+            batches,
+            fixed=self.args.dp_sampler == "fixed",
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
         )
+        self._train_loader, self._train_batches = loader, batches
+        return loader
+
+    def _check_train_loader(self, loader: object) -> None:
+        """Refuse (``ConfigurationError``) a training loader that is not the one
+        :meth:`get_train_dataloader` built; start the per-batch check afresh."""
+        check_train_loader(
+            loader, self._train_loader, self._train_batches, mode=self.args.dp_sampler
+        )
+        self._drawn = DrawnBatches(self.args.gradient_accumulation_steps, self.args.dp_sampler)
 
     # -- the DP step --------------------------------------------------------------------------
 
@@ -373,6 +386,11 @@ class DPTrainer(Trainer):
         Trainer's logged ``loss`` estimates the mean example loss (a diagnostic: not private).
         """
         dp = self.dp_training
+        inputs = dict(inputs)
+        # refuse a batch the Poisson sampler did not draw, before any of it is used
+        self._drawn.check(
+            inputs.pop(BATCH_INDICES_KEY, None), dp.sampler, dp.steps, dp.pending_batches
+        )
         model.train()  # as the Trainer does (dropout: per-example masks under vmap)
         device = self.args.device
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -424,3 +442,4 @@ class DPTrainer(Trainer):
                 "already spent; resume from a checkpoint written by DPTrainer"
             )
         self.dp_training.load(path, rng=False, collective=False)
+        self._drawn = DrawnBatches(self.args.gradient_accumulation_steps, self.args.dp_sampler)

@@ -197,9 +197,19 @@ class TrainSettings:
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigurationError(
-                    f"--{_flag(name)} {getattr(self, name)!r}: expected one of {', '.join(allowed)}"
+                    f"--{_flag(name)} {getattr(self, name)!r}: expected one of "
+                    f"{', '.join(allowed)}{_WHY.get(name, '')}"
                 )
         return self
+
+
+#: why a choice is limited, where the reason is not obvious (appended to the refusal)
+_WHY = {
+    "sampler": (
+        " (ε is computed for Poisson sampling only; a shuffle into batches of one size is not "
+        "Poisson sampling, whatever sample rate comes with it)"
+    ),
+}
 
 
 def _flag(name: str) -> str:
@@ -293,7 +303,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         choices=SAMPLERS,
         default=d.sampler,
         help="poisson: variable batches (default); fixed: truncated Poisson padded to a static "
-        "shape (accounted with its truncation probability)",
+        "shape (accounted with its truncation probability); ε is computed for these two only",
     )
     g.add_argument(
         "--reproducible",

@@ -7,11 +7,13 @@
   with :data:`PADDING_INDEX` (wrap the dataset in :class:`PaddedDataset` to get a mask), for
   static shapes. Accounted as Poisson plus the truncation probability in δ.
 * :class:`ShuffleSampler` — fixed-size shuffled batches; **not** Poisson, so the accountants'
-  ε does not apply (an :class:`~opake.core.errors.OpakePrivacyWarning` says so).
+  ε does not apply (an :class:`~opake.core.errors.OpakePrivacyWarning` says so, and
+  ``DPOptimizer``, ``DPTraining`` and ``DPTrainer`` refuse it).
 
 Each batch is a pure function of ``(seed, step)``: resuming needs only ``state_dict()`` (or
-``seek(step)``), and ranks that share the seed draw the same global batch and each keep the
-shard ``global[rank::world_size]``.
+``seek(step)``), ``batch_at(step)`` recomputes any step's batch without moving the position,
+and ranks that share the seed draw the same global batch and each keep the shard
+``global[rank::world_size]``.
 
 Example:
     >>> import torch

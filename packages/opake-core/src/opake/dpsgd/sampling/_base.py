@@ -131,6 +131,15 @@ class _BaseSampler(ABC):
             self._position += 1
             yield batch
 
+    def batch_at(self, step: int) -> list[int]:
+        """This rank's indices of batch ``step``, exactly as iteration yields them, without
+        moving the position (or counting anything): a pure function of the key and the step.
+
+        A training loop can check with it that a batch it is given is the one the sampler
+        drew for that step (``DPTrainer`` does, for every physical batch).
+        """
+        return self._batch(_int("step", step, minimum=0))
+
     @abstractmethod
     def _batch(self, step: int) -> list[int]:
         """The indices of batch *step* (a pure function of the key and the step)."""

@@ -215,6 +215,13 @@ class FixedShapePoissonSampler(PoissonSampler):
         batch: list[int] = slots[self._rank :: self._world_size].tolist()
         return batch
 
+    def batch_at(self, step: int) -> list[int]:
+        """This rank's slots of step ``step`` as iteration yields them, without moving the
+        position or counting a truncation."""
+        slots, _ = self.global_slots(_int("step", step, minimum=0))
+        batch: list[int] = slots[self._rank :: self._world_size].tolist()
+        return batch
+
     def _config(self) -> dict[str, Any]:
         return {**super()._config(), "max_batch_size": self._b_max}
 

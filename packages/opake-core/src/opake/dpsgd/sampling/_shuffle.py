@@ -25,7 +25,10 @@ class ShuffleSampler(_BaseSampler):
     that figure does not hold for shuffled fixed-size batches (the privacy amplification of
     shuffling is different and weaker in general), so constructing this sampler emits an
     :class:`~opake.core.errors.OpakePrivacyWarning`. Use it for non-private baselines and
-    debugging, or with an accounting you do yourself.
+    debugging, or with an accounting you do yourself. Opake's private training paths refuse
+    it with a :class:`~opake.core.errors.ConfigurationError`, with or without a sample rate:
+    ``DPOptimizer(sampler=...)``, ``DPTraining(sampler=...)`` and ``DPTrainer`` (whose training
+    loop takes only the Poisson batches it draws itself).
 
     Args:
         dataset_size: N.

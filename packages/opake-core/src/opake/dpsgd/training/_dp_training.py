@@ -150,9 +150,9 @@ class DPTraining:
         from opake.dpsgd.distributed import DistributedDPOptimizer, current_context
 
         n, self._batch_args = _check_arguments(unknown, args, params, dataset_size, batch_args)
+        _check_choices(engine, sampler, seed, rates=(sample_rate, expected_batch_size))
         q = _rate(expected_batch_size, sample_rate, n)
         self._delta = delta = _check_delta(delta)
-        _check_choices(engine=engine, sampler=sampler, seed=seed)
         self._context = current_context(process_group)
         self._accountant = _make_accountant(accountant, accountant_options)
         extra = _fixed_shape(

@@ -208,9 +208,37 @@ def _check_arguments(
     return n, _positive("batch_args", batch_args, integer=True)
 
 
-def _check_choices(*, engine: object, sampler: object, seed: object) -> None:
+def _check_sampler(sampler: object, *, sample_rate: object, expected_batch_size: object) -> None:
+    """``sampler`` must name one of :data:`SAMPLERS`: DPTraining draws its own Poisson batches,
+    the only sampling its accountant's ε is computed for. A sampler object (a
+    ``ShuffleSampler``, a ``DataLoader``'s sampler) or another name is refused, whatever
+    sampling rate comes with it."""
+    if isinstance(sampler, str) and sampler in SAMPLERS:
+        return
+    given = repr(sampler) if isinstance(sampler, str) else type(sampler).__name__
+    rate = "".join(
+        f" with {name}={value!r}"
+        for name, value in (
+            ("sample_rate", sample_rate),
+            ("expected_batch_size", expected_batch_size),
+        )
+        if value is not None
+    )
+    raise ConfigurationError(
+        f"sampler={given}{rate}: expected one of {', '.join(map(repr, SAMPLERS))} — DPTraining "
+        "draws its own Poisson batches, the only sampling its ε is computed for; a shuffle into "
+        "batches of one size (ShuffleSampler, a DataLoader's sampler) is not Poisson sampling, "
+        "whatever sample rate comes with it. Pass sampler='poisson' (or 'fixed': truncated "
+        "Poisson in static shapes) and take each step's indices from training.batches()"
+    )
+
+
+def _check_choices(
+    engine: object, sampler: object, seed: object, *, rates: tuple[object, object]
+) -> None:
+    """``rates``: ``(sample_rate, expected_batch_size)`` as given (quoted in a sampler refusal)."""
     _choice("engine", engine, ENGINES)
-    _choice("sampler", sampler, SAMPLERS)
+    _check_sampler(sampler, sample_rate=rates[0], expected_batch_size=rates[1])
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise InputTypeError(f"seed={seed!r}: expected None (secure) or an int ≥ 0")
 
