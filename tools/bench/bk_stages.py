@@ -6,7 +6,8 @@
 Builds the model and the step of ``tools/bench/dpsgd_step.py`` (``opake-user``: patched model,
 loss-only head, ``BatchedLoss``, ``method="auto"``; or ``opake-bk``: the stock model with its
 logits) and wraps the engine's stages with a timer: the recorded forward, the backward (output
-gradients only), the layers' pieces, the norms (``sq_norm_abs``), the certification bound, the
+gradients only), the layers' pieces, the certified bounds (``leaf_bounds``: Gram matrices,
+token norms and error bounds), the exact route where a bound is loose, the
 clipped sum (``BookkeepingChunk.accumulate``, and inside it the loss-only head's implicit
 piece), and the optimizer (noise + update). Times are process CPU time with one thread (wall
 time otherwise), the median over ``--steps`` steps after two warm-up steps; the non-private
@@ -53,9 +54,8 @@ def _instrument(acc: dict[str, float], clock: Any) -> None:
 
     _wrap(_engine.BookkeepingRunner, "_forward_backward", "forward + backward", acc, clock)
     _wrap(_engine.BookkeepingRunner, "_pieces", "pieces", acc, clock)
-    _wrap(_engine, "sq_norm_abs", "norms", acc, clock)
-    _wrap(_engine, "inner", "norms (cross terms)", acc, clock)
-    _wrap(_engine, "bounds", "certification bound", acc, clock)
+    _wrap(_engine, "leaf_bounds", "certified bounds", acc, clock)
+    _wrap(_engine, "measure_blocks", "exact route (measure)", acc, clock)
     _wrap(_chunk.BookkeepingChunk, "accumulate", "clipped sum", acc, clock)
     _wrap(DPOptimizer, "step", "noise + update", acc, clock)
     try:
@@ -80,9 +80,8 @@ ORDER = (
     "forward + backward",
     "  of which backward",
     "pieces",
-    "norms",
-    "norms (cross terms)",
-    "certification bound",
+    "certified bounds",
+    "exact route (measure)",
     "clipped sum",
     "  of which the head's sum",
     "noise + update",

@@ -91,11 +91,11 @@ _TRAIN = ["all"]
 #: ``--breakdown``: (module, attribute) timed inside each book-keeping step
 BREAKDOWN = (
     ("opake.dpsgd.bookkeeping._engine", "BookkeepingRunner._forward_backward"),
-    ("opake.dpsgd.bookkeeping._engine", "sq_norm_abs"),
+    ("opake.dpsgd.bookkeeping._engine", "leaf_bounds"),
     ("opake.dpsgd.bookkeeping._chunk", "BookkeepingChunk.accumulate"),
     ("opake.models.bookkeeping._record", "experts_forward"),
     ("opake.models.bookkeeping._record", "_Saved.build"),
-    ("opake.models.bookkeeping._grads", "ExpertGrads.sq_norms"),
+    ("opake.models.bookkeeping._grads", "ExpertGrads.certificate"),
     ("opake.models.bookkeeping._grads", "ExpertGrads.weighted_sum"),
 )
 _SPENT: dict[str, float] = {}

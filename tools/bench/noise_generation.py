@@ -6,7 +6,8 @@ process, with one torch thread, interleaved over ``--rounds`` rounds, it times (
 and wall time, medians):
 
 - ``secure noise``: ``GaussianNoise(σ).add(...)`` over every trainable tensor — the ChaCha20
-  keystream under an OS key, Box–Muller in fp32 on the CPU, added to the fp32 sums;
+  keystream under an OS key, Box–Muller in fp64 on the CPU, added to the fp32 sums in fp64 and
+  rounded once onto the noise's lattice (``opake.dpsgd.noise.noise_grid``);
 - ``torch.randn noise``: the same with ``add_noise(..., generator=torch.Generator())`` (torch's
   Mersenne Twister: the previous implementation, not cryptographic), for comparison;
 - ``DP step``: one whole step of ``dpsgd_step.py``'s ``opake`` method (``--engine``: vmap or
@@ -16,11 +17,12 @@ and wall time, medians):
     python tools/bench/noise_generation.py --threads 2 --baseline OLD_TREE --draws 40
 
 ``--threads`` sets torch's thread count (default 1). ``--baseline DIR`` (a source tree of Opake,
-e.g. ``git worktree add /tmp/before <commit>``) also times the draw alone
-(``Randomness.normal_pieces`` over the model's 5.26 M values, nothing added) with the randomness
-module of DIR and of this tree, loaded side by side in this process with the same key, in a
-random order per round over ``--draws`` rounds, after checking both give the same values; it
-reports medians, quartiles and their ratio.
+e.g. ``git worktree add /tmp/before <commit>``) also times, with the noise and randomness
+modules of DIR and of this tree loaded side by side in this process, in a random order per
+round over ``--draws`` rounds: the noise path ``DPOptimizer`` takes (``GaussianNoise.add_`` of
+the model's 5.26 M values into fp32 sums) and the draw alone (``Randomness.normal_pieces``,
+nothing added, each tree's default dtype). It says whether the two trees draw the same values
+(a change of the conversion makes them differ) and reports medians, quartiles and ratios.
 
 Results are recorded in docs/benchmarks.md ("Secure noise generation").
 """
@@ -101,42 +103,69 @@ def main() -> None:
     for name, (cpu, wall) in med.items():
         print(f"| {name} | {cpu:.4f} | {wall:.4f} | {cpu / step_cpu:.3f} |")
     if args.baseline is not None:
-        _draw_ab(args.baseline, count, args.draws)
+        _draw_ab(args.baseline, sums, args.draws)
 
 
-def _draw_ab(baseline: Path, count: int, draws: int) -> None:
-    """The draw alone, this tree's randomness module against ``baseline``'s, interleaved."""
+def _tree_modules(tree: Path, tag: str) -> tuple[Any, Any]:
+    """The randomness and noise modules of the source tree ``tree`` (the noise module bound to
+    that tree's randomness module, whatever this process imported before)."""
+    src = tree / "packages/opake-core/src/opake/dpsgd"
+    randomness = _load(src / "_randomness.py", f"_randomness_{tag}")
+    key = "opake.dpsgd._randomness"
+    saved = sys.modules[key]
+    sys.modules[key] = randomness  # what the noise module's import binds
+    try:
+        noise = _load(src / "_noise.py", f"_noise_{tag}")
+    finally:
+        sys.modules[key] = saved
+    return randomness, noise
+
+
+def _draw_ab(baseline: Path, sums: dict[str, Any], draws: int) -> None:
+    """This tree's noise against ``baseline``'s, interleaved in random order."""
     import random
 
     import torch
 
-    relative = Path("packages/opake-core/src/opake/dpsgd/_randomness.py")
     here = Path(__file__).resolve().parents[2]
-    modules = {"this tree": _load(here / relative, "_randomness_new"),
-               "baseline": _load(baseline / relative, "_randomness_old")}  # fmt: skip
-    sources = {name: m.Randomness.seeded(1) for name, m in modules.items()}
+    trees = {"this tree": _tree_modules(here, "new"), "baseline": _tree_modules(baseline, "old")}
+    count = sum(t.numel() for t in sums.values())
+    first, second = (r.Randomness.seeded(1).normal("noise", 0, 100_001) for r, _ in trees.values())
+    same = torch.equal(first, second)
+    work: dict[str, Any] = {}
+    for name, (randomness, noise) in trees.items():
+        source = randomness.Randomness.seeded(1)
+        gaussian = noise.GaussianNoise(1.0, randomness=randomness.Randomness.secure())
 
-    first, second = (s.normal("noise", 0, 1_000_001) for s in sources.values())
-    if not torch.equal(first, second):
-        raise SystemExit("the two trees draw different values")
-    times: dict[str, list[float]] = {name: [] for name in sources}
-    order = list(sources)
+        def add_(gaussian: Any = gaussian) -> None:
+            gaussian.add_(sums, sensitivity=1.0)
+
+        def draw(source: Any = source) -> None:
+            for _ in source.normal_pieces("noise", 0, count):
+                pass
+
+        work[f"GaussianNoise.add_, {name}"] = add_
+        work[f"draw alone, {name}"] = draw
+    times: dict[str, list[float]] = {label: [] for label in work}
+    order = list(work)
     rng = random.Random(0)
     for _ in range(draws + 2):
         rng.shuffle(order)
-        for name in order:
+        for label in order:
             start = time.perf_counter()
-            for _ in sources[name].normal_pieces("noise", 0, count):
-                pass
-            times[name].append(time.perf_counter() - start)
-    print(f"\nthe draw alone ({count:,} values), {draws} interleaved rounds, wall ms")
-    print("| tree | median | quartiles |")
+            work[label]()
+            times[label].append(time.perf_counter() - start)
+    print(f"\n{count:,} values, {draws} interleaved rounds, wall ms; the two trees draw "
+          f"{'the same' if same else 'different'} values")  # fmt: skip
+    print("| what | median | quartiles |")
     print("|---|---:|---:|")
-    for name, values in times.items():
+    for label, values in times.items():
         q = statistics.quantiles(values[2:], n=4)
-        print(f"| {name} | {q[1] * 1e3:.1f} | {q[0] * 1e3:.1f}–{q[2] * 1e3:.1f} |")
-    ratio = statistics.median(times["this tree"][2:]) / statistics.median(times["baseline"][2:])
-    print(f"this tree / baseline: {ratio:.2f}")
+        print(f"| {label} | {q[1] * 1e3:.1f} | {q[0] * 1e3:.1f}–{q[2] * 1e3:.1f} |")
+    for what in ("GaussianNoise.add_", "draw alone"):
+        new = statistics.median(times[f"{what}, this tree"][2:])
+        old = statistics.median(times[f"{what}, baseline"][2:])
+        print(f"{what}: this tree / baseline = {new / old:.2f}")
 
 
 if __name__ == "__main__":

@@ -58,25 +58,25 @@ def _timed(
 def _breakdown(spent: dict[str, float], live: dict[str, Any]) -> None:
     """Time the book-keeping engine's per-piece work: norms, cross terms, exact re-measures and
     the clipped sum, keyed by piece kind and parameter shape."""
-    from opake.dpsgd.bookkeeping import _chunk, _engine
+    from opake.dpsgd.bookkeeping import _certify, _chunk, _engine
 
-    _timed(_engine, "sq_norm_abs", "norm", spent, live)
-    _timed(_engine, "inner", "cross term", spent, live)
+    _timed(_certify, "certify", "certified norm", spent, live)
+    _timed(_certify, "inner", "cross term", spent, live)
     _timed(_chunk, "add_weighted", "clipped sum", spent, live)
 
-    exact = _engine.exact_sq_norm
+    exact = _engine.measure_blocks
 
-    def exact_wrapper(pieces: Any, *rest: Any) -> Any:
+    def exact_wrapper(block: Any, shape: Any) -> Any:
         import time
 
         started = time.perf_counter()
         try:
-            return exact(pieces, *rest)
+            return exact(block, shape)
         finally:
-            key = f"exact re-measure {rest[-1] if rest else ''}"
+            key = f"exact re-measure {tuple(shape)}"
             spent[key] = spent.get(key, 0.0) + time.perf_counter() - started
 
-    _engine.exact_sq_norm = exact_wrapper
+    _engine.measure_blocks = exact_wrapper
 
 
 def profile_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -11,11 +11,14 @@ import torch
 from opake.core import testing
 from opake.core.errors import OperationError
 from opake.dpsgd.bookkeeping import BatchedLoss, ImplicitGrad, implicit_use
-from opake.dpsgd.bookkeeping._rules import Dense, Implicit, OuterSum, inner
+from opake.dpsgd.bookkeeping._certify import certify, inner
+from opake.dpsgd.bookkeeping._rules import Dense, Implicit, OuterSum
 from opake.dpsgd.clipping import clipped_grad
 from opake.functional import make_functional
 
 V, D, B, T = 11, 6, 4, 5
+#: the test's operator proves no bounds: outside the clipping proof, used only when trusted
+TRUST = ("_DenseImplicit",)
 
 
 class _DenseImplicit:
@@ -102,7 +105,9 @@ def test_implicit_use_equals_vmap_and_the_loop(tied, form):
     )
     results = {}
     for method in ("bookkeeping", "vmap"):
-        grad_fn, state = clipped_grad(loss, clipping_norm=0.3, batch_argnums=(1,), method=method)
+        grad_fn, state = clipped_grad(
+            loss, clipping_norm=0.3, batch_argnums=(1,), method=method, trusted_rules=TRUST
+        )
         results[method], _ = grad_fn(params, ids, state=state)
         assert grad_fn.engine == method
     testing.assert_grads_close(results["bookkeeping"], expected, rtol=1e-5, atol=1e-7)
@@ -155,7 +160,9 @@ def test_a_bad_build_is_named(build, match):
             return (out**2).mean(dim=(1, 2))
 
     loss, params, ids = _case(Bad(tied=False, form="implicit"))
-    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, batch_argnums=(1,), method="bookkeeping")
+    grad_fn, state = clipped_grad(
+        loss, clipping_norm=1.0, batch_argnums=(1,), method="bookkeeping", trusted_rules=TRUST
+    )
     with pytest.raises(OperationError, match=match):
         grad_fn(params, ids, state=state)
 
@@ -171,7 +178,9 @@ def test_tapping_after_the_recording_ended_and_a_stale_weight_are_loud():
             return super().forward(ids)
 
     loss, params, ids = _case(Late(tied=False, form="implicit"))
-    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, batch_argnums=(1,), method="bookkeeping")
+    grad_fn, state = clipped_grad(
+        loss, clipping_norm=1.0, batch_argnums=(1,), method="bookkeeping", trusted_rules=TRUST
+    )
     grad_fn(params, ids, state=state)
     assert kept
     with pytest.raises(OperationError, match="after its recording ended"):
@@ -183,18 +192,39 @@ def test_tapping_after_the_recording_ended_and_a_stale_weight_are_loud():
             return super().forward(ids)
 
     loss, params, ids = _case(Stale(tied=False, form="implicit"))
-    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, batch_argnums=(1,), method="bookkeeping")
+    grad_fn, state = clipped_grad(
+        loss, clipping_norm=1.0, batch_argnums=(1,), method="bookkeeping", trusted_rules=TRUST
+    )
     with pytest.raises(OperationError, match=r"not the differentiated tensor 'head\.weight'"):
         grad_fn(params, ids, state=state)
+
+
+def _inner(u, v):
+    return inner(u, v, certify(u, trusted=True), certify(v, trusted=True), trusted=True)
 
 
 def test_an_implicit_piece_has_no_cross_term_with_a_dense_use():
     op = _DenseImplicit(torch.randn(2, 3, 4))
     with pytest.raises(OperationError, match="no rule forms their cross term"):
-        inner(Implicit(op), Dense(torch.randn(2, 3, 4)))
+        _inner(Implicit(op), Dense(torch.randn(2, 3, 4)))
     with pytest.raises(OperationError, match=r"OuterSum \(3, 5\)"):
-        inner(Implicit(op), OuterSum(torch.randn(2, 1, 3), torch.randn(2, 1, 5)))
+        _inner(Implicit(op), OuterSum(torch.randn(2, 1, 3), torch.randn(2, 1, 5)))
     ids = torch.tensor([[0, 2], [1, 1]])
     b = torch.randn(2, 2, 4)
     want = torch.einsum("brc,bsr,bsc->b", op.g, torch.nn.functional.one_hot(ids, 3).float(), b)
-    torch.testing.assert_close(inner(OuterSum(ids, b, rows=3), Implicit(op)), want)
+    got, _ = _inner(OuterSum(ids, b, rows=3), Implicit(op))
+    torch.testing.assert_close(got, want.double())
+
+
+def test_an_operator_outside_the_proof_needs_trust(caplog):
+    """Without the trust list, the test's uncertified operator is refused: "auto" falls back to
+    the vmap engine, saying why, and "bookkeeping" raises."""
+    loss, params, ids = _case(_Toy(tied=False, form="implicit"))
+    grad_fn, state = clipped_grad(loss, clipping_norm=0.3, batch_argnums=(1,), method="auto")
+    with caplog.at_level("WARNING", logger="opake.core"):
+        grad_fn(params, ids, state=state)
+    assert grad_fn.engine == "vmap"
+    assert "outside the clipping proof" in caplog.text
+    strict, state = clipped_grad(loss, clipping_norm=0.3, batch_argnums=(1,), method="bookkeeping")
+    with pytest.raises(OperationError, match="outside the clipping proof"):
+        strict(params, ids, state=state)

@@ -6,15 +6,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from opake.dpsgd.bookkeeping._certify import certify, inner
 from opake.dpsgd.bookkeeping._rules import (
     Dense,
     OuterSum,
-    _inner_outer,
-    _materialise,
     add_weighted,
     ghost_is_cheaper,
-    inner,
-    sq_norm,
+    materialise,
     weighted_sum,
 )
 
@@ -35,20 +33,26 @@ def _oracle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _within(got: torch.Tensor, err: torch.Tensor, want: torch.Tensor) -> None:
+    """``|got − want| ≤ err`` (the certificate's claim), up to the oracle's own fp64 rounding."""
+    slack = 1e-12 * want.abs() + 1e-300
+    assert bool(((got.double() - want).abs() <= err + slack).all()), (got, err, want)
+
+
 @settings(max_examples=40, deadline=None)
 @given(shapes)
-def test_ghost_and_materialised_norms_match_the_gradient(shape):
+def test_ghost_and_materialised_norms_are_certified(shape):
     batch, steps, rows, cols, seed = shape
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(batch, steps, rows, generator=gen)
     b = torch.randn(batch, steps, cols, generator=gen)
     want = _oracle(a, b).square().sum(dim=(1, 2))
     piece = OuterSum(a, b)
-    ghost = _inner_outer(piece, piece).double()  # Σ_{t,s} (a_t·a_s)(b_t·b_s)
-    direct = _materialise(piece).double().square().sum(dim=(1, 2))
-    chosen = sq_norm(piece).double()  # whichever route ghost_is_cheaper picks
-    for got in (ghost, direct, chosen):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    cert = certify(piece)  # whichever route ghost_is_cheaper picks
+    _within(cert.sq, cert.err, want)
+    torch.testing.assert_close(cert.sq, want, rtol=1e-4, atol=1e-4)
+    direct = materialise(piece).double().square().sum(dim=(1, 2))
+    torch.testing.assert_close(direct, want, rtol=1e-4, atol=1e-4)
 
 
 @settings(max_examples=30, deadline=None)
@@ -67,19 +71,22 @@ def test_embedding_index_matching_and_cross_terms(shape, steps2):
     )
     g_emb, g_lin = _oracle(onehot, e), _oracle(lin.a, lin.b)
     # ‖G_emb‖², ⟨G_emb, G_lin⟩ (the tied-weight cross term), and the same with a Dense side
-    torch.testing.assert_close(
-        sq_norm(emb).double(), g_emb.square().sum(dim=(1, 2)), rtol=1e-4, atol=1e-4
-    )
+    cert = certify(emb)
+    _within(cert.sq, cert.err, g_emb.square().sum(dim=(1, 2)))
     cross = (g_emb * g_lin).sum(dim=(1, 2))
-    for got in (
-        inner(emb, lin),
-        inner(lin, emb),
-        inner(dense_emb, lin),
-        inner(Dense(g_emb.float()), lin),
-        inner(emb, Dense(g_lin.float())),
-    ):
-        torch.testing.assert_close(got.double(), cross, rtol=1e-4, atol=1e-3)
-    torch.testing.assert_close(_materialise(emb).double(), g_emb, rtol=1e-5, atol=1e-5)
+    dense_g_emb, dense_g_lin = Dense(g_emb.float()), Dense(g_lin.float())
+    pairs = (
+        (emb, lin, cross),
+        (lin, emb, cross),
+        (dense_emb, lin, cross),
+        (dense_g_emb, lin, (dense_g_emb.g.double() * g_lin).sum(dim=(1, 2))),
+        (emb, dense_g_lin, (g_emb * dense_g_lin.g.double()).sum(dim=(1, 2))),
+    )
+    for u, v, want in pairs:
+        got, err = inner(u, v, certify(u), certify(v))
+        _within(got, err, want)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(materialise(emb).double(), g_emb, rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=30, deadline=None)

@@ -12,7 +12,7 @@ import torch
 from scipy import stats
 
 from opake.core.errors import ConfigurationError, InputTypeError
-from opake.dpsgd.noise import GaussianNoise, NoisyGrads, Randomness, add_noise
+from opake.dpsgd.noise import GaussianNoise, NoisyGrads, Randomness, add_noise, noise_grid
 
 
 class Clipped(dict):
@@ -53,14 +53,39 @@ def test_noise_is_independent_across_entries_and_steps() -> None:
 
 
 def test_matches_plain_reference_draw() -> None:
-    # The obvious reference: one keystream per call, entries in sorted key order, z * σS, added.
-    grads = {"z": torch.randn(5), "a": torch.randn(2, 2)}
-    out = GaussianNoise(0.5, seed=11, device="cpu").add(grads, sensitivity=2.0)
-    flat = Randomness.seeded(11).normal("noise", 0, 9)
-    expected = {"a": grads["a"] + flat[:4].view(2, 2) * 1.0, "z": grads["z"] + flat[4:] * 1.0}
+    # The obvious reference: one keystream per call, entries in sorted key order, the noise
+    # σS·z in fp64 in units of the lattice Λ, added to x/Λ in fp64, rounded to an integer,
+    # times Λ, rounded once to the result's dtype.
+    grads = {"z": torch.randn(5), "a": torch.randn(2, 2), "d": torch.randn(3).double()}
+    out = GaussianNoise(0.5, seed=11, device="cpu").add(grads, sensitivity=3.0)
+    grid = noise_grid(1.5)
+    assert grid == 2.0**-24
+    units = Randomness.seeded(11).normal("noise", 0, 12, dtype=torch.float64, scale=1.5 / grid)
+    parts = {"a": units[:4].view(2, 2), "d": units[4:7], "z": units[7:]}
     assert list(out) == list(grads)  # key order of the input is kept
-    for name in grads:
-        torch.testing.assert_close(out[name], expected[name], rtol=0, atol=0)
+    for name, value in grads.items():
+        want = ((value.double() / grid + parts[name]).round() * grid).to(out[name].dtype)
+        torch.testing.assert_close(out[name], want, rtol=0, atol=0)
+        assert out[name].dtype == (torch.float64 if name == "d" else torch.float32)
+    # the noise itself is σS·z to within the lattice (plus fp32's rounding)
+    noise = out["z"].double() - grads["z"].double()
+    assert torch.allclose(noise, units[7:] * grid, rtol=0, atol=grid + 2.0**-21)
+
+
+def test_noise_grid_is_a_power_of_two_fixed_by_the_noise_alone() -> None:
+    for std in (1.0, 0.75, 1e-9, 37.0, 2.0**-100, 3.0 * 2.0**90):
+        grid = noise_grid(std)
+        mantissa, _ = math.frexp(grid)
+        assert mantissa == 0.5  # a power of two
+        assert std * 2.0**-25 < grid <= std * 2.0**-24  # half the fp32 spacing at σS
+    with pytest.raises(ConfigurationError, match="noise_std"):
+        noise_grid(0.0)
+    with pytest.raises(ConfigurationError, match="noise_std"):
+        noise_grid(float("inf"))
+    with pytest.raises(ConfigurationError, match="noise_std"):
+        noise_grid(1e-300)
+    with pytest.raises(InputTypeError):
+        noise_grid("1.0")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -189,7 +189,9 @@ def test_bf16_autocast_step_matches_an_autocast_reference_loop() -> None:
         ref, x, y, lr=0.5, expected=6.0, noise=GaussianNoise(SIGMA, seed=SEED),
         autocast=torch.bfloat16,
     )  # fmt: skip
-    assert_close(model, ref, rtol=1e-2)
+    # bf16 products differ between the batched engine and the loop by ~1e-5 in each gradient:
+    # a parameter the noise lands near zero needs that absolute tolerance
+    assert_close(model, ref, rtol=1e-2, atol=2e-5)
 
 
 def test_fp16_overflowing_example_is_dropped_and_the_step_still_counts() -> None:

@@ -31,7 +31,7 @@ from opake import accounting
 from opake.core.errors import ConfigurationError, OpakePrivacyWarning
 from opake.dpsgd import _randomness
 from opake.dpsgd.clipping import AdaptiveClipping, clipped_grad
-from opake.dpsgd.noise import GaussianNoise, add_noise
+from opake.dpsgd.noise import GaussianNoise, add_noise, noise_grid
 from opake.dpsgd.optimizer import DPOptimizer
 from opake.dpsgd.randomness import Randomness
 from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler, ShuffleSampler
@@ -110,37 +110,45 @@ def test_gaussian_is_box_muller_of_the_keystream_element_by_element() -> None:
     source = Randomness.seeded(3)
     count = 9
     pairs = (count + 1) // 2
-    raw = reference_keystream(source.export_key(), "noise", 5, 12 * pairs)
+    raw = reference_keystream(source.export_key(), "noise", 5, 16 * pairs)
     expected = []
     radius, angle = [], []
     for i in range(pairs):
         k = int.from_bytes(raw[8 * i : 8 * i + 8], "little") & (2**63 - 1)
-        j = int.from_bytes(raw[8 * pairs + 4 * i : 8 * pairs + 4 * i + 4], "little", signed=True)
+        j = int.from_bytes(raw[8 * pairs + 8 * i : 8 * pairs + 8 * i + 8], "little", signed=True)
         u = (k + 0.5) * 2.0**-63
         radius.append(math.sqrt(-2.0 * math.log(u)))
-        angle.append(2.0 * math.pi * j * 2.0**-32)
+        angle.append(math.pi * j * 2.0**-63)
     expected = [r * math.cos(t) for r, t in zip(radius, angle, strict=True)]
     expected += [r * math.sin(t) for r, t in zip(radius, angle, strict=True)]
     got64 = source.normal("noise", 5, count, dtype=torch.float64)
     np.testing.assert_allclose(got64.numpy(), expected[:count], rtol=1e-12, atol=1e-12)
     got32 = source.normal("noise", 5, count)
     assert got32.dtype == torch.float32
-    np.testing.assert_allclose(got32.numpy(), expected[:count], rtol=2e-6, atol=2e-6)
+    assert torch.equal(got32, got64.float())  # computed in fp64, rounded once
+    scaled = source.normal("noise", 5, count, dtype=torch.float64, scale=3.0)
+    np.testing.assert_allclose(scaled.numpy(), 3.0 * got64.numpy(), rtol=1e-15, atol=0)
+
+
+def _reference_inputs(raw: bytes, pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Box–Muller's inputs, converted the plain way: radius words (63 bits), angle words."""
+    k = (np.frombuffer(raw[: 8 * pairs], dtype="<u8") & np.uint64(2**63 - 1)).view(np.int64)
+    j = np.frombuffer(raw[8 * pairs : 16 * pairs], dtype="<i8")
+    return k.astype(np.float64), j.astype(np.float64)
 
 
 def test_gaussian_pieces_address_the_one_shot_keystream(monkeypatch) -> None:
-    # bounded pieces (small here, 2^18 pairs in use) must give exactly the layout of one shot:
+    # bounded pieces (small here, 2^17 pairs in use) must give exactly the layout of one shot:
     # radius words of all pairs first, then their angle words; cosines, then sines
     monkeypatch.setattr(_randomness, "_CHUNK_PAIRS", 40)
     source = Randomness.seeded(11)
     count = 2 * 40 * 3 + 17  # several pieces, a short last one, an odd count
     pairs = (count + 1) // 2
-    raw = source.keystream("noise", 2, 12 * pairs)
-    assert bytes(raw) == reference_keystream(source.export_key(), "noise", 2, 12 * pairs)
-    k = np.frombuffer(bytes(raw[: 8 * pairs]), dtype="<u8") & np.uint64(2**63 - 1)
-    j = np.frombuffer(bytes(raw[8 * pairs :]), dtype="<i4").astype(np.float64)
-    radius = np.sqrt(-2.0 * np.log((k.astype(np.float64) + 0.5) * 2.0**-63))
-    theta = 2.0 * math.pi * j * 2.0**-32
+    raw = source.keystream("noise", 2, 16 * pairs)
+    assert bytes(raw) == reference_keystream(source.export_key(), "noise", 2, 16 * pairs)
+    k, j = _reference_inputs(bytes(raw), pairs)
+    radius = np.sqrt(-2.0 * np.log((k + 0.5) * 2.0**-63))
+    theta = math.pi * j * 2.0**-63
     want = np.concatenate([radius * np.cos(theta), radius * np.sin(theta)])[:count]
     pieces = list(source.normal_pieces("noise", 2, count, dtype=torch.float64))
     assert max(v.numel() for _, v in pieces) <= 40
@@ -154,10 +162,13 @@ def test_gaussian_pieces_address_the_one_shot_keystream(monkeypatch) -> None:
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
     covered = sorted(i for start, v in pieces for i in range(start, start + v.numel()))
     assert covered == list(range(count))
-    # the noise of a model is the same draw, written piece by piece into each entry
+    # the noise of a model is the same draw, written piece by piece into each entry (snapped
+    # onto the lattice: zero gradients, so the rounded noise itself)
     grads = {"a": torch.zeros(7, 3), "b": torch.zeros(0), "c": torch.zeros(count - 21)}
     out = GaussianNoise(1.0, seed=11).add(grads, sensitivity=1.0)
-    flat = Randomness.seeded(11).normal("noise", 0, count)
+    grid = noise_grid(1.0)
+    units = Randomness.seeded(11).normal("noise", 0, count, dtype=torch.float64, scale=1 / grid)
+    flat = (units.round() * grid).float()
     assert torch.equal(torch.cat([out[n].flatten() for n in sorted(grads)]), flat)
 
 
@@ -169,24 +180,22 @@ def test_gaussian_pieces_convert_the_keystream_bit_for_bit(monkeypatch, dtype) -
     seen: list[tuple[np.ndarray, np.ndarray]] = []
     box_muller = _randomness._box_muller
 
-    def recording(k: np.ndarray, j: np.ndarray):
+    def recording(k: np.ndarray, j: np.ndarray, scale: float):
         seen.append((k.copy(), j.copy()))
-        return box_muller(k, j)
+        return box_muller(k, j, scale)
 
     monkeypatch.setattr(_randomness, "_box_muller", recording)
     source = Randomness.seeded(17)
     count = 2 * 20 * 4 + 9  # pieces whose words start mid-block, a short last one
     pairs = (count + 1) // 2
     source.normal("noise", 6, count, dtype=dtype)
-    raw = reference_keystream(source.export_key(), "noise", 6, 12 * pairs)
-    np_dtype = np.float64 if dtype == torch.float64 else np.float32
-    k = (np.frombuffer(raw[: 8 * pairs], dtype="<u8") & np.uint64(2**63 - 1)).view(np.int64)
-    j = np.frombuffer(raw[8 * pairs :], dtype="<i4")
+    raw = reference_keystream(source.export_key(), "noise", 6, 16 * pairs)
+    k, j = _reference_inputs(raw, pairs)
     got_k = np.concatenate([piece_k for piece_k, _ in seen])
     got_j = np.concatenate([piece_j for _, piece_j in seen])
-    assert got_k.dtype == got_j.dtype == np_dtype
-    assert got_k.tobytes() == k.astype(np_dtype).tobytes()
-    assert got_j.tobytes() == j.astype(np_dtype).tobytes()
+    assert got_k.dtype == got_j.dtype == np.float64  # Box–Muller runs in fp64 for both
+    assert got_k.tobytes() == k.tobytes()
+    assert got_j.tobytes() == j.tobytes()
 
 
 @settings(max_examples=40, deadline=None)
@@ -203,13 +212,12 @@ def test_gaussian_pieces_convert_every_layout_bit_for_bit(
     # shorter than a piece) and indices: Box–Muller must always receive exactly the plain
     # conversion of the reference keystream, and the pieces must cover every position once
     dtype = torch.float64 if wide else torch.float32
-    np_dtype = np.float64 if wide else np.float32
     seen: list[tuple[np.ndarray, np.ndarray]] = []
     box_muller = _randomness._box_muller
 
-    def recording(k: np.ndarray, j: np.ndarray):  # type: ignore[no-untyped-def]
+    def recording(k: np.ndarray, j: np.ndarray, scale: float):  # type: ignore[no-untyped-def]
         seen.append((k.copy(), j.copy()))
-        return box_muller(k, j)
+        return box_muller(k, j, scale)
 
     source = Randomness.seeded(23)
     with pytest.MonkeyPatch.context() as patch:
@@ -217,13 +225,12 @@ def test_gaussian_pieces_convert_every_layout_bit_for_bit(
         patch.setattr(_randomness, "_box_muller", recording)
         pieces = list(source.normal_pieces("noise", index, count, dtype=dtype))
     pairs = (count + 1) // 2
-    raw = reference_keystream(source.export_key(), "noise", index, 12 * pairs)
-    k = (np.frombuffer(raw[: 8 * pairs], dtype="<u8") & np.uint64(2**63 - 1)).view(np.int64)
-    j = np.frombuffer(raw[8 * pairs :], dtype="<i4")
-    got_k = np.concatenate([a for a, _ in seen]) if seen else np.empty(0, np_dtype)
-    got_j = np.concatenate([b for _, b in seen]) if seen else np.empty(0, np_dtype)
-    assert got_k.tobytes() == k.astype(np_dtype).tobytes()
-    assert got_j.tobytes() == j.astype(np_dtype).tobytes()
+    raw = reference_keystream(source.export_key(), "noise", index, 16 * pairs)
+    k, j = _reference_inputs(raw, pairs)
+    got_k = np.concatenate([a for a, _ in seen]) if seen else np.empty(0, np.float64)
+    got_j = np.concatenate([b for _, b in seen]) if seen else np.empty(0, np.float64)
+    assert got_k.tobytes() == k.tobytes()
+    assert got_j.tobytes() == j.tobytes()
     assert all(v.dtype == dtype and v.numel() <= chunk for _, v in pieces)
     covered = sorted(i for start, v in pieces for i in range(start, start + v.numel()))
     assert covered == list(range(count))
@@ -278,7 +285,11 @@ def test_noise_is_the_sorted_keystream_whatever_the_shapes(
     for step in range(steps):
         out = noise.add(grads, sensitivity=2.0)
         total = sum(g.numel() for g in grads.values())
-        flat = Randomness.seeded(seed).normal("noise", step, total) * 2.0
+        grid = noise_grid(2.0)
+        units = Randomness.seeded(seed).normal(
+            "noise", step, total, dtype=torch.float64, scale=2.0 / grid
+        )
+        flat = (units.round() * grid).float()
         offset = 0
         for name in sorted(grads):
             size = grads[name].numel()
@@ -307,11 +318,11 @@ def test_secure_noise_is_a_chacha20_stream_under_a_256_bit_os_key(monkeypatch) -
     out = add_noise({"w": torch.zeros(3)}, noise_multiplier=1.0, sensitivity=1.0)
     assert calls == [32]
     assert out.secure
-    raw = reference_keystream(key, "noise", 0, 24)
+    raw = reference_keystream(key, "noise", 0, 32)  # 2 pairs: radius words, then angle words
     k = int.from_bytes(raw[:8], "little") & (2**63 - 1)
-    j = int.from_bytes(raw[16:20], "little", signed=True)
-    first = math.sqrt(-2 * math.log((k + 0.5) * 2.0**-63)) * math.cos(2 * math.pi * j * 2.0**-32)
-    assert out["w"][0].item() == pytest.approx(first, rel=1e-5, abs=1e-6)
+    j = int.from_bytes(raw[16:24], "little", signed=True)
+    first = math.sqrt(-2 * math.log((k + 0.5) * 2.0**-63)) * math.cos(math.pi * j * 2.0**-63)
+    assert out["w"][0].item() == pytest.approx(first, rel=1e-6, abs=2.0**-24)
 
 
 # -- finding 2: the default seeds were public -------------------------------------------------

@@ -226,7 +226,9 @@ def test_selection_picks_chunked_and_an_explicit_backend_without_the_op_fails():
 def test_recorded_loss_backward_gives_hidden_grads_and_the_norms_in_one_pass(gen, option, route):
     """``linear_cross_entropy_recorded``: per-token losses as ``linear_cross_entropy``'s, the
     hidden gradient as autograd's, and after the backward the record holds the per-example
-    gradients whose norms that backward computed (no further vocabulary pass for them)."""
+    gradients — whose norms that backward computed when it recomputed the logits (no further
+    vocabulary pass for them); with kept logit gradients nothing is recomputed, and the norms
+    are formed when asked (the clipping engine certifies them from the kept gradients)."""
     opts = dict(OPTIONS[option])
     with_bias = opts.pop("bias", False)
     hidden, weight, labels, grads, bias = _inputs(gen, bias=with_bias)
@@ -245,7 +247,8 @@ def test_recorded_loss_backward_gives_hidden_grads_and_the_norms_in_one_pass(gen
     (ref * g32).sum().backward()
     torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-5, atol=1e-6)
     assert record.grads is not None
-    assert record.grads._norms is not None  # computed by the backward itself
+    kept = record.kept is not None and record.kept.u is not None
+    assert (record.grads._norms is None) == kept  # the recomputing backward formed them
     op = record.example_grads(g32)
     assert op is record.grads
     torch.testing.assert_close(

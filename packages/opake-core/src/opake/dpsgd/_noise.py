@@ -1,6 +1,11 @@
 """Gaussian noise for DP-SGD: N(0, σ²·S²) added once per logical step, in fp32 or wider.
 
 Implementation module behind :mod:`opake.dpsgd.noise`.
+
+The secure (and seeded) path draws the noise in fp64 and returns
+``Λ·rint(fl64(x/Λ + η/Λ))`` rounded once to the result's dtype, with ``Λ`` a power of two fixed
+by ``σ·S`` alone (:func:`noise_grid`): a fixed function of the exact sum ``x + η``, so the set
+of values a result can take does not depend on ``x`` (``docs/guide/privacy-noise.md``).
 """
 
 from __future__ import annotations
@@ -12,58 +17,20 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
+from opake.dpsgd._noisy import NoisyGrads
 from opake.dpsgd._randomness import Randomness, check_seed, resolve_randomness
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GaussianNoise", "NoisyGrads", "add_noise"]
+__all__ = ["GaussianNoise", "NoisyGrads", "add_noise", "noise_grid"]
 
 _STATE_VERSION = 2
-
-
-class NoisyGrads(dict):  # type: ignore[type-arg]
-    """``name -> tensor`` dict of noised gradient sums, with the noise actually used.
-
-    Attributes:
-        noise_multiplier: σ of this draw.
-        sensitivity: the L2 sensitivity S the noise was calibrated to.
-        noise_std: ``σ·S``, the standard deviation of the noise added to every coordinate.
-        secure: whether the draw came from a secure (operating-system) key, not a seed.
-    """
-
-    noise_multiplier: float
-    sensitivity: float
-    noise_std: float
-    secure: bool
-
-    def __init__(
-        self,
-        values: Mapping[str, torch.Tensor],
-        *,
-        noise_multiplier: float,
-        sensitivity: float,
-        secure: bool,
-    ) -> None:
-        super().__init__(values)
-        self.noise_multiplier = noise_multiplier
-        self.sensitivity = sensitivity
-        self.noise_std = noise_multiplier * sensitivity
-        self.secure = secure
-
-    def __reduce__(self) -> Any:
-        return (
-            _rebuild_noisy,
-            (dict(self), self.noise_multiplier, self.sensitivity, self.secure),
-        )
-
-
-def _rebuild_noisy(
-    values: dict[str, Any], noise_multiplier: float, sensitivity: float, secure: bool
-) -> NoisyGrads:
-    return NoisyGrads(
-        values, noise_multiplier=noise_multiplier, sensitivity=sensitivity, secure=secure
-    )
+#: the lattice is 2^-_GRID_BITS of the binade of σ·S: half the fp32 spacing at σ·S
+_GRID_BITS = 24
+#: σ·S in [2^-_STD_EXPONENT, 2^_STD_EXPONENT] keeps x/Λ a normal fp64 number (so exact) for
+#: every non-zero fp32 x
+_STD_EXPONENT = 800
 
 
 def _check_noise_multiplier(value: object) -> float:
@@ -138,6 +105,34 @@ def _noise_dtype(value: torch.Tensor) -> torch.dtype:
     return torch.float64 if value.dtype == torch.float64 else torch.float32
 
 
+def noise_grid(noise_std: float) -> float:
+    """The lattice ``Λ`` secure noise rounds every noised value to: ``2^(⌊log2 σS⌋ − 24)``.
+
+    A power of two fixed by the noise's standard deviation ``noise_std`` (σ·S) alone, never by
+    the gradients: half the fp32 spacing at σ·S, so it removes no precision an fp32 value of
+    the noise's size carries. :class:`GaussianNoise` and :func:`add_noise` (without
+    ``generator=``) return ``Λ·rint(fl64(x/Λ + η/Λ))`` rounded once to the result's dtype, a
+    fixed function of the exact sum ``x + η``: which values a result can take does not depend
+    on ``x`` (see the guide's page "Noise in floating point").
+
+    Example:
+        >>> noise_grid(1.0) == 2.0**-24, noise_grid(0.75) == 2.0**-25
+        (True, True)
+    """
+    if isinstance(noise_std, bool) or not isinstance(noise_std, int | float):
+        raise InputTypeError(
+            f"noise_std={noise_std!r} ({type(noise_std).__name__}): expected a float σ·S"
+        )
+    std = float(noise_std)
+    if not math.isfinite(std) or not 2.0**-_STD_EXPONENT <= std <= 2.0**_STD_EXPONENT:
+        raise ConfigurationError(
+            f"noise_std={noise_std!r}: expected σ·S in [2^-{_STD_EXPONENT}, 2^{_STD_EXPONENT}] "
+            "(gradients divided by the noise's lattice must stay normal fp64 numbers)"
+        )
+    _, exponent = math.frexp(std)  # std = m·2^exponent with m ∈ [0.5, 1)
+    return math.ldexp(1.0, exponent - 1 - _GRID_BITS)
+
+
 def _draw_torch(
     grads: Mapping[str, torch.Tensor],
     std: float,
@@ -166,31 +161,50 @@ def _draw(
 ) -> dict[str, torch.Tensor]:
     """Noise every entry from one keystream of ``source`` at ``index``, in sorted key order
     (so every rank with the same key draws the same), generated on the CPU in bounded pieces
-    (no model-sized keystream or flat copy). Each piece becomes ``std·z`` in the entry's dtype;
-    it is written into a fresh noise buffer per entry (the result), or added in place to the
-    entry itself (``in_place``: the same values, ``value + std·z``)."""
+    (no model-sized keystream or flat copy), and snapped onto the lattice of ``std``
+    (:func:`_snap_add_`). The result is each entry itself (``in_place``) or a fresh copy of it
+    in its noise dtype: the same values either way."""
     import torch
 
     names = sorted(grads)
-    wide = any(_noise_dtype(grads[name]) == torch.float64 for name in names)
-    dtype = torch.float64 if wide else torch.float32
     if in_place:
-        targets = [grads[name].detach().view(-1) for name in names]
+        results = {name: grads[name] for name in names}
     else:
-        targets = [torch.empty(grads[name].numel(), dtype=dtype) for name in names]
+        results = {name: _working_copy(grads[name]) for name in names}
+    targets = [results[name].detach().view(-1) for name in names]
     ends = list(itertools.accumulate(t.numel() for t in targets))
     total = ends[-1] if ends else 0
-    for start, values in source.normal_pieces("noise", index, total, dtype=dtype):
-        _scatter(values, start, targets, ends, std if in_place else None)
-    if in_place:
-        return {name: grads[name] for name in grads}
-    out: dict[str, torch.Tensor] = {}
-    for name, buf in zip(names, targets, strict=True):
-        value = grads[name]
-        noise = buf.view(value.shape).mul_(std).to(device=value.device, dtype=_noise_dtype(value))
-        # the noise buffer becomes the result (one tensor per entry, never the caller's)
-        out[name] = noise.add_(value.detach().to(dtype=noise.dtype))
-    return {name: out[name] for name in grads}
+    grid = noise_grid(std)
+    # the noise in units of the lattice: std/grid is exact (a power-of-two ratio)
+    pieces = source.normal_pieces("noise", index, total, dtype=torch.float64, scale=std / grid)
+    for start, units in pieces:
+        _scatter(units, start, targets, ends, grid)
+    return {name: results[name] for name in grads}
+
+
+def _working_copy(value: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous copy of ``value`` in its noise dtype, on its device."""
+    import torch
+
+    out = torch.empty(value.shape, dtype=_noise_dtype(value), device=value.device)
+    return out.copy_(value.detach())
+
+
+def _snap_add_(dest: torch.Tensor, units: torch.Tensor, grid: float) -> None:
+    """``dest ← Λ·rint(fl64(dest/Λ + units))`` rounded once to ``dest``'s dtype; ``units`` (fp64
+    noise in lattice units, consumed) holds the intermediate.
+
+    ``dest/Λ`` is exact (Λ a power of two) and IEEE addition rounds the exact sum, so the
+    result is a fixed function of the exact real ``x + Λ·units``: its possible values (and the
+    grid they lie on) do not depend on ``x``. Separate kernels, so no fused multiply-add can
+    change a rounding between devices."""
+    import torch
+
+    if units.device != dest.device:
+        units = units.to(dest.device)
+    units.add_(dest, alpha=1.0 / grid)  # x/Λ exactly, then one rounding of the sum
+    units.round_()  # to an integer, half to even
+    torch.mul(units, grid, out=dest)  # exact, then one rounding to dest's dtype
 
 
 def _scatter(
@@ -198,22 +212,17 @@ def _scatter(
     start: int,
     targets: list[torch.Tensor],
     ends: list[int],
-    std: float | None,
+    grid: float,
 ) -> None:
-    """Write ``values`` at flat positions ``start...`` of the targets laid end to end; with
-    ``std``, add ``std·values`` (in each target's dtype, on its device) instead."""
+    """Snap-add ``values`` (noise in lattice units) into flat positions ``start...`` of the
+    targets laid end to end, each target on its own device and in its own dtype."""
     j = bisect.bisect_right(ends, start)
     done = 0
     while done < values.numel():
         begin = ends[j] - targets[j].numel()
         at = start + done - begin
         n = min(values.numel() - done, targets[j].numel() - at)
-        piece = values[done : done + n]
-        if std is None:
-            targets[j][at : at + n] = piece
-        else:
-            dest = targets[j]
-            dest[at : at + n].add_(piece.mul(std).to(device=dest.device, dtype=dest.dtype))
+        _snap_add_(targets[j][at : at + n], values[done : done + n], grid)
         done += n
         j += 1
 
@@ -232,7 +241,9 @@ def add_noise(
     result carries). By default the noise comes from a fresh cryptographically secure source
     (:meth:`~opake.dpsgd.randomness.Randomness.secure`). ``seed=`` (a ChaCha20 key derived from
     it) or ``generator=`` (your own ``torch.Generator``) make it reproducible, and **not
-    private**: whoever knows the seed or the generator state can subtract the noise.
+    private**: whoever knows the seed or the generator state can subtract the noise. Without
+    ``generator=`` each value is ``x`` plus fp64 noise rounded once onto :func:`noise_grid`'s
+    lattice (``generator=`` adds ``torch.randn`` noise in the result's dtype).
 
     Example:
         >>> import torch
@@ -274,8 +285,9 @@ class GaussianNoise:
             shared by the ranks of one run); exclusive with ``seed``.
         secure: accepted for compatibility: ``True`` is the default behaviour (and refuses a
             seed); ``False`` requires ``seed``.
-        device: accepted for compatibility. Noise is generated on the CPU (in fp32, fp64 for
-            fp64 gradients) and moved to each gradient's device.
+        device: accepted for compatibility. Noise is generated on the CPU in fp64, moved to
+            each gradient's device, added there in fp64 and rounded once onto the lattice
+            :func:`noise_grid` (then to the result's dtype).
 
     Each :meth:`add` draws from the keystream at index :attr:`calls`, so a seeded source
     resumes bit for bit from :meth:`state_dict` (which holds the seed and the call count,

@@ -11,11 +11,13 @@ replays every draw). Nothing else is kept, so a seeded source resumes exactly fr
 
 Conversions (all in fixed little-endian layouts, identical on every platform):
 
-* Gaussian: Box–Muller on pairs. The radius ``sqrt(-2 ln u)`` takes ``u = (k + ½)·2⁻⁶³``
-  from a 63-bit integer ``k`` (so ``u ∈ [2⁻⁶⁴, 1]`` and the tail reaches ≈ 9.4σ), the angle
-  ``2π·j·2⁻³²`` from a 32-bit integer ``j``; 12 keystream bytes per pair. Computed in fp32
-  (fp64 for fp64 output) on the CPU, in pieces of 2¹⁷ pairs through one reused keystream
-  buffer (a fresh buffer per piece, and larger pieces, measured slower).
+* Gaussian: Box–Muller on pairs, computed in fp64 whatever the output dtype. The radius
+  ``sqrt(-2 ln u)`` takes ``u = (k + ½)·2⁻⁶³`` from a 63-bit integer ``k`` (so ``u ∈ [2⁻⁶⁴, 1]``
+  and the tail reaches ≈ 9.42σ), the angle ``π·j·2⁻⁶³`` from a signed 64-bit integer ``j``
+  (resolution π·2⁻⁵³ after the conversion to fp64); 16 keystream bytes per pair. An fp32
+  result is the fp64 value rounded once. On the CPU, in pieces of 2¹⁷ pairs through one
+  reused keystream buffer (a fresh buffer per piece, and larger pieces, measured slower).
+  Why fp64 and 64 angle bits: ``docs/guide/privacy-noise.md``.
 * Bernoulli(p): a 64-bit integer below ``⌊p·2⁶⁴⌋`` (probability within 2⁻⁶⁴ of p).
 * Uniform subsets and permutations: sort by 64-bit random keys (ties broken by position).
 """
@@ -55,9 +57,11 @@ _MASK63 = np.uint64(0x7FFF_FFFF_FFFF_FFFF)
 
 #: 64-bit words drawn per piece by :meth:`Randomness.bernoulli` (16 MiB of keystream)
 _CHUNK_WORDS = 1 << 21
-#: Gaussian pairs per piece of :meth:`Randomness.normal_pieces` (1.5 MiB of keystream: 2¹⁶ and
+#: Gaussian pairs per piece of :meth:`Randomness.normal_pieces` (2 MiB of keystream: 2¹⁶ and
 #: 2¹⁸ measured 5–10 % slower on a 2-core CPU, 2²¹ twice as slow)
 _CHUNK_PAIRS = 1 << 17
+#: keystream bytes per Gaussian pair: a radius word and an angle word, 64 bits each
+_PAIR_BYTES = 16
 _BLOCK_BYTES = 64
 #: the plaintext the keystream is read through (ChaCha20 of zeros), shared and never written:
 #: a fresh zero buffer per draw cost more than the cipher (each of its pages faulted in)
@@ -187,18 +191,31 @@ class Randomness:
     # -- distributions ---------------------------------------------------------------------
 
     def normal(
-        self, stream: str, index: int, count: int, *, dtype: torch.dtype | None = None
+        self,
+        stream: str,
+        index: int,
+        count: int,
+        *,
+        dtype: torch.dtype | None = None,
+        scale: float = 1.0,
     ) -> torch.Tensor:
-        """``count`` standard normal values (CPU tensor, fp32 by default, or fp64)."""
+        """``count`` normal values of standard deviation ``scale`` (CPU tensor, fp32 by default,
+        or fp64; computed in fp64 either way, an fp32 result rounded once)."""
         import torch
 
         out = torch.empty(count, dtype=_normal_dtype(dtype))
-        for start, values in self.normal_pieces(stream, index, count, dtype=dtype):
+        for start, values in self.normal_pieces(stream, index, count, dtype=dtype, scale=scale):
             out[start : start + values.numel()] = values
         return out
 
     def normal_pieces(
-        self, stream: str, index: int, count: int, *, dtype: torch.dtype | None = None
+        self,
+        stream: str,
+        index: int,
+        count: int,
+        *,
+        dtype: torch.dtype | None = None,
+        scale: float = 1.0,
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """The values of :meth:`normal` as ``(position, values)`` pieces, in bounded memory.
 
@@ -206,28 +223,34 @@ class Randomness:
         ``pairs + i`` (its sine); each piece is a run of consecutive positions, and together
         the pieces cover ``range(count)`` once, with exactly the values :meth:`normal` returns.
         No piece holds more than 2¹⁷ values, so drawing the noise of a large model never holds
-        its whole keystream at once.
-        """
-        import torch
+        its whole keystream at once. ``scale`` multiplies the radius (one rounding) before the
+        cosine and sine do. The pieces are fresh tensors, the caller's to modify.
 
+        Example:
+            >>> import torch
+            >>> source = Randomness.seeded(0)
+            >>> pieces = list(source.normal_pieces("noise", 0, 5, dtype=torch.float64))
+            >>> [(start, values.numel()) for start, values in pieces]
+            [(0, 3), (3, 2)]
+        """
         dtype = _normal_dtype(dtype)
-        np_dtype = np.float64 if dtype == torch.float64 else np.float32
+        scale = _check_scale(scale)
         stream_id, index = _stream_id(stream), _index(index)
         address = _Address(self._key, stream_id, index)
         pairs = (count + 1) // 2
         # one keystream buffer, reused by every piece (never handed out)
-        scratch = bytearray(12 * min(pairs, _CHUNK_PAIRS) + 2 * _BLOCK_BYTES)
+        scratch = bytearray(_PAIR_BYTES * min(pairs, _CHUNK_PAIRS) + 2 * _BLOCK_BYTES)
         for p0 in range(0, pairs, _CHUNK_PAIRS):
             p1 = min(pairs, p0 + _CHUNK_PAIRS)
             # fresh per piece: the sines are computed in place and handed out
-            k = np.empty(p1 - p0, dtype=np_dtype)
-            j = np.empty(p1 - p0, dtype=np_dtype)
+            k = np.empty(p1 - p0, dtype=np.float64)
+            j = np.empty(p1 - p0, dtype=np.float64)
             address.pairs_into(pairs, p0, p1, scratch, k=k, j=j)
-            cos_part, sin_part = _box_muller(k, j)
-            yield p0, cos_part
+            cos_part, sin_part = _box_muller(k, j, scale)
+            yield p0, cos_part.to(dtype)
             kept = min(p1 - p0, count - pairs - p0)  # an odd count drops the last sine
             if kept > 0:
-                yield pairs + p0, sin_part[:kept]
+                yield pairs + p0, sin_part[:kept].to(dtype)
 
     def bernoulli(self, stream: str, index: int, count: int, p: float) -> np.ndarray:
         """``count`` independent Bernoulli(p) draws as a bool array (p within 2⁻⁶⁴)."""
@@ -260,17 +283,33 @@ def _normal_dtype(dtype: torch.dtype | None) -> torch.dtype:
     return dtype
 
 
-def _box_muller(k: np.ndarray, j: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pairs ``(r·cos θ, r·sin θ)`` from ``k`` (63-bit integers) and ``j`` (signed 32-bit
-    integers), both already converted to the output's float dtype; both arrays are consumed
-    (computed in place: the sines are ``j``'s memory)."""
+def _check_scale(scale: object) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise InputTypeError(f"scale={scale!r} ({type(scale).__name__}): expected a float")
+    value = float(scale)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ConfigurationError(f"scale={scale!r}: expected a finite standard deviation > 0")
+    return value
+
+
+def _box_muller(k: np.ndarray, j: np.ndarray, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs ``(r·cos θ, r·sin θ)`` in fp64 from ``k`` (63-bit integers) and ``j`` (signed 64-bit
+    integers), both already converted to fp64, the radius multiplied by ``scale``; both arrays
+    are consumed (computed in place: the radius is ``k``'s memory, the sines ``j``'s)."""
     import torch
 
-    # u = (k + 1/2)·2^-63 with k uniform on [0, 2^63): u ∈ [2^-64, 1]
-    u = torch.from_numpy(k).mul_(2.0**-63).add_(2.0**-64)
-    radius = u.log_().mul_(-2.0).clamp_min_(0.0).sqrt_()
-    # θ = 2π·j·2^-32 with j a signed 32-bit integer: θ ∈ [-π, π)
-    theta = torch.from_numpy(j).mul_(2.0 * math.pi * 2.0**-32)
+    # u = (k + 1/2)·2^-63 with k uniform on [0, 2^63): u ∈ [2^-64, 1] (u = 1 gives radius -0.0)
+    np.multiply(k, 2.0**-63, out=k)
+    np.add(k, 2.0**-64, out=k)
+    # numpy's fp64 log and sqrt run 2–3× and 1.5× faster than torch's here (same accuracy class)
+    np.log(k, out=k)
+    np.multiply(k, -2.0, out=k)
+    np.sqrt(k, out=k)
+    if scale != 1.0:
+        np.multiply(k, scale, out=k)
+    radius = torch.from_numpy(k)
+    # θ = π·j·2^-63 with j a signed 64-bit integer: θ ∈ [-π, π]
+    theta = torch.from_numpy(j).mul_(math.pi * 2.0**-63)
     return torch.cos(theta).mul_(radius), theta.sin_().mul_(radius)
 
 
@@ -301,16 +340,17 @@ class _Address:
         j: np.ndarray,
     ) -> None:
         """Box–Muller inputs of pairs ``[h0, h1)`` of a draw of ``pairs`` pairs, written as
-        floats of their dtype into ``k`` (the radius integers) and ``j`` (the angle integers),
-        read through ``buf`` (keystream scratch of ``12·(h1 - h0) + 128`` bytes: each span may
-        start up to a block early)."""
+        fp64 into ``k`` (the radius integers, 63 bits) and ``j`` (the angle integers, signed
+        64 bits), read through ``buf`` (keystream scratch of ``16·(h1 - h0) + 128`` bytes: each
+        span may start up to a block early). The radius words of all pairs come first, then
+        their angle words."""
         n = h1 - h0
         radius = self.span_into(8 * h0, 8 * h1, buf, 0)
-        angle = self.span_into(8 * pairs + 4 * h0, 8 * pairs + 4 * h1, buf, 8 * n + _BLOCK_BYTES)
+        angle = self.span_into(8 * pairs + 8 * h0, 8 * pairs + 8 * h1, buf, 8 * n + _BLOCK_BYTES)
         bits = np.frombuffer(radius, dtype="<u8")  # little-endian words on every platform
         np.bitwise_and(bits, _MASK63, out=bits)  # the top bit dropped, in the scratch
         np.copyto(k, bits.view("<i8"), casting="unsafe")  # as numpy's astype rounds
-        np.copyto(j, np.frombuffer(angle, dtype="<i4"), casting="unsafe")
+        np.copyto(j, np.frombuffer(angle, dtype="<i8"), casting="unsafe")
 
 
 def _fill(key: bytes, stream_id: int, index: int, offset: int, out: memoryview) -> None:

@@ -7,7 +7,9 @@ seed (reproducible bit for bit, resumable from :meth:`GaussianNoise.state_dict`,
 private**). :func:`add_noise` is the one-shot functional form. Both take the sensitivity from
 ``grads.max_norm`` (what ``opake.dpsgd.clipping.clipped_grad`` returns) or from an explicit
 ``sensitivity=``, and return a :class:`NoisyGrads` dict that reports the standard deviation
-actually used.
+actually used. The noise is drawn in fp64 and each noised value is rounded once onto the
+lattice :func:`noise_grid` (a power of two fixed by σ·S alone), so the values a result can take
+do not depend on the gradients (``docs/guide/privacy-noise.md``).
 
 Example:
     >>> import torch
@@ -20,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-from opake.dpsgd._noise import GaussianNoise, NoisyGrads, add_noise
+from opake.dpsgd._noise import GaussianNoise, NoisyGrads, add_noise, noise_grid
 from opake.dpsgd._randomness import Randomness
 
-__all__ = ["GaussianNoise", "NoisyGrads", "Randomness", "add_noise"]
+__all__ = ["GaussianNoise", "NoisyGrads", "Randomness", "add_noise", "noise_grid"]

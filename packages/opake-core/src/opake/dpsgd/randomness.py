@@ -5,8 +5,9 @@
 256 bits from the operating system, which are never stored; :meth:`Randomness.seeded` derives
 the key from an integer seed — reproducible bit for bit, and **not private** (whoever knows the
 seed replays the noise and the batches). Every draw is a pure function of the key, a stream
-name and a step index, so a seeded run resumes from a counter alone. See
-``docs/guide/privacy.md`` (threat model) for the design.
+name and a step index, so a seeded run resumes from a counter alone. Gaussian values are
+Box–Muller in fp64 (an fp32 result is rounded once). See ``docs/guide/privacy.md`` (threat
+model) for the design and ``docs/guide/privacy-noise.md`` for the floating-point analysis.
 
 Example:
     >>> from opake.dpsgd.randomness import Randomness

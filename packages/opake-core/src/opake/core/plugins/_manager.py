@@ -23,6 +23,7 @@ __all__ = [
     "BrokenPlugin",
     "PluginInfo",
     "blocked_plugins",
+    "bookkeeping_rule_origins",
     "bookkeeping_rules",
     "broken_plugins",
     "kernel_backends",
@@ -73,6 +74,7 @@ class _State:
         self.families: dict[str, ModelFamily] | None = None
         self.backends: dict[str, KernelBackend] | None = None
         self.rules: dict[str, BookkeepingRule] | None = None
+        self.rule_origins: dict[str, str | None] = {}
 
 
 _state = _State()
@@ -343,4 +345,17 @@ def bookkeeping_rules() -> dict[str, BookkeepingRule]:
                         )
                     rules[rule.name] = (plugin, rule)
             _state.rules = {name: rule for name, (_, rule) in rules.items()}
+            dists = {info.name: info.distribution for info in _state.infos}
+            _state.rule_origins = {name: dists.get(plugin) for name, (plugin, _) in rules.items()}
         return dict(_state.rules)
+
+
+def bookkeeping_rule_origins() -> dict[str, str | None]:
+    """The distribution that registered each plugin rule (``None``: registered in code).
+
+    >>> isinstance(bookkeeping_rule_origins(), dict)
+    True
+    """
+    bookkeeping_rules()
+    with _state.lock:
+        return dict(_state.rule_origins)

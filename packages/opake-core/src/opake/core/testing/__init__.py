@@ -6,6 +6,10 @@
   :func:`assert_grads_close`.
 - :func:`tiny_mlp`, :func:`tiny_llama`, :func:`tiny_gpt2`, :func:`with_lora`,
   :func:`causal_lm_loss`: tiny models built from configs (no download) and a per-example loss.
+- :func:`search_rule`, :func:`check_rule_example`, :func:`rule_example_cases`: the book-keeping
+  rule conformance harness — a plugin author runs ``search_rule("my-rule")`` in the plugin's
+  tests (adversarial batches, hypothesis-guided, against the clipping bound with no tolerance
+  and against the per-example loop).
 
 >>> from opake.core.testing import reference_clipped_grad
 >>> callable(reference_clipped_grad)
@@ -21,13 +25,25 @@ from opake.core.testing._reference import (
     reference_clipped_grad,
     reference_clipped_sum,
 )
+from opake.core.testing._rules import (
+    PATTERNS,
+    TOLERANCE,
+    check_rule_example,
+    rule_example_cases,
+    search_rule,
+)
 
 __all__ = [
+    "PATTERNS",
+    "TOLERANCE",
     "assert_grads_close",
     "causal_lm_loss",
+    "check_rule_example",
     "per_example_grads_loop",
     "reference_clipped_grad",
     "reference_clipped_sum",
+    "rule_example_cases",
+    "search_rule",
     "tiny_gpt2",
     "tiny_llama",
     "tiny_mlp",

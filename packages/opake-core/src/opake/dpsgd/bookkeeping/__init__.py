@@ -67,6 +67,8 @@ True
 from __future__ import annotations
 
 from opake.core.plugins import BookkeepingRule
+from opake.dpsgd.bookkeeping._certify import CertifiedImplicitGrad, PieceCert, certify_inner
+from opake.dpsgd.bookkeeping._certify import certify as certify_piece
 from opake.dpsgd.bookkeeping._engine import (
     BookkeepingPlan,
     ImplicitUse,
@@ -83,15 +85,19 @@ __all__ = [
     "BatchedLoss",
     "BookkeepingPlan",
     "BookkeepingRule",
+    "CertifiedImplicitGrad",
     "Dense",
     "ImplicitGrad",
     "ImplicitUse",
     "LayerRule",
     "LayerUse",
     "OuterSum",
+    "PieceCert",
     "RuleExample",
     "bookkeeping_plan",
     "causal_lm_losses",
+    "certify_inner",
+    "certify_piece",
     "ghost_is_cheaper",
     "implicit_use",
     "registered_rules",

@@ -6,8 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from opake.dpsgd.bookkeeping._certify import exact_add, full_precision
+from opake.dpsgd.bookkeeping._certify import exact_block
 from opake.dpsgd.bookkeeping._rules import Piece, add_weighted
+from opake.dpsgd.certify import full_precision, guarded_add
 
 if TYPE_CHECKING:
     import torch
@@ -19,10 +20,11 @@ __all__ = ["BookkeepingChunk"]
 class BookkeepingChunk:
     """What one microbatch leaves: losses, per-leaf squared norms and the pieces for the sum.
 
-    ``leaf_sq`` are the computed squared norms (reported); ``clip_sq`` bound the squared norm
-    of what each example adds to each leaf (clip with these, see :mod:`._bk_certify`);
-    ``exact`` marks the (example, leaf) pairs that take the exact route; ``span`` is the scale
-    of every fp32 rounding error in an example's leaf (``Σ_t ‖a_t‖‖b_t‖``).
+    ``leaf_sq`` are the computed squared norms (reported); ``clip_sq`` the squared certified
+    bounds to clip with and ``slack`` the part of each added tensor's error that does not scale
+    with the clip factor (see :mod:`._certify`): ``‖added_ij‖ ≤ w·√clip_sq_ij + slack_ij``;
+    ``exact`` marks the (example, leaf) pairs that take the exact route, ``parts`` their
+    measured blocks' certified squared norms (the guard of the add).
     """
 
     loss: torch.Tensor
@@ -31,7 +33,9 @@ class BookkeepingChunk:
     pieces: dict[str, list[Piece]] = field(default_factory=dict)
     clip_sq: torch.Tensor | None = None  # [m, leaves] float64; None: leaf_sq
     exact: torch.Tensor | None = None  # [m, leaves] bool; None: no exact route
-    span: torch.Tensor | None = None  # [m, leaves] float64 Σ_t ‖a_t‖‖b_t‖: the rounding scale
+    slack: torch.Tensor | None = None  # [m, leaves] float64
+    parts: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    rounding: torch.Tensor | None = None  # [m, leaves] float64, see LeafBounds.rounding
 
     def accumulate(
         self,
@@ -61,11 +65,16 @@ class BookkeepingChunk:
                 total = sums[name]
                 own = self.pieces.pop(name, [])
                 mask = None if everything and not routed[j] else keep
-                if routed[j]:
-                    assert exact is not None
+                if exact is not None and routed[j]:
                     mask = keep & ~exact[:, j]
                 for piece in own:
                     add_weighted(piece, leaf_factor[:, j], mask, total)
                 for i in routed[j]:
-                    exact_add(own, i, leaf_factor[i, j], total)
+
+                    def block(
+                        start: int, stop: int, i: int = i, own: list[Piece] = own
+                    ) -> torch.Tensor:
+                        return exact_block(own, i, start, stop)
+
+                    guarded_add(block, leaf_factor[i, j], total, self.parts[(i, j)])
                 del own

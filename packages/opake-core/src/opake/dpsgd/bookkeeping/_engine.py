@@ -11,13 +11,25 @@ from those pieces.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from opake.core.choices import ENGINES
 from opake.core.errors import ConfigurationError, OperationError
-from opake.dpsgd.bookkeeping._certify import GAMMA, bounds, exact_sq_norm, full_precision
+from opake.dpsgd.bookkeeping._certify import (
+    certified_operator,
+    exact_block,
+    leaf_bounds,
+)
+from opake.dpsgd.bookkeeping._check import (
+    INCONCLUSIVE,
+    RECHECK_EVERY,
+    BookkeepingInconclusiveError,
+    BookkeepingMismatchError,
+    BookkeepingUnsupportedError,
+    check_examples,
+    verify,
+)
 from opake.dpsgd.bookkeeping._chunk import BookkeepingChunk
 from opake.dpsgd.bookkeeping._loss import BatchedLoss
 from opake.dpsgd.bookkeeping._plan import BookkeepingPlan, bookkeeping_plan
@@ -30,13 +42,17 @@ from opake.dpsgd.bookkeeping._recording import (
     implicit_use,
     rule_pieces,
 )
-from opake.dpsgd.bookkeeping._rules import (
-    GramCache,
-    Piece,
-    inner,
-    sq_norm_abs,
-)
+from opake.dpsgd.bookkeeping._rules import Implicit, Piece
+from opake.dpsgd.bookkeeping._trust import TRUST_ENV, trusted_names
 from opake.dpsgd.bookkeeping._use import LayerRule, LayerUse
+from opake.dpsgd.certify import (
+    SAFE,
+    U32,
+    GramCache,
+    full_precision,
+    measure_blocks,
+    scaled_add_error,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -61,9 +77,17 @@ class BookkeepingRunner:
     """Runs the book-keeping engine for one :class:`BatchedLoss` (used by ``clipped_grad``)."""
 
     def __init__(
-        self, loss: BatchedLoss, *, argnums: int, batch_argnums: tuple[int, ...], has_aux: bool
+        self,
+        loss: BatchedLoss,
+        *,
+        argnums: int,
+        batch_argnums: tuple[int, ...],
+        has_aux: bool,
+        trusted: frozenset[str] = frozenset(),
     ) -> None:
         self.loss = loss
+        #: names of rules and operators outside the proof the user trusts (plus the environment)
+        self.trusted = trusted_names(trusted)
         self.argnums = argnums
         self.batch_argnums = batch_argnums
         self.has_aux = has_aux
@@ -85,7 +109,7 @@ class BookkeepingRunner:
     def plan(self, names: tuple[str, ...]) -> BookkeepingPlan:
         """The (cached) plan for these differentiated names."""
         if names not in self._plans:
-            self._plans[names] = bookkeeping_plan(self.loss.module, names)
+            self._plans[names] = bookkeeping_plan(self.loss.module, names, trusted=self.trusted)
         return self._plans[names]
 
     # ------------------------------------------------------------------ recording
@@ -208,8 +232,23 @@ class BookkeepingRunner:
             return implicit_pieces(use, batch)
         return rule_pieces(use)
 
+    def _vet(self, use: LayerUse, piece: Piece) -> None:
+        """An implicit piece outside the proof needs the user's trust (else OperationError)."""
+        if not isinstance(piece, Implicit) or certified_operator(piece.op):
+            return
+        op = type(piece.op)
+        names = {use.layer.rule, op.__qualname__, f"{op.__module__}.{op.__qualname__}"}
+        if names & self.trusted:
+            return
+        raise use.fail(
+            f"its per-example gradients are held by {op.__module__}.{op.__qualname__}, an "
+            "operator that does not prove its norm bounds (outside the clipping proof); name "
+            f"it or the rule {use.layer.rule!r} in clipped_grad(trusted_rules=...) or "
+            f"{TRUST_ENV} to use it anyway"
+        )
+
     def run(self, args: tuple[Any, ...], batch: int) -> BookkeepingChunk:
-        """Forward + backward on one microbatch; norms per leaf and the pieces of the sum."""
+        """Forward + backward on one microbatch; certified bounds per leaf and the pieces."""
         import torch
 
         diff = args[self.argnums]
@@ -218,42 +257,56 @@ class BookkeepingRunner:
         pieces: dict[str, list[Piece]] = {}
         for use in uses:
             for name, piece in self._pieces(use, batch):
+                self._vet(use, piece)
                 pieces.setdefault(name, []).append(piece)
         device = losses.device
-        columns, spans = [], []
+        zeros = torch.zeros(batch, dtype=torch.float64, device=device)
+        sq, bound, slack, loose, rounding = [], [], [], [], []
         grams = GramCache()  # one input Gram matrix, shared by consecutive uses of that input
         with full_precision():
             for name in names:
                 own = pieces.get(name, [])
                 if not own:
-                    zeros = torch.zeros(batch, dtype=torch.float64, device=device)
-                    columns.append(zeros)
-                    spans.append(zeros)
+                    sq.append(zeros)
+                    bound.append(zeros)
+                    slack.append(zeros)
+                    loose.append(zeros > 0)
+                    rounding.append(zeros)
                     continue
-                total, span = sq_norm_abs(own[0], grams)
-                total = total.double()
-                for k in range(1, len(own)):
-                    sq, bound = sq_norm_abs(own[k], grams)
-                    total = total + sq.double()
-                    span = span + bound
-                    for j in range(k):
-                        total = total + 2.0 * inner(own[j], own[k]).double()
-                columns.append(total.clamp(min=0.0))
-                spans.append(span)
-        if not columns:
+                leaf = leaf_bounds(own, diff[name].numel(), grams, trusted=True)
+                sq.append(leaf.sq)
+                bound.append(leaf.bound)
+                slack.append(leaf.slack)
+                loose.append(leaf.loose)
+                rounding.append(leaf.rounding)
+        if not sq:
             empty = torch.zeros(batch, 0, dtype=torch.float64, device=device)
-            return BookkeepingChunk(losses, empty, aux, pieces, empty, None)
-        leaf_sq = torch.stack(columns, dim=1)
-        span = torch.stack(spans, dim=1)
-        clip_sq, exact = bounds(leaf_sq, span)
+            return BookkeepingChunk(losses, empty, aux, pieces, empty)
+        leaf_sq = torch.stack(sq, dim=1)
+        clip_sq = torch.stack(bound, dim=1).square()
+        chunk = BookkeepingChunk(losses, leaf_sq, aux, pieces, clip_sq, None, torch.stack(slack, 1))
+        chunk.rounding = torch.stack(rounding, dim=1)
+        exact = torch.stack(loose, dim=1)
         if not bool(exact.any()):
-            return BookkeepingChunk(losses, leaf_sq, aux, pieces, clip_sq, None, span)
-        with full_precision():  # strong cancellation: measure those examples exactly
+            return chunk
+        chunk.exact = exact
+        with full_precision():  # a loose bound: measure those examples' gradients exactly
             for i, j in exact.nonzero().tolist():
-                value = exact_sq_norm(pieces[names[j]], i, tuple(diff[names[j]].shape))
-                leaf_sq[i, j] = value
-                clip_sq[i, j] = value
-        return BookkeepingChunk(losses, leaf_sq, aux, pieces, clip_sq, exact, span)
+                own = pieces[names[j]]
+                shape = tuple(diff[names[j]].shape)
+
+                def block(start: int, stop: int, own: Any = own, i: int = i) -> torch.Tensor:
+                    return exact_block(own, i, start, stop)
+
+                hat, up, parts = measure_blocks(block, shape)
+                rel, abs_ = scaled_add_error(up.sqrt(), diff[names[j]].numel())
+                final = (1.0 + 2.0 * U32) * (1.0 + SAFE)
+                leaf_sq[i, j] = hat
+                clip_sq[i, j] = ((up.sqrt() + rel) * final).square()
+                assert chunk.slack is not None
+                chunk.slack[i, j] = abs_ * final
+                chunk.parts[(i, j)] = parts
+        return chunk
 
     def structure(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """What a passed check covers: the differentiated names and dtypes, the batched
@@ -303,28 +356,23 @@ class BookkeepingRunner:
         last = self._verified.get(key)
         if last is not None and self._calls - last < RECHECK_EVERY:
             return chunk
-        import torch
-
-        total = chunk.leaf_sq.sum(dim=1)
-        usable = torch.where(torch.isfinite(total), total, 0.0)
-        index = int(usable.argmax()) if usable.numel() else 0
-        if not float(usable[index]) > 0.0:
+        compared = 0
+        for index in check_examples(chunk):
+            mismatch = self.verify(per_example, args, chunk, index)
+            if mismatch == INCONCLUSIVE:
+                continue
+            compared += 1
+            if mismatch is not None:
+                self.disabled = f"the check against per-example autograd failed ({mismatch})"
+                raise BookkeepingMismatchError(
+                    f"book-keeping and per-example autograd disagree on {mismatch}: the loss "
+                    "mixes examples, the model moves the batch dimension, or a parameter is "
+                    "read outside a hooked layer. Use clipped_grad(method='vmap')"
+                )
+        if not compared:
             raise BookkeepingInconclusiveError(
                 "book-keeping check inconclusive: no example of this batch has a finite, "
-                "non-zero gradient to compare with per-example autograd"
-            )
-        mismatch = self.verify(per_example, args, chunk.leaf_sq, index, chunk.span)
-        if mismatch == _INCONCLUSIVE:
-            raise BookkeepingInconclusiveError(
-                f"book-keeping check inconclusive: per-example autograd of example {index} "
-                "is not finite"
-            )
-        if mismatch is not None:
-            self.disabled = f"the check against per-example autograd failed ({mismatch})"
-            raise BookkeepingMismatchError(
-                f"book-keeping and per-example autograd disagree on {mismatch}: the loss "
-                "mixes examples, the model moves the batch dimension, or a parameter is "
-                "read outside a hooked layer. Use clipped_grad(method='vmap')"
+                "non-zero gradient that per-example autograd could compare"
             )
         self._verified[key] = self._calls
         self.verified = True
@@ -334,76 +382,21 @@ class BookkeepingRunner:
         self,
         per_example: Callable[..., Any],
         args: tuple[Any, ...],
-        leaf_sq: torch.Tensor,
+        chunk: BookkeepingChunk,
         index: int = 0,
-        span: torch.Tensor | None = None,
     ) -> str | None:
-        """Compare example ``index``'s per-leaf norms with plain autograd on it alone.
-
-        Guards against what no rule can see: a loss that mixes examples, a model that moves
-        the batch dimension, a parameter read outside its layer. Returns the mismatch, ``None``
-        if every leaf agrees, or ``"inconclusive"`` when autograd's norm is not finite.
-        ``span`` (the chunk's rounding scales) widens each leaf's tolerance by the fp32
-        rounding both sides may carry where the example's tokens cancel (plain autograd sums
-        them in fp32 too).
-        """
-        import torch
-        from torch.utils._pytree import tree_map
-
-        diff = args[self.argnums]
-        leaves = {k: v.detach().requires_grad_(True) for k, v in diff.items()}
-        call = [
-            tree_map(lambda x: x[index] if isinstance(x, torch.Tensor) else x, a)
-            if i in self.batch_argnums
-            else a
-            for i, a in enumerate(args)
-        ]
-        call[self.argnums] = leaves
-        with torch.enable_grad():
-            out = per_example(*call)
-            loss = out[0] if self.has_aux else out
-            with holding(self.loss.module, leaves):
-                got = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-        want = [0.0 if g is None else float(g.double().square().sum()) for g in got]
-        have = [float(v) for v in leaf_sq[index].detach().double().cpu()]
-        if not all(math.isfinite(v) for v in want + have):
-            return _INCONCLUSIVE
-        low = self._half or any(
-            v.dtype not in (torch.float32, torch.float64) for v in diff.values()
-        )
-        tol = 5e-2 if low else 1e-4
-        scale = math.sqrt(sum(want))
-        rounding = [0.0] * len(want) if span is None else span[index].double().cpu().tolist()
-        slack = iter(GAMMA * s if math.isfinite(s) else 0.0 for s in rounding)
-        for name, w, h in zip(diff, want, have, strict=True):
-            if abs(math.sqrt(h) - math.sqrt(w)) > tol * max(scale, 1e-12) + next(slack):
-                return (
-                    f"example {index}, {name!r}: book-keeping norm {math.sqrt(h):.6g}, "
-                    f"per-example autograd norm {math.sqrt(w):.6g}"
-                )
-        return None
-
-
-class BookkeepingMismatchError(OperationError):
-    """The check found book-keeping and per-example autograd disagree."""
-
-
-class BookkeepingInconclusiveError(OperationError):
-    """The check could not compare any example: the call falls back to the vmap engine."""
-
-
-class BookkeepingUnsupportedError(BookkeepingMismatchError):
-    """Recording failed on a layer its rule cannot handle: book-keeping is off for this
-    ``clipped_grad`` (``"auto"`` falls back to the vmap engine, ``"bookkeeping"`` raises)."""
-
-
-#: calls between two checks of an already verified structure
-RECHECK_EVERY = 64
-_INCONCLUSIVE = "inconclusive"
+        """:func:`~._check.verify` example ``index`` of ``chunk`` against plain autograd."""
+        return verify(self, per_example, args, chunk, index)
 
 
 def prepare(
-    loss_fn: Any, method: object, *, argnums: int, batch_argnums: tuple[int, ...], has_aux: bool
+    loss_fn: Any,
+    method: object,
+    *,
+    argnums: int,
+    batch_argnums: tuple[int, ...],
+    has_aux: bool,
+    trusted: frozenset[str] = frozenset(),
 ) -> tuple[Callable[..., Any], BookkeepingRunner | None]:
     """Validate ``clipped_grad(method=...)``; return the one-example loss and the runner."""
     if method not in ENGINES:
@@ -423,7 +416,7 @@ def prepare(
     if method == "vmap":
         return per_example, None
     runner = BookkeepingRunner(
-        loss_fn, argnums=argnums, batch_argnums=batch_argnums, has_aux=has_aux
+        loss_fn, argnums=argnums, batch_argnums=batch_argnums, has_aux=has_aux, trusted=trusted
     )
     return per_example, runner
 

@@ -6,7 +6,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from opake.dpsgd.bookkeeping._registry import registered_rules, rule_for
+from opake.dpsgd.bookkeeping._registry import registered_rules, rule_for, untrusted
+from opake.dpsgd.bookkeeping._trust import trusted_names
 from opake.dpsgd.bookkeeping._use import LayerRule
 
 __all__ = ["BookkeepingPlan", "bookkeeping_plan"]
@@ -40,12 +41,16 @@ class BookkeepingPlan:
         return "\n".join(lines)
 
 
-def bookkeeping_plan(model: Any, names: Iterable[str]) -> BookkeepingPlan:
+def bookkeeping_plan(
+    model: Any, names: Iterable[str], *, trusted: Iterable[str] = ()
+) -> BookkeepingPlan:
     """Which rule handles each layer reading one of the differentiated parameters ``names``.
 
     ``model`` is an ``nn.Module``, an ``fmodel`` or a :class:`BatchedLoss`; ``names`` are
     parameter names as in ``model.named_parameters()`` (a tied parameter under its first name;
     every module that reads it — e.g. GPT-2's ``wte`` and ``lm_head`` — becomes a use).
+    A rule whose operator is outside the clipping proof (see :mod:`._trust`) is used only when
+    ``trusted`` (or ``OPAKE_TRUSTED_RULES``) names it.
     """
     module = getattr(model, "module", model)
     wanted = list(names)
@@ -59,6 +64,7 @@ def bookkeeping_plan(model: Any, names: Iterable[str]) -> BookkeepingPlan:
     layers: list[LayerRule] = []
     seen: set[int] = set()
     rules = registered_rules()
+    skipped = untrusted(rules, trusted_names(trusted))
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         if id(mod) in seen:
             continue
@@ -70,7 +76,7 @@ def bookkeeping_plan(model: Any, names: Iterable[str]) -> BookkeepingPlan:
         if not params:
             continue
         seen.add(id(mod))
-        rule, why = rule_for(mod, frozenset(attr for attr, _ in params), rules)
+        rule, why = rule_for(mod, frozenset(attr for attr, _ in params), rules, skipped)
         if rule is None:
             unsupported.append((mod_name or "<root>", why))
         else:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING
 
 from opake.core.errors import ConfigurationError
+from opake.dpsgd.bookkeeping._trust import TRUST_ENV, implicit_outside_proof
 
 if TYPE_CHECKING:
     import torch
 
     from opake.core.plugins import BookkeepingRule
 
-__all__ = ["BUILTIN_RULES", "builtin_rules", "registered_rules", "rule_for"]
+__all__ = ["BUILTIN_RULES", "builtin_rules", "registered_rules", "rule_for", "untrusted"]
+
+_log = logging.getLogger("opake.core")
 
 #: the built-in rule modules (``opake.dpsgd.bookkeeping.rules.<name>``, each exporting ``RULE``)
 BUILTIN_RULES: tuple[str, ...] = (
@@ -66,14 +70,46 @@ def registered_rules() -> tuple[BookkeepingRule, ...]:
     return tuple(sorted(rules, key=lambda r: (-r.priority, order[id(r)])))
 
 
+def untrusted(rules: tuple[BookkeepingRule, ...], trusted: frozenset[str]) -> dict[str, str]:
+    """Rule name → why it is skipped: rules with implicit pieces outside the proof (registered
+    by a distribution other than Opake's own) that are not in the ``trusted`` list."""
+    from opake.core.plugins import bookkeeping_rule_origins
+
+    builtin = {rule.name for rule in builtin_rules()}
+    origins = bookkeeping_rule_origins()
+    out = {}
+    for rule in rules:
+        origin = origins.get(rule.name)
+        kinds = rule.produces.values()
+        if rule.name not in trusted and implicit_outside_proof(kinds, origin, rule.name in builtin):
+            out[rule.name] = (
+                f"rule {rule.name!r} (from {origin or 'code'}) holds per-example gradients in "
+                "an operator outside the clipping proof and is not trusted (name it in "
+                f"clipped_grad(trusted_rules=...) or {TRUST_ENV})"
+            )
+    return out
+
+
 def rule_for(
-    module: torch.nn.Module, attrs: frozenset[str], rules: tuple[BookkeepingRule, ...]
+    module: torch.nn.Module,
+    attrs: frozenset[str],
+    rules: tuple[BookkeepingRule, ...],
+    skipped: dict[str, str] | None = None,
 ) -> tuple[BookkeepingRule | None, str]:
     """The first of ``rules`` that matches ``module`` with differentiated ``attrs``:
     ``(rule, "")``, or ``(None, why)`` when a rule refused the module (explicitly, by a reason)
-    or none matched."""
+    or none matched. Rules in ``skipped`` (name → reason, see :func:`untrusted`) are passed
+    over, their reason logged on ``opake.core`` when they would have matched."""
     for rule in rules:
         if any(rule.kind_of(attr) is None for attr in attrs):
+            continue
+        if skipped and rule.name in skipped:
+            if rule.load_matches()(module, attrs) is True:
+                _log.info(
+                    "book-keeping: %s; its layer %s uses the next rule",
+                    skipped[rule.name],
+                    type(module).__name__,
+                )
             continue
         verdict = rule.load_matches()(module, attrs)
         if isinstance(verdict, str):

@@ -11,15 +11,12 @@ A layer use leaves one *piece* per parameter it touches:
   sums and inner products itself (:class:`ImplicitGrad`; e.g. the output projection inside a
   loss-only linear cross-entropy, whose logit gradients never exist as one tensor).
 
-From pieces the engine needs two things, neither of which forms every ``G_i``:
-
-- inner products ``⟨G_i, G'_i⟩`` for every example (:func:`inner`); a parameter's squared norm is
-  the sum over all pairs of its uses, so tied weights (one matrix used as embedding and
-  ``lm_head``) get the cross term. ``⟨G, G⟩`` of an :class:`OuterSum` is the ghost identity
-  ``Σ_{t,s} (a_t·a_s)(b_t·b_s)`` (cost ``~T²(R+C)`` per example) or the materialised norm (cost
-  ``~T·R·C``, memory ``R·C``): :func:`ghost_is_cheaper` decides per layer (like fastDP's MixOpt,
-  but by multiply-adds, which the timed crossover follows);
-- the clipped sum ``Σ_i c_i G_i`` (:func:`weighted_sum`): one contraction over batch × time.
+From pieces the engine needs their certified norms (:mod:`._certify`, on the Gram matrices of
+:func:`gram_a` and :func:`opake.dpsgd.certify.gram`, or the materialised gradient of
+:func:`materialise`) — the sum over all pairs of uses of a parameter, so tied weights (one matrix
+used as embedding and ``lm_head``) get the cross term; :func:`ghost_is_cheaper` picks the route
+per layer (like fastDP's MixOpt, by multiply-adds) — and the clipped sum ``Σ_i c_i G_i``
+(:func:`weighted_sum`): one contraction over batch × time.
 """
 
 from __future__ import annotations
@@ -27,24 +24,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from opake.core.errors import OperationError
-
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "Dense",
-    "GramCache",
     "Implicit",
     "ImplicitGrad",
     "OuterSum",
-    "abs_norm",
+    "Piece",
     "add_weighted",
     "example_rows",
     "ghost_is_cheaper",
-    "inner",
-    "sq_norm",
-    "sq_norm_abs",
+    "gram_a",
+    "materialise",
     "weighted_sum",
 ]
 
@@ -55,8 +48,8 @@ class OuterSum:
 
     >>> import torch
     >>> piece = OuterSum(torch.ones(1, 2, 3), torch.ones(1, 2, 4))
-    >>> piece.shape, sq_norm(piece).tolist()
-    ((3, 4), [48.0])
+    >>> piece.shape, materialise(piece).square().sum().item()
+    ((3, 4), 48.0)
     """
 
     a: torch.Tensor
@@ -80,8 +73,8 @@ class Dense:
     """The per-example gradients themselves, ``[B, *shape]``.
 
     >>> import torch
-    >>> sq_norm(Dense(torch.tensor([[3.0, 4.0]]))).tolist()
-    [25.0]
+    >>> Dense(torch.tensor([[3.0, 4.0]])).g.shape
+    torch.Size([1, 2])
     """
 
     g: torch.Tensor
@@ -172,161 +165,45 @@ def ghost_is_cheaper(steps: int, rows: int, cols: int) -> bool:
     return steps * (rows + cols) <= rows * cols
 
 
-def _materialise(piece: OuterSum) -> torch.Tensor:
-    """``[B, R, C]`` per-example gradients of an :class:`OuterSum` (fp32)."""
+def materialise(piece: OuterSum, *, wide: bool = False) -> torch.Tensor:
+    """``[B, R, C]`` per-example gradients of an :class:`OuterSum` (fp32: one product over each
+    example's tokens; ``wide``: in fp64, where products of fp32 numbers are exact)."""
     import torch
 
-    b = _f32(piece.b)
+    wide = wide or torch.float64 in (piece.a.dtype, piece.b.dtype)
+    b = piece.b.double() if wide else _f32(piece.b)
     if not piece.indexed:
-        return torch.einsum("btr,btc->brc", _f32(piece.a), b)
+        a = piece.a.double() if wide else _f32(piece.a)
+        return torch.einsum("btr,btc->brc", a, b)
     batch, _, cols = b.shape
     rows = int(piece.rows or 0)
     out = torch.zeros(batch, rows, cols, dtype=b.dtype, device=b.device)
     return out.scatter_add_(1, piece.a[:, :, None].expand(-1, -1, cols), b)
 
 
-def _gram_a(u: OuterSum, v: OuterSum) -> torch.Tensor:
-    """``[B, T_u, T_v]`` of ``a_t · a'_s``."""
+def gram_a(u: OuterSum, v: OuterSum) -> torch.Tensor:
+    """``[B, T_u, T_v]`` fp64 matrix of ``a_t · a'_s``: exact for one-hot (index) sides, else the
+    certified blocked Gram of :func:`opake.dpsgd.certify.gram`.
+
+    >>> import torch
+    >>> u = OuterSum(torch.tensor([[1, 2]]), torch.ones(1, 2, 2), rows=3)
+    >>> gram_a(u, u)[0].tolist()
+    [[1.0, 0.0], [0.0, 1.0]]
+    """
     import torch
+
+    from opake.dpsgd.certify import gram
 
     if u.indexed and v.indexed:
-        return (u.a[:, :, None] == v.a[:, None, :]).to(_f32(u.b).dtype)
+        return (u.a[:, :, None] == v.a[:, None, :]).to(torch.float64)
     if u.indexed:
-        # a_t is one-hot at u.a[t]: a_t · a'_s = a'_s[u.a[t]]
-        dense = _f32(v.a)  # [B, S, R]
+        # a_t is one-hot at u.a[t]: a_t · a'_s = a'_s[u.a[t]] (a gather: no rounding)
+        dense = v.a  # [B, S, R]
         idx = u.a[:, None, :].expand(-1, dense.shape[1], -1)  # [B, S, T]
-        return torch.gather(dense, 2, idx).transpose(1, 2)
+        return torch.gather(dense, 2, idx).transpose(1, 2).double()
     if v.indexed:
-        return _gram_a(v, u).transpose(1, 2)
-    return torch.bmm(_f32(u.a), _f32(v.a).transpose(1, 2))
-
-
-def _inner_outer(u: OuterSum, v: OuterSum) -> torch.Tensor:
-    import torch
-
-    gram_b = torch.bmm(_f32(u.b), _f32(v.b).transpose(1, 2))
-    # in place (two T × T matrices at most); the T² products summed in fp64, so that the only
-    # rounding left is the Gram entries' (what the certified bound of _bk_certify covers)
-    return gram_b.mul_(_gram_a(u, v)).sum(dim=(1, 2), dtype=torch.float64)
-
-
-def _inner_dense_outer(m: torch.Tensor, v: OuterSum) -> torch.Tensor:
-    """``⟨M_i, Σ_t a_t ⊗ b_t⟩ = Σ_t a_t · (M_i b_t)``."""
-    import torch
-
-    mb = torch.einsum("brc,btc->btr", _f32(m), _f32(v.b))  # [B, T, R]
-    if v.indexed:
-        return torch.gather(mb, 2, v.a[:, :, None]).sum(dim=(1, 2))
-    return (mb * _f32(v.a)).sum(dim=(1, 2))
-
-
-def inner(u: Piece, v: Piece) -> torch.Tensor:
-    """Per-example ``⟨G_i, G'_i⟩`` ``[B]`` (fp32 or fp64) of two pieces of the same parameter.
-
-    >>> import torch
-    >>> u = OuterSum(torch.tensor([[1, 2]]), torch.ones(1, 2, 2), rows=3)  # embedding
-    >>> v = OuterSum(torch.ones(1, 1, 3), torch.ones(1, 1, 2))  # a linear use
-    >>> inner(u, v).tolist(), inner(u, Dense(_materialise(v))).tolist()
-    ([4.0], [4.0])
-    """
-    if isinstance(u, Implicit) or isinstance(v, Implicit):
-        return _inner_implicit(u, v)
-    if isinstance(u, Dense) and isinstance(v, Dense):
-        batch = u.g.shape[0]
-        return (_f32(u.g).reshape(batch, -1) * _f32(v.g).reshape(batch, -1)).sum(dim=1)
-    if isinstance(u, Dense):
-        assert isinstance(v, OuterSum)
-        return _inner_dense_outer(u.g.reshape(u.g.shape[0], *v.shape), v)
-    if isinstance(v, Dense):
-        return inner(v, u)
-    return _inner_outer(u, v)
-
-
-def _inner_implicit(u: Piece, v: Piece) -> torch.Tensor:
-    """``⟨G_i, G'_i⟩`` when one side is an :class:`Implicit` (the other must be an OuterSum)."""
-    if isinstance(v, Implicit):
-        u, v = v, u
-    assert isinstance(u, Implicit)
-    if not isinstance(v, OuterSum) or v.shape != u.shape:
-        other = type(v).__name__ if not isinstance(v, OuterSum) else f"OuterSum {v.shape}"
-        raise OperationError(
-            f"book-keeping: a parameter of shape {u.shape} is used both inside an operator "
-            f"that holds its per-example gradients implicitly and by a {other} use; no rule "
-            "forms their cross term. Use clipped_grad(method='vmap')"
-        )
-    return u.op.inner_outer(v.a, v.b).float()
-
-
-def sq_norm(piece: Piece) -> torch.Tensor:
-    """Per-example squared Frobenius norm ``[B]`` (fp32 or fp64), by the cheaper route for an
-    OuterSum."""
-    return sq_norm_abs(piece)[0]
-
-
-class GramCache:
-    """The last input Gram matrix ``[B, T, T]`` (``b_t·b_s``), reused by the next piece whose
-    ``b`` is a view of the very same memory (the q/k/v projections, or gate/up, read one
-    input): one entry, so it never holds more than one Gram matrix. The input is kept alive
-    while cached (its memory cannot be reused by another tensor) and its version counter is
-    part of the key (an in-place change is a miss).
-
-    >>> import torch
-    >>> x, cache = torch.ones(1, 2, 3), GramCache()
-    >>> cache.gram(x.reshape(1, 2, 3)) is cache.gram(x.reshape(1, 2, 3))
-    True
-    """
-
-    __slots__ = ("_input", "_key", "_value")
-
-    def __init__(self) -> None:
-        self._key: tuple[object, ...] | None = None
-        self._input: torch.Tensor | None = None
-        self._value: torch.Tensor | None = None
-
-    def gram(self, b: torch.Tensor) -> torch.Tensor:
-        """``bmm(b, bᵀ)`` in fp32 (or fp64), from the cache when ``b`` is the last input."""
-        import torch
-
-        key = (b.data_ptr(), tuple(b.shape), b.stride(), b.dtype, b.device, b._version)
-        if self._key != key or self._value is None:
-            self._value = torch.bmm(_f32(b), _f32(b).transpose(1, 2))
-            self._key, self._input = key, b
-        return self._value
-
-
-def sq_norm_abs(piece: Piece, cache: GramCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sq_norm(piece), abs_norm(piece))`` in one pass where possible: on the Gram route the
-    token norms are the Gram matrices' diagonals (``(a_t·a_t)(b_t·b_t)`` is on the diagonal of
-    their product), so the bound costs no extra pass over the recorded tensors.
-
-    >>> import torch
-    >>> piece = OuterSum(torch.tensor([[[1.0], [-1.0]]]), torch.ones(1, 2, 2))
-    >>> sq, bound = sq_norm_abs(piece)
-    >>> sq.tolist(), [round(v, 4) for v in bound.tolist()]
-    ([0.0], [2.8284])
-    """
-    import torch
-
-    if isinstance(piece, Implicit):
-        return piece.op.sq_norms()[0].float(), piece.op.abs_norms().double()
-    if isinstance(piece, Dense):
-        g = piece.g.reshape(piece.g.shape[0], -1)
-        wide = torch.float64 if g.dtype == torch.float64 else torch.float32
-        sq = torch.linalg.vector_norm(g, dim=1, dtype=wide).double().square()
-        return sq, sq.sqrt()
-    rows, cols = piece.shape
-    steps = int(piece.b.shape[1])
-    if piece.indexed or ghost_is_cheaper(steps, rows, cols):
-        if cache is None:
-            gram = torch.bmm(_f32(piece.b), _f32(piece.b).transpose(1, 2))
-            gram.mul_(_gram_a(piece, piece))  # in place: two T × T matrices at most
-        else:  # the input's Gram matrix is shared with the next use of the same input
-            gram = _gram_a(piece, piece).mul_(cache.gram(piece.b))
-        bound = gram.diagonal(dim1=1, dim2=2).double().sqrt().sum(dim=1)
-        return gram.sum(dim=(1, 2), dtype=torch.float64), bound
-    g = _materialise(piece)
-    sq = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
-    return sq, abs_norm(piece)
+        return gram_a(v, u).transpose(1, 2)
+    return gram(u.a, v.a)
 
 
 def weighted_sum(piece: Piece, weights: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -411,38 +288,6 @@ def add_weighted(
     else:
         b = b * w[:, None, None]
     flat.addmm_(a.reshape(-1, rows).T, b.reshape(-1, cols))
-
-
-def _token_norms(x: torch.Tensor) -> torch.Tensor:
-    """``‖x_{i,t}‖`` ``[B, T]`` in fp64, accumulated in fp32 (no host sync: a norm that
-    overflows fp32 is ``inf``, and its example then counts as non-finite, as in the vmap
-    engine, whose fp32 norm overflows first)."""
-    import torch
-
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    norms: torch.Tensor = torch.linalg.vector_norm(x, dim=-1, dtype=dtype)
-    return norms.double()
-
-
-def abs_norm(piece: Piece) -> torch.Tensor:
-    """Per-example ``Σ_t ‖a_t‖ ‖b_t‖`` ``[B]`` (fp64): an upper bound of ``‖G_i‖`` (triangle
-    inequality) that cancellation cannot shrink, and the scale of every rounding error in the
-    Gram-based results of a piece (``‖g_i‖`` for a :class:`Dense`).
-
-    >>> import torch
-    >>> a = torch.tensor([[[1.0], [-1.0]]])  # two tokens whose gradients cancel exactly
-    >>> piece = OuterSum(a, torch.ones(1, 2, 2))
-    >>> sq_norm(piece).tolist(), [round(v, 4) for v in abs_norm(piece).tolist()]
-    ([0.0], [2.8284])
-    """
-    if isinstance(piece, Implicit):
-        return piece.op.abs_norms().double()
-    if isinstance(piece, Dense):
-        return _token_norms(piece.g.reshape(piece.g.shape[0], 1, -1))[:, 0]
-    b = _token_norms(piece.b)
-    if piece.indexed:
-        return b.sum(dim=1)
-    return (_token_norms(piece.a) * b).sum(dim=1)
 
 
 def example_rows(piece: Piece, index: int, start: int, stop: int) -> torch.Tensor:

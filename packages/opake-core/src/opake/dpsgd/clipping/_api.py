@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.dpsgd.bookkeeping._engine import prepare as prepare_engine
 from opake.dpsgd.bookkeeping._loss import BatchedLoss
+from opake.dpsgd.bookkeeping._trust import trusted_names
 from opake.dpsgd.clipping._base import ClipState, GroupSpec
 from opake.dpsgd.clipping._grad_fn import ClippedGradFn
 from opake.dpsgd.clipping._state import FixedClipping, GroupClipping
@@ -131,6 +132,7 @@ def clipped_grad(
     randomness: str = "error",
     check_unused: bool = True,
     method: str = "auto",
+    trusted_rules: tuple[str, ...] = (),
     **unknown: Any,
 ) -> tuple[ClippedGradFn, ClipState]:
     """Build ``grad_fn``: the sum of per-example gradients, each clipped, in fp32.
@@ -184,6 +186,11 @@ def clipped_grad(
             model, so frozen weights count however they reach the loss;
             ``grad_fn.engine``/``grad_fn.engine_reason`` report the choice, which is also
             logged on the ``opake.core`` logger).
+        trusted_rules: names of book-keeping rules (or operator classes) outside the clipping
+            proof to use anyway: a plugin's rule whose per-example gradients an operator holds
+            implicitly (Opake's own rules never need this). Untrusted, such a rule is skipped
+            and its layers use the per-layer vmap rule (logged). ``OPAKE_TRUSTED_RULES``
+            (comma-separated) adds names.
 
     Semantics: an example's gradient covers all differentiated leaves together. An example
     with a NaN/Inf gradient entry (or a norm beyond fp32 range) contributes zero and is
@@ -228,7 +235,12 @@ def clipped_grad(
     )
     model = loss_fn.module if isinstance(loss_fn, BatchedLoss) else None
     loss_fn, bookkeeping = prepare_engine(
-        loss_fn, method, argnums=argnums, batch_argnums=batch, has_aux=has_aux
+        loss_fn,
+        method,
+        argnums=argnums,
+        batch_argnums=batch,
+        has_aux=has_aux,
+        trusted=trusted_names(trusted_rules),
     )
     state = _as_state(clipping_norm)
     if clipping_groups is not None and state.group_names() is None:

@@ -56,6 +56,7 @@ class BookkeepingEngine:
             bound_sq=bound_sq,
             aux=record.aux,
             payload=record,
+            slack=record.slack,
         )
 
     def accumulate(

@@ -30,7 +30,11 @@ class ChunkOut:
     ``loss`` ``[m]``; ``leaf_sq``/``bound_sq`` ``[m, leaves]`` fp64 (reported squared norms and
     the ones to clip with, see :class:`~._base.ChunkNorms`); ``aux`` what ``loss_fn`` returned
     next to the loss (``None`` without ``has_aux``); ``payload`` whatever the engine needs for
-    :meth:`ChunkEngine.accumulate` (per-example gradients, book-keeping pieces).
+    :meth:`ChunkEngine.accumulate` (per-example gradients, book-keeping pieces); ``slack``
+    ``[m, leaves]`` fp64 or ``None``: the part of each added tensor's rounding that does not
+    scale with the clip factor — :meth:`ChunkEngine.accumulate` must add at most
+    ``w·√bound_sq + slack`` for factor ``w``; the loop takes ``slack`` off the factors first
+    (:func:`opake.dpsgd.certify.adjust_factors`).
     """
 
     loss: torch.Tensor
@@ -38,6 +42,7 @@ class ChunkOut:
     bound_sq: torch.Tensor
     aux: Any
     payload: Any
+    slack: torch.Tensor | None = None
 
 
 class ChunkEngine(Protocol):

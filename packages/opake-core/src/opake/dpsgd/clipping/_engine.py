@@ -20,10 +20,12 @@ per-example loop); the expanded path is dropped for good if it ever fails.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError
+from opake.dpsgd.certify import ETA, SAFE, U32, dense_sq_norms
 from opake.dpsgd.clipping._chunks import ChunkOut
 from opake.dpsgd.clipping._kernel import clip_accumulate, kernel_runs_on
 
@@ -216,22 +218,26 @@ class VmapEngine:
             out = self._vmapped(*args)
         grads, loss = out[0], out[1]
         aux = out[2] if self.has_aux else None
-        f32 = torch.float32
-        # per-leaf L2 norms in fp32, combined in fp64 so that the sum of squares cannot
-        # overflow for finite leaf norms
-        leaf_sq = torch.stack(
-            [
-                torch.linalg.vector_norm(
-                    grads[n].reshape(m, -1), dim=1, dtype=torch.promote_types(grads[n].dtype, f32)
-                )
-                .double()
-                .square()
-                for n in self.names
-            ],
-            dim=1,
+        # certified per-leaf norms of the very tensors that are summed (fp32 blocks summed in
+        # fp64: no length of leaf can hide mass from them), and what scaling them by a factor,
+        # then dividing by normalize_by, can add (see opake.dpsgd.certify)
+        computed, bounds, slack = [], [], []
+        final = (1.0 + 2.0 * U32) * (1.0 + SAFE)
+        for n in self.names:
+            flat = grads[n].reshape(m, -1)
+            hat, up = dense_sq_norms(flat)
+            computed.append(hat)
+            bounds.append(up * final**2)
+            slack.append(torch.full_like(hat, 3.0 * ETA * math.sqrt(flat.shape[1])))
+        leaf_sq = torch.stack(computed, dim=1)
+        return ChunkOut(
+            loss=loss,
+            leaf_sq=leaf_sq,
+            bound_sq=torch.stack(bounds, dim=1),
+            aux=aux,
+            payload=grads,
+            slack=torch.stack(slack, dim=1),
         )
-        # the norms of the very tensors that are summed
-        return ChunkOut(loss=loss, leaf_sq=leaf_sq, bound_sq=leaf_sq, aux=aux, payload=grads)
 
     # ------------------------------------------------------------------ the weighted sum
     def accumulate(

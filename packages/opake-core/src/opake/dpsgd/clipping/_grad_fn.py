@@ -8,6 +8,7 @@ The clip state computes the factors (:mod:`._base`), the engine the norms and th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from opake.dpsgd.bookkeeping._engine import (
     BookkeepingRunner,
 )
 from opake.dpsgd.bookkeeping._engine import choose as choose_engine
+from opake.dpsgd.certify import adjust_factors
 from opake.dpsgd.clipping import _engine as vmap_engine
 from opake.dpsgd.clipping._base import ChunkNorms, ClipState, GroupSpec
 from opake.dpsgd.clipping._bookkeeping import BookkeepingEngine
@@ -425,6 +427,9 @@ class ClippedGradFn:
             )
             norms = ChunkNorms(out.leaf_sq, out.bound_sq, is_real, call.groups)
             factors = state.factors(norms)
+            if out.slack is not None:  # rounding that does not scale with the factor
+                adjusted = adjust_factors(factors.leaf_factor, out.bound_sq, out.slack)
+                factors = dataclasses.replace(factors, leaf_factor=adjusted)
             engine.accumulate(out, factors, sums)
             record.add(out, norms, factors, self.has_aux)
         sums = {name: sums[name] for name in leaves}  # leaf order; a leaf never added: zeros

@@ -29,7 +29,7 @@ import torch
 from opake.core.errors import ConfigurationError
 from opake.kernels._args import LossSpec
 from opake.kernels._math import transform_grad_, transform_logits_
-from opake.kernels.chunked import _cores
+from opake.kernels.chunked import _cores, _example_certify
 from opake.kernels.chunked._example_args import (
     ROUTES,
     lce_ghost_is_cheaper,
@@ -180,13 +180,22 @@ class LinearCEExampleGrads:
                 self._norms = self._sq_norms(None)
         return self._norms
 
+    def certificate(self) -> Any:
+        """The clipping certificate (:mod:`._example_certify`; kept logit gradients only)."""
+        return _example_certify.certificate(self)
+
+    def certified_inner(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        """The certified inner product with another use ``Σ_s a_s ⊗ b_s`` of the weight."""
+        return _example_certify.certified_inner(self, a, b)
+
     def hidden_grad(self) -> Tensor:
         """``∂(Σ token_grads · loss)/∂hidden`` ``[B, T, H]`` (fp32), computed in the same tile
         pass as the norms (which are then cached): the backward of a book-kept loss."""
         kept = self._kept
         with torch.no_grad():
             if kept is not None and (kept.u is not None or kept.hidden_grad is not None):
-                self._norms = self._sq_norms(None)
+                if kept.u is None:  # the Gram form: its norms need the kept Gram matrices now
+                    self._norms = self._sq_norms(None)
                 grad = kept_hidden_grad(kept, self.weight, self.token_grads)
                 return grad.view(self.hidden.shape)
             grad = torch.zeros(self.hidden.shape, dtype=_F32, device=self.hidden.device)

@@ -25,7 +25,7 @@ batch (Qwen3-Next's gated delta-net ``A_log``, ``dt_bias``; :func:`install_broad
 >>> from opake.models.bookkeeping import ExpertGrads
 >>> a, b = torch.ones(2, 3), torch.ones(2, 4)  # two tokens, both routed to expert 1 of 2
 >>> grads = ExpertGrads(a, b, torch.tensor([0, 0]), (0, 2), batch=1)
->>> grads.shape, grads.sq_norms()[0].tolist()  # ‖2·1₃1₄ᵀ‖² = 4·12
+>>> grads.shape, [round(v, 4) for v in grads.sq_norms()[0].tolist()]  # ‖2·1₃1₄ᵀ‖² = 4·12
 ((2, 3, 4), [48.0])
 """
 

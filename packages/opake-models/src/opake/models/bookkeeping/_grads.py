@@ -24,6 +24,8 @@ from opake.core.errors import OperationError
 if TYPE_CHECKING:
     import torch
 
+    from opake.dpsgd.bookkeeping import PieceCert
+
 __all__ = ["BUCKETS", "ExpertGrads", "grouped_mm_takes"]
 
 #: (expert, example) groups are padded in at most this many buckets of similar sizes: with
@@ -87,7 +89,7 @@ class ExpertGrads:
     batch: int
     #: padded layouts of the slots, shareable by the weights of one call (same slots)
     layout: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    #: results of this weight kept for a later call (the Gram route's bound)
+    #: results of this weight kept for a later call (its norms and their error bounds)
     cache: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -161,44 +163,102 @@ class ExpertGrads:
     def _group_norms(
         self, a: torch.Tensor, b: torch.Tensor, count: int, size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(‖G_g‖², Σ_s ‖a_s‖‖b_s‖)`` of ``count`` groups of ``size`` (zero-padded) slots
-        ``a [count·size, R]``, ``b [count·size, C]``: by their Gram matrices while
-        :func:`ghost_is_cheaper` says so for ``size``, else each group's ``[R, C]`` block."""
+        """``(computed ‖G_g‖², bound of that number's error)`` fp64 of ``count`` groups of
+        ``size`` (zero-padded) slots ``a [count·size, R]``, ``b [count·size, C]``: by their
+        certified Gram matrices while :func:`ghost_is_cheaper` says so for ``size``, else each
+        group's ``[R, C]`` block (see :mod:`opake.dpsgd.certify`)."""
         import torch
 
         from opake.dpsgd.bookkeeping import ghost_is_cheaper
+        from opake.dpsgd.certify import (
+            GramTerms,
+            contraction_error,
+            dense_sq_norms,
+            entry_error,
+            error_bound,
+            gram,
+            token_norms,
+            wide,
+        )
 
         ga, gb = a.view(count, size, -1), b.view(count, size, -1)
-        if ghost_is_cheaper(size, ga.shape[-1], gb.shape[-1]):
-            gram = torch.bmm(gb, gb.transpose(1, 2)).mul_(torch.bmm(ga, ga.transpose(1, 2)))
-            bound = gram.diagonal(dim1=1, dim2=2).double().sqrt().sum(dim=1)
-            return gram.sum(dim=(1, 2), dtype=torch.float64), bound
+        rows, cols = int(ga.shape[-1]), int(gb.shape[-1])
+        alpha, beta = token_norms(ga), token_norms(gb)
+        if ghost_is_cheaper(size, rows, cols):
+            sq = gram(ga).mul_(gram(gb)).sum(dim=(1, 2))
+            a_err = entry_error(rows, ga.dtype, wide(ga))
+            terms = GramTerms.of(alpha, beta, a_err, entry_error(cols, gb.dtype, wide(gb)))
+            return sq, error_bound(terms, terms)
         block = torch.bmm(ga.transpose(1, 2), gb).reshape(count, -1)
-        terms = torch.linalg.vector_norm(ga, dim=2).double()
-        bound = (terms * torch.linalg.vector_norm(gb, dim=2).double()).sum(dim=1)
-        return block.square().sum(dim=1, dtype=torch.float64), bound
+        sq, up = dense_sq_norms(block)
+        s, pa, pb = (alpha * beta).sum(1), alpha.sum(1), beta.sum(1)
+        d_rel, d_abs = contraction_error(s, pa, pb, steps=size, rows=size, shape=(rows, cols))
+        norm = up.sqrt() + d_rel + d_abs
+        return sq, (norm.square() - sq).clamp(min=0.0)
+
+    def _norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(‖G_i‖² [B], bound of its error [B])`` fp64, bucket by bucket (cached)."""
+        import torch
+
+        if "sq" not in self.cache:
+            _, buckets = self._buckets()
+            total = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
+            error = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
+            if buckets:
+                source, empty = self.layout["gather"]  # padded row <- slot; rows to zero
+                a = self.a.index_select(0, source).index_fill_(0, empty, 0.0)
+                b = self.b.index_select(0, source).index_fill_(0, empty, 0.0)
+                for first, count, size, groups in buckets:
+                    part = slice(first, first + count * size)
+                    sq, err = self._group_norms(a[part], b[part], count, size)
+                    owner = groups % self.batch
+                    total.index_add_(0, owner, sq)
+                    error.index_add_(0, owner, err)
+            self.cache["sq"], self.cache["err"] = total, error
+        return self.cache["sq"], self.cache["err"]
 
     def sq_norms(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(‖G_i‖² [B] fp64, None)`` over the (expert, example) groups bucket by bucket, each
         bucket by the Gram route or materialised, whichever :func:`ghost_is_cheaper` says for
-        its padded size; keeps the bound :meth:`abs_norms` found on the way."""
+        its padded size."""
+        return self._norms()[0], None
+
+    def certificate(self) -> PieceCert:
+        """The certified bounds of these gradients and of :meth:`weighted_sum` (part of the
+        clipping proof, see :mod:`opake.dpsgd.certify`): per (expert, example) group the Gram
+        route's error bound or the materialised block's rounding; for the sum, one contraction
+        per expert over its slots (an example has at most the largest group's slots in one
+        expert), ``√E`` times the flushes' worth of one expert's block."""
+        import math
+
         import torch
 
-        _, buckets = self._buckets()
-        total = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
-        bound = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
-        if buckets:
-            source, empty = self.layout["gather"]  # padded row <- slot; rows to zero
-            a = self.a.index_select(0, source).index_fill_(0, empty, 0.0)
-            b = self.b.index_select(0, source).index_fill_(0, empty, 0.0)
-            for first, count, size, groups in buckets:
-                part = slice(first, first + count * size)
-                sq, terms = self._group_norms(a[part], b[part], count, size)
-                owner = groups % self.batch
-                total.index_add_(0, owner, sq)
-                bound.index_add_(0, owner, terms)
-        self.cache["abs"] = bound
-        return total, None
+        from opake.dpsgd.bookkeeping import PieceCert
+        from opake.dpsgd.certify import SAFE, contraction_error, token_norms
+
+        sq, err = self._norms()
+        alpha = token_norms(self.a[None])[0]
+        beta = token_norms(self.b[None])[0]
+        zeros = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
+        s = zeros.index_add(0, self.example, alpha * beta)
+        pa = zeros.index_add(0, self.example, alpha)
+        pb = zeros.index_add(0, self.example, beta)
+        _, pos = self._positions()
+        steps = int(pos.max()) + 1 if pos.numel() else 1
+        _, rows, cols = self.shape
+        slots = max(1, int(self.a.shape[0]))
+        rel, abs_ = contraction_error(s, pa, pb, steps=steps, rows=slots, shape=(rows, cols))
+        abs_ = abs_ * math.sqrt(len(self.counts))
+        return PieceCert(sq, err * (1.0 + SAFE), rel, abs_, steps, scale=s)
+
+    def certified_inner(
+        self, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """No cross term: a fused expert weight is read by its experts layer only."""
+        raise OperationError(
+            "book-keeping: a fused expert weight is also used by another layer; no rule forms "
+            "that cross term. Use clipped_grad(method='vmap')"
+        )
 
     def weighted_sum(
         self, weights: torch.Tensor, keep: torch.Tensor | None = None
@@ -231,8 +291,6 @@ class ExpertGrads:
         cancellation between slots shrinks."""
         import torch
 
-        if "abs" in self.cache:  # from the Gram route's diagonals
-            return self.cache["abs"]
         terms = torch.linalg.vector_norm(self.a, dim=1).double()
         terms = terms * torch.linalg.vector_norm(self.b, dim=1).double()
         out = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)

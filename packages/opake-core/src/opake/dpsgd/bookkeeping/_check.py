@@ -1,0 +1,127 @@
+"""The book-keeping engine's check against plain autograd, on examples it cannot steer.
+
+The engine's norms come from its layer rules; what no rule can see — a loss that mixes
+examples, a model that moves the batch dimension, a parameter read outside its layer — shows up
+as a disagreement with plain autograd on one example alone. The examples compared are not
+chosen by the engine's own computed norms alone (an example crafted to look small would never
+be checked): one is drawn with the operating system's secret randomness, then the largest and
+the smallest computed norm. The comparison goes both ways. The privacy guarantee does not rest
+on this check (the bounds are proven, see :mod:`._certify`); it guards the rules' coverage.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from opake.core.errors import OperationError
+from opake.dpsgd.bookkeeping._certify import TINY
+from opake.dpsgd.bookkeeping._recording import holding
+
+if TYPE_CHECKING:
+    from opake.dpsgd.bookkeeping._chunk import BookkeepingChunk
+    from opake.dpsgd.bookkeeping._engine import BookkeepingRunner
+
+__all__ = [
+    "INCONCLUSIVE",
+    "RECHECK_EVERY",
+    "BookkeepingInconclusiveError",
+    "BookkeepingMismatchError",
+    "BookkeepingUnsupportedError",
+    "check_examples",
+    "verify",
+]
+
+
+class BookkeepingMismatchError(OperationError):
+    """The check found book-keeping and per-example autograd disagree."""
+
+
+class BookkeepingInconclusiveError(OperationError):
+    """The check could not compare any example: the call falls back to the vmap engine."""
+
+
+class BookkeepingUnsupportedError(BookkeepingMismatchError):
+    """Recording failed on a layer its rule cannot handle: book-keeping is off for this
+    ``clipped_grad`` (``"auto"`` falls back to the vmap engine, ``"bookkeeping"`` raises)."""
+
+
+#: calls between two checks of an already verified structure
+RECHECK_EVERY = 64
+INCONCLUSIVE = "inconclusive"
+
+
+def check_examples(chunk: BookkeepingChunk) -> list[int]:
+    """The examples the check compares, never chosen by the computed norms alone: one
+    drawn with the operating system's secret randomness among those whose bound is finite and
+    above ``TINY``, then the largest and the smallest computed norm among them."""
+    import torch
+
+    bound = chunk.leaf_sq if chunk.clip_sq is None else chunk.clip_sq
+    total, computed = bound.sum(dim=1), chunk.leaf_sq.sum(dim=1)
+    usable = torch.isfinite(total) & (total > TINY * TINY) & torch.isfinite(computed)
+    usable = usable.nonzero()
+    candidates = usable.flatten().tolist()
+    if not candidates:
+        return []
+    values = computed[usable.flatten()]
+    drawn = candidates[secrets.randbelow(len(candidates))]
+    picks = [drawn, candidates[int(values.argmax())], candidates[int(values.argmin())]]
+    return list(dict.fromkeys(picks))
+
+
+def verify(
+    runner: BookkeepingRunner,
+    per_example: Callable[..., Any],
+    args: tuple[Any, ...],
+    chunk: BookkeepingChunk,
+    index: int = 0,
+) -> str | None:
+    """Compare example ``index``'s per-leaf norms with plain autograd on it alone, both
+    ways: autograd's norm must lie below the certified bound and above the computed norm
+    less the bound's margin (within the tolerance of two fp32 computations of a model).
+
+    Guards against what no rule can see: a loss that mixes examples, a model that moves
+    the batch dimension, a parameter read outside its layer. Returns the mismatch, ``None``
+    if every leaf agrees, or ``"inconclusive"`` when autograd's norm is not finite.
+    """
+    import torch
+    from torch.utils._pytree import tree_map
+
+    diff = args[runner.argnums]
+    leaves = {k: v.detach().requires_grad_(True) for k, v in diff.items()}
+    call = [
+        tree_map(lambda x: x[index] if isinstance(x, torch.Tensor) else x, a)
+        if i in runner.batch_argnums
+        else a
+        for i, a in enumerate(args)
+    ]
+    call[runner.argnums] = leaves
+    with torch.enable_grad():
+        out = per_example(*call)
+        loss = out[0] if runner.has_aux else out
+        with holding(runner.loss.module, leaves):
+            got = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    want = [0.0 if g is None else float(g.double().square().sum()) for g in got]
+    have = [float(v) for v in chunk.leaf_sq[index].detach().double().cpu()]
+    clip = chunk.leaf_sq if chunk.clip_sq is None else chunk.clip_sq
+    bounds = [float(v) for v in clip[index].detach().double().cpu()]
+    if not all(math.isfinite(v) for v in want + have + bounds):
+        return INCONCLUSIVE
+    if not (sum(want) > 0.0 or sum(have) > 0.0):  # zero on both sides proves nothing
+        return INCONCLUSIVE
+    low = runner._half or any(v.dtype not in (torch.float32, torch.float64) for v in diff.values())
+    tol = (5e-2 if low else 1e-4) * max(math.sqrt(sum(want)), 1e-12)
+    zero = [0.0] * len(want)
+    rounding = zero if chunk.rounding is None else chunk.rounding[index].cpu().tolist()
+    for name, w, h, b, r in zip(diff, want, have, bounds, rounding, strict=True):
+        got_norm, norm, bound = math.sqrt(w), math.sqrt(h), math.sqrt(b)
+        margin = tol + (r if math.isfinite(r) else 0.0)  # autograd's own fp32 rounding
+        if got_norm > bound + margin or got_norm < norm - (bound - norm) - margin:
+            return (
+                f"example {index}, {name!r}: book-keeping norm {norm:.6g} (certified "
+                f"bound {bound:.6g}), per-example autograd norm {got_norm:.6g}"
+            )
+    return None
