@@ -30,6 +30,7 @@ step kernels "${KERNELS_S:-250}" python3 tools/gpu/kernels_check.py --budget "${
 step profiling "${PROFILING_S:-170}" python3 tools/gpu/profiling_check.py --budget "${PROFILING_BUDGET:-130}"
 step training 90 python3 tools/gpu/training_step_check.py --out "$OUT/training.json"
 step clip-kernel 60 python3 tools/gpu/clip_kernel_check.py
+step clipping-proof 120 python3 tools/gpu/clipping_proof_check.py --out "$OUT/clipping_proof.json"
 step ddp 90 python3 tools/gpu/ddp_check.py --out "$OUT/ddp.json"
 step bk-loss-only 150 python3 tools/bench/bk_loss_only.py --device cuda --hidden 1024 --layers 4 \
   --vocab 128256 --batch 8 --seq 1024 --steps 3 --warmup 1 \

@@ -324,7 +324,11 @@ def _loss(params, x):
         ({"clipping_norm": 1.0, "batch_argnums": (0,)}, ConfigurationError, "cannot be batched"),
         ({"clipping_norm": 1.0, "batch_argnums": -1}, ConfigurationError, "non-negative int"),
         ({"clipping_norm": 1.0, "microbatch_size": 0}, ConfigurationError, "positive int"),
-        ({"clipping_norm": 1.0, "normalize_by": 0}, ConfigurationError, "positive finite"),
+        (
+            {"clipping_norm": 1.0, "normalize_by": 0},
+            ConfigurationError,
+            r"between 2\*\*-64 and 2\*\*64",
+        ),
         ({"clipping_norm": 1.0, "randomness": "other"}, ConfigurationError, "randomness"),
         ({"clipping_norm": 1.0, "compute_dtype": torch.int32}, ConfigurationError, "floating"),
         ({"clipping_norm": 1.0, "clipping_groups": {"w": "a"}}, ConfigurationError, "group"),

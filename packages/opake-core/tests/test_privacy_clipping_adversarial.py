@@ -38,7 +38,7 @@ from opake.dpsgd.clipping import (
 from opake.functional import make_functional
 
 TOL = 1e-12  # the oracle's own fp64 rounding of a norm: the bound is proven, not modelled
-PATTERNS = ("random", "repeated", "alternating", "cancelling", "zero", "nonfinite")
+PATTERNS = testing.PATTERNS
 SETTINGS = settings(
     max_examples=25,
     deadline=None,
@@ -129,24 +129,7 @@ def _case(name: str):
     return BatchedLoss(plain, fmodel), params
 
 
-def _pattern(gen, shape, pattern: str, exponent: float, residual: float) -> torch.Tensor:
-    steps = shape[0]
-    base = torch.randn(*shape, generator=gen, dtype=torch.float64)
-    noise = torch.randn(*shape, generator=gen, dtype=torch.float64) * 10.0**residual
-    if pattern == "repeated":
-        base = base[:1].expand(shape).clone() + noise
-    elif pattern == "alternating":
-        sign = torch.tensor([(-1.0) ** t for t in range(steps)], dtype=torch.float64)
-        base = base[:1] * sign.reshape(-1, *([1] * (len(shape) - 1))) + noise
-    elif pattern == "cancelling":
-        base[1::2] = -base[0 : steps - steps % 2 : 2]
-        base = base + noise
-    elif pattern == "zero":
-        base = torch.zeros(shape, dtype=torch.float64)
-    out = (base * 10.0**exponent).float()
-    if pattern == "nonfinite":
-        out.view(-1)[0] = math.nan if exponent > 0 else math.inf
-    return out
+_pattern = testing.adversarial_tensor
 
 
 EXAMPLE = st.tuples(

@@ -28,6 +28,7 @@ from opake.core.testing._reference import (
 from opake.core.testing._rules import (
     PATTERNS,
     TOLERANCE,
+    adversarial_tensor,
     check_rule_example,
     rule_example_cases,
     search_rule,
@@ -36,6 +37,7 @@ from opake.core.testing._rules import (
 __all__ = [
     "PATTERNS",
     "TOLERANCE",
+    "adversarial_tensor",
     "assert_grads_close",
     "causal_lm_loss",
     "check_rule_example",

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PATTERNS",
     "TOLERANCE",
+    "adversarial_tensor",
     "check_rule_example",
     "rule_example_cases",
     "search_rule",
@@ -77,9 +78,18 @@ def _example(name: str, index: int) -> RuleExample:
     return got
 
 
-def _pattern(
+def adversarial_tensor(
     gen: torch.Generator, shape: tuple[int, ...], pattern: str, exponent: float, residual: float
 ) -> torch.Tensor:
+    """An fp32 ``[T, ...]`` tensor of tokens following ``pattern`` (one of :data:`PATTERNS`) at
+    magnitude ``10**exponent``; ``residual`` (log10) is what cancelling or repeated tokens keep
+    of their difference.
+
+    >>> import torch
+    >>> x = adversarial_tensor(torch.Generator().manual_seed(0), (4, 3), "alternating", 2.0, -9)
+    >>> bool(((x[0] + x[1]).abs() < 1e-3).all())
+    True
+    """
     import torch
 
     steps = shape[0]
@@ -121,8 +131,8 @@ def _inputs(
                 ids[:] = 0  # padding only
             xs.append(ids)
         else:
-            xs.append(_pattern(gen, (case.steps, case.width), inputs, ex, res))
-        ys.append(_pattern(gen, out_shape, grads, ey, res))
+            xs.append(adversarial_tensor(gen, (case.steps, case.width), inputs, ex, res))
+        ys.append(adversarial_tensor(gen, out_shape, grads, ey, res))
     if not xs:
         shape = (0, case.steps) if case.tokens else (0, case.steps, case.width)
         dtype = torch.int64 if case.tokens else torch.float32

@@ -14,10 +14,10 @@ other examples masked). The pieces (:mod:`._rules`) of the leaf give, per exampl
   weights: an embedding and an output head);
 
 and :func:`leaf_bounds` combines them:
-``bound = (√(max(Σ sq + 2Σ inner, 0) + Σ err + 2Σ err_inner) + Σ rel + mix)·(1 + 2u)``
-(``mix``: rounding when a later piece is added onto an earlier one; ``1 + 2u``: the final
-division by ``normalize_by``). Where that bound exceeds the computed norm by more than
-:data:`LOOSE` the example takes the **exact route** for that leaf
+``bound = (√(max(Σ sq + 2Σ inner, 0) + Σ err + 2Σ err_inner) + Σ rel + mix)·FINAL``
+(``mix``: rounding when a later piece is added onto an earlier one; ``FINAL``: an fp64 piece's
+conversion to fp32 and the final division by ``normalize_by``). Where that bound exceeds the
+computed norm by more than :data:`LOOSE` the example takes the **exact route** for that leaf
 (:func:`~opake.dpsgd.certify.measure_blocks` / :func:`~opake.dpsgd.certify.guarded_add`): it is
 left out of the contraction and added from its materialised gradient, measured.
 
@@ -48,8 +48,8 @@ from opake.dpsgd.bookkeeping._rules import (
 )
 from opake.dpsgd.certify import (
     ETA,
+    FINAL,
     SAFE,
-    U32,
     WIDE_MACS,
     GramCache,
     GramTerms,
@@ -375,9 +375,8 @@ def leaf_bounds(
         )
         slack = slack + mix * slack + len(certs) * rows * ETA * math.sqrt(numel)
     norm = (sq.clamp(min=0.0) + err).sqrt()
-    final = (1.0 + 2.0 * U32) * (1.0 + SAFE)
-    bound = (norm + rel) * final
-    slack = (slack + ETA * math.sqrt(numel)) * final
+    bound = (norm + rel) * FINAL
+    slack = (slack + ETA * math.sqrt(numel)) * FINAL
     computed = sq.clamp(min=0.0).sqrt()
     loose = bound > computed * (1.0 + LOOSE) + TINY
     loose = loose | (~torch.isfinite(bound) & torch.isfinite(rel))

@@ -46,8 +46,7 @@ from opake.dpsgd.bookkeeping._rules import Implicit, Piece
 from opake.dpsgd.bookkeeping._trust import TRUST_ENV, trusted_names
 from opake.dpsgd.bookkeeping._use import LayerRule, LayerUse
 from opake.dpsgd.certify import (
-    SAFE,
-    U32,
+    FINAL,
     GramCache,
     full_precision,
     measure_blocks,
@@ -300,11 +299,10 @@ class BookkeepingRunner:
 
                 hat, up, parts = measure_blocks(block, shape)
                 rel, abs_ = scaled_add_error(up.sqrt(), diff[names[j]].numel())
-                final = (1.0 + 2.0 * U32) * (1.0 + SAFE)
                 leaf_sq[i, j] = hat
-                clip_sq[i, j] = ((up.sqrt() + rel) * final).square()
+                clip_sq[i, j] = ((up.sqrt() + rel) * FINAL).square()
                 assert chunk.slack is not None
-                chunk.slack[i, j] = abs_ * final
+                chunk.slack[i, j] = abs_ * FINAL
                 chunk.parts[(i, j)] = parts
         return chunk
 

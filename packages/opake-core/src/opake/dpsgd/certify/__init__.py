@@ -48,11 +48,12 @@ from opake.dpsgd.certify._gram import (
     gram,
     wide,
 )
-from opake.dpsgd.certify._sums import adjust_factors, contraction_error, scaled_add_error
+from opake.dpsgd.certify._sums import FINAL, adjust_factors, contraction_error, scaled_add_error
 
 __all__ = [
     "BLOCK",
     "ETA",
+    "FINAL",
     "ROW_BLOCK",
     "SAFE",
     "U32",

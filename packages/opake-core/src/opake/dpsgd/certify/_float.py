@@ -83,18 +83,20 @@ def gamma64(n: float) -> float:
 
 @contextlib.contextmanager
 def full_precision() -> Iterator[None]:
-    """fp32 matrix products at full precision (no TF32/bf16 shortcuts) inside the block."""
+    """fp32 arithmetic as the proof assumes inside the block: matrix products at full precision
+    (no TF32/bf16 shortcuts) and any enclosing ``torch.autocast`` switched off (an autocast
+    region around ``grad_fn`` would otherwise run the engines' norms and sums in bf16)."""
     import torch
 
-    before = torch.get_float32_matmul_precision()
-    if before == "highest":
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available():
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+        before = torch.get_float32_matmul_precision()
+        if before != "highest":
+            torch.set_float32_matmul_precision("highest")
+            stack.callback(torch.set_float32_matmul_precision, before)
         yield
-        return
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
 
 
 def _fp32_block_sq(x: torch.Tensor) -> tuple[torch.Tensor, int]:

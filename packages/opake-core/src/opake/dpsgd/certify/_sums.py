@@ -28,7 +28,13 @@ from opake.dpsgd.certify._float import ETA, SAFE, U32, gamma32
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["adjust_factors", "contraction_error", "scaled_add_error"]
+__all__ = ["FINAL", "adjust_factors", "contraction_error", "scaled_add_error"]
+
+#: what an added tensor may still gain after its bound: an fp64 value converted to fp32, the
+#: product with the clip factor where a piece's own ``rel`` does not cover it, and the division
+#: by ``normalize_by`` (its fp32 divisor rounded up, so only the quotient rounds); four fp32
+#: roundings, ``(1 + u)⁴ ≤ (1 + 4u)(1 + SAFE)``
+FINAL = (1.0 + 4.0 * U32) * (1.0 + SAFE)
 
 
 def scaled_add_error(norm_up: torch.Tensor, numel: int) -> tuple[torch.Tensor, float]:
@@ -65,8 +71,10 @@ def contraction_error(
     ``‖x̄_t − w a_t‖ ≤ u·w‖a_t‖ + 2·ETA·√R``, ``‖ȳ_t − b_t‖ ≤ ETA·√C``, and the product's own
     error per entry ``≤ γ32(steps)·Σ_t |x̄_t||ȳ_t| + 2·rows·ETA·(1 + γ)`` (each of its ``rows``
     products and additions flushed at most once; additions of the masked examples' exact zeros
-    round nothing else). Collecting the terms proportional to ``w``:
-    ``rel = γ32(steps + 2)·s + 2·ETA·(√C·pa + √R·pb)``, and the rest
+    round nothing else); the scaled side may carry up to three roundings (an fp64 factor
+    converted, the factor's product, the product with it). Collecting the terms proportional
+    to ``w``:
+    ``rel = γ32(steps + 3)·s + 2·ETA·(√C·pa + √R·pb)``, and the rest
     ``abs = 3·ETA·(√R·pb + √C·pa) + 4·rows·ETA·√(R·C)``. The same holds for an embedding's
     ``index_add`` of ``fl(w·b_t)`` into the rows of its one-hot ``a_t`` (``pa = T``).
 
@@ -78,7 +86,7 @@ def contraction_error(
     """
     rows_r, cols = shape
     root_r, root_c = math.sqrt(rows_r), math.sqrt(cols)
-    rel = s * gamma32(steps + 2) + (pa * root_c + pb * root_r) * (2.0 * ETA)
+    rel = s * gamma32(steps + 3) + (pa * root_c + pb * root_r) * (2.0 * ETA)
     abs_ = (pb * root_r + pa * root_c) * (3.0 * ETA) + 4.0 * rows * ETA * root_r * root_c
     return rel * (1.0 + SAFE), abs_ * (1.0 + SAFE)
 

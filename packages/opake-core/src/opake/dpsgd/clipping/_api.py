@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -94,11 +93,13 @@ def _check_settings(
     if (
         isinstance(normalize_by, bool)
         or not isinstance(normalize_by, int | float)
-        or not (0 < float(normalize_by) < math.inf)
+        or not (2.0**-64 <= float(normalize_by) <= 2.0**64)
     ):
         raise ConfigurationError(
-            f"clipped_grad(normalize_by={normalize_by!r}): expected a positive finite number "
-            "(e.g. the expected batch size)"
+            f"clipped_grad(normalize_by={normalize_by!r}): expected a positive number between "
+            "2**-64 and 2**64 (e.g. the expected batch size); the fp32 sum is divided by it, and "
+            "outside that range the division's rounding near fp32's limits would cost the "
+            "clipping bound"
         )
     for flag, value in flags.items():
         if not isinstance(value, bool):
@@ -161,8 +162,8 @@ def clipped_grad(
             whose first dimension is the batch).
         microbatch_size: process the batch in chunks of this many examples (the last may be
             smaller) with a running fp32 sum; same result, less memory. ``None``: one chunk.
-        normalize_by: divide the sum by this (e.g. the expected batch size); the sensitivity
-            is divided too.
+        normalize_by: divide the sum by this (e.g. the expected batch size; between ``2**-64``
+            and ``2**64``); the sensitivity is divided too.
         return_aux: return ``((grads, aux), new_state)`` with a :class:`ClipAux`
             (per-example losses and norms — not private).
         compute_dtype: run the per-example forward/backward in this dtype (every
@@ -193,7 +194,7 @@ def clipped_grad(
             (comma-separated) adds names.
 
     Semantics: an example's gradient covers all differentiated leaves together. An example
-    with a NaN/Inf gradient entry (or a norm beyond fp32 range) contributes zero and is
+    with a NaN/Inf gradient entry (or a norm beyond fp64 range) contributes zero and is
     counted in ``ClipAux.nonfinite_count``; the bound holds regardless. An empty batch gives
     zero gradients. The call runs under ``torch.no_grad()`` unless an outer ``torch.func``
     transform differentiates through it. Nothing mixes examples before clipping.

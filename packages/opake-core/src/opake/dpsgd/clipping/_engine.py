@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError
-from opake.dpsgd.certify import ETA, SAFE, U32, dense_sq_norms
+from opake.dpsgd.certify import ETA, FINAL, dense_sq_norms, full_precision
 from opake.dpsgd.clipping._chunks import ChunkOut
 from opake.dpsgd.clipping._kernel import clip_accumulate, kernel_runs_on
 
@@ -222,13 +222,13 @@ class VmapEngine:
         # fp64: no length of leaf can hide mass from them), and what scaling them by a factor,
         # then dividing by normalize_by, can add (see opake.dpsgd.certify)
         computed, bounds, slack = [], [], []
-        final = (1.0 + 2.0 * U32) * (1.0 + SAFE)
-        for n in self.names:
-            flat = grads[n].reshape(m, -1)
-            hat, up = dense_sq_norms(flat)
-            computed.append(hat)
-            bounds.append(up * final**2)
-            slack.append(torch.full_like(hat, 3.0 * ETA * math.sqrt(flat.shape[1])))
+        with full_precision():
+            for n in self.names:
+                flat = grads[n].reshape(m, -1)
+                hat, up = dense_sq_norms(flat)
+                computed.append(hat)
+                bounds.append(up * FINAL**2)
+                slack.append(torch.full_like(hat, 3.0 * ETA * math.sqrt(flat.shape[1])))
         leaf_sq = torch.stack(computed, dim=1)
         return ChunkOut(
             loss=loss,
@@ -244,8 +244,14 @@ class VmapEngine:
         self, out: ChunkOut, factors: ClipFactors, sums: dict[str, torch.Tensor]
     ) -> None:
         """Add ``Σ_i factor[i, j] · nan_to_num(g_ij)`` to each leaf's fp32 sum."""
+        with full_precision():  # no enclosing autocast may run the sums in bf16
+            self._accumulate(out.payload, factors.leaf_factor, sums)
+
+    def _accumulate(
+        self, grads: Any, leaf_factor: torch.Tensor, sums: dict[str, torch.Tensor]
+    ) -> None:
         torch = self._torch
-        grads, names, leaf_factor = out.payload, self.names, factors.leaf_factor
+        names = self.names
         if not self.differentiable and names and kernel_runs_on(leaf_factor.device):
             # fused multi-tensor scale-and-sum: one launch for every leaf
             clip_accumulate([grads[n] for n in names], leaf_factor, [sums[n] for n in names])

@@ -106,7 +106,7 @@ class ClipAux:
             example under AUTO-S; non-finite examples count as clipped); 0 for an empty batch.
         batch_size: int64 0-d number of real examples (as ``ClippedGrads.batch_size``).
         nonfinite_count: int64 0-d number of real examples whose gradient had a NaN/Inf entry
-            (or a norm beyond fp32 range); each contributed zero to the sum.
+            (or a norm beyond fp64 range); each contributed zero to the sum.
         loss_aux: what ``loss_fn`` returned next to the loss (``has_aux=True``), stacked over
             the batch; ``None`` without ``has_aux`` or for an empty batch.
         group_grad_norms: fp32 ``[B]`` per-group norms before clipping (group clipping only).
