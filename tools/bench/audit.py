@@ -2,6 +2,7 @@
 
     python tools/bench/audit.py simulate                 # lower bound an ideal Gaussian allows
     python tools/bench/audit.py whitebox                 # gradient canaries at opake train's q
+    python tools/bench/audit.py whitebox --engine vmap   # ... through the vmap engine
     python tools/bench/audit.py runs                     # opake audit, white-box and black-box
     python tools/bench/audit.py runs --kinds gradient --epsilons 8 -- --steps 60
 
@@ -58,14 +59,19 @@ def simulate(canaries: list[int], epsilons: list[float], reps: int) -> None:
 def whitebox(epsilons: list[float], args: argparse.Namespace) -> None:
     """Gradient canaries at the sampling of a given run, through opake-core's ``DPTraining``.
 
-    The canaries live in their own parameter, which the data's gradients never touch, so their
-    scores depend on q, the steps, σ, C and m only — not on the model: this is the white-box
-    part of ``opake audit`` at the same q, steps and δ, without the language model's cost.
+    The canaries are examples of their own audit layer, which the data's gradients never
+    touch, clipped by the engine the data goes through (book-keeping with ``--engine auto`` on
+    the self-test's full model, or vmap), a quarter plain and three quarters crafted against
+    book-keeping's numerics; their scores depend on q, the steps, σ, C and m only — not on the
+    model: this is the white-box part of ``opake audit`` at the same q, steps and δ, without the
+    language model's cost.
     """
     from opake.auditing import self_test
 
-    print("| claimed ε | lower bound (95 %) | correct / guesses | attack | CPU |")
-    print("|---:|---:|---:|---|---:|")
+    print(
+        "| claimed ε | lower bound (95 %) | correct / guesses | attack | canaries | engine | CPU |"
+    )
+    print("|---:|---:|---:|---|---|---|---:|")
     for eps in epsilons:
         cpu0 = time.process_time()
         result = self_test(
@@ -75,12 +81,14 @@ def whitebox(epsilons: list[float], args: argparse.Namespace) -> None:
             dataset_size=args.dataset_size,
             sample_rate=args.sample_rate,
             steps=args.steps,
+            engine=args.engine,
             seed=args.seed,
         )
         cpu = time.process_time() - cpu0
         print(
             f"| {result.claimed_epsilon:.3f} | {result.epsilon_lower_bound:.3f} | "
-            f"{result.correct} / {result.guesses} | {result.attack} | {cpu:.0f} s |",
+            f"{result.correct} / {result.guesses} | {result.attack} | {result.group} "
+            f"| {result.engine} | {cpu:.0f} s |",
             flush=True,
         )
 
@@ -152,6 +160,7 @@ def main() -> None:
     w.add_argument("--delta", type=float, default=1 / 6556**2)
     w.add_argument("--canaries", type=int, default=1000)
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--engine", choices=["auto", "vmap", "bookkeeping"], default="auto")
     args = parser.parse_args()
     print(f"# {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
     if args.what == "simulate":

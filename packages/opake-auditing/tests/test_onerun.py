@@ -65,6 +65,44 @@ def test_several_attacks_share_beta():
     assert set(result.scores) == {"noise", "good"}
 
 
+def test_a_leak_confined_to_one_group_is_guessed_within_it():
+    """A quarter of the canaries leak completely, the rest show nothing: over all canaries the
+    "out" guesses are coin flips; within the leaking group every guess is right."""
+    m = 1000
+    included = draw_inclusion(m, seed=0)
+    labels = ["plain", "crafted-a", "crafted-b", "crafted-c"] * (m // 4)
+    rng = np.random.default_rng(0)
+    scores = rng.normal(size=m)
+    leaking = np.array([label == "crafted-b" for label in labels])
+    scores[leaking & included] += 100.0
+    alone = one_run_audit(scores, included, claimed_epsilon=2.0, delta=1e-5)
+    grouped = one_run_audit(scores, included, claimed_epsilon=2.0, delta=1e-5, groups=labels)
+    assert alone.group == "all"
+    assert alone.consistent  # diluted by the canaries that show nothing
+    assert grouped.tries == 7 + 4  # the grid over all, one k per group
+    assert grouped.group == "crafted-b"
+    assert grouped.correct == grouped.guesses == 2 * round(0.4 * 250)
+    assert not grouped.consistent
+    assert "on the crafted-b canaries" in grouped.summary()
+    assert grouped.to_dict()["group"] == "crafted-b"
+
+
+def test_groups_are_checked():
+    included = [True, False, True, False]
+    with pytest.raises(ConfigurationError, match="4 canaries"):
+        one_run_audit(np.zeros(4), included, claimed_epsilon=1.0, delta=0.0, groups=["a"] * 3)
+    with pytest.raises(ConfigurationError, match="'all'"):
+        one_run_audit(
+            np.zeros(4), included, claimed_epsilon=1.0, delta=0.0, groups=["all", "b"] * 2
+        )
+    with pytest.raises(InputTypeError, match="groups"):
+        one_run_audit(np.zeros(4), included, claimed_epsilon=1.0, delta=0.0, groups="abcd")
+    one_label = one_run_audit(
+        np.zeros(4), included, claimed_epsilon=1.0, delta=0.0, groups=["a"] * 4
+    )
+    assert one_label.tries == 2  # one group: nothing to add to the grid over all
+
+
 def test_draw_inclusion_is_fair_and_secret_by_default():
     a, b = draw_inclusion(4000), draw_inclusion(4000)
     assert 0.45 < a.mean() < 0.55
@@ -143,7 +181,7 @@ def test_audit_of_a_users_gradient_canary_training():
     canaries = GradientCanaries(200, kind="random", seed=0)
 
     def train(setup):
-        run = setup(dataset_size=10, clipping_norm=1.0)
+        run = setup(dataset_size=10, clipping_norm=1.0, engine="bookkeeping")
         opt = DPOptimizer(
             torch.optim.SGD([run.parameter], lr=0.1),
             run.params,
@@ -159,6 +197,8 @@ def test_audit_of_a_users_gradient_canary_training():
 
     result = audit(train, canaries, claimed_epsilon=1.0, delta=1e-5, seed=1)
     assert result.kind == "gradient"
+    assert result.engine == "bookkeeping"
+    assert result.tries == 7 + 4  # the grid over all canaries, and each of the four kinds
     assert result.accuracy > 0.95  # random directions overlap a little: not always 100 %
     assert not result.consistent
 

@@ -31,6 +31,10 @@ def test_gradient_audit_writes_json_and_plot(tiny_args, tmp_path, capsys):
     assert 0.0 <= data["epsilon_lower_bound"] <= data["claimed_epsilon"]
     assert data["claimed_epsilon"] == pytest.approx(data["planned_epsilon"], rel=1e-3)
     assert set(data["scores"]) == {"all_steps", "likelihood_ratio", "replayed_steps"}
+    # a full model: the data and the canaries, plain and crafted, went through book-keeping
+    assert data["engine"] == "bookkeeping"
+    assert data["engine_steps"] == {"data": {"bookkeeping": 12}, "canaries": {"bookkeeping": 12}}
+    assert data["group"] in {"all", "dirac", "cancellation", "underflow", "absorption"}
     assert (out / "audit.png").read_bytes()[:4] == b"\x89PNG"
     assert not (out / "checkpoint.pt").exists()  # an audit trains, scores and stops
 
@@ -42,6 +46,9 @@ def test_input_audit_scores_loss_reduction(tiny_args, tmp_path):
     )
     data = json.loads((out / "audit.json").read_text())
     assert data["canary_kind"] == "input"
+    assert data["group"] == "all"
+    assert set(data["engine_steps"]) == {"data"}  # the input canaries are data
+    assert data["engine"] in {"bookkeeping", "vmap"}
     assert set(data["scores"]) == {"loss_reduction"}
     assert data["epsilon_lower_bound"] <= data["claimed_epsilon"]
     assert not (out / "audit.png").exists()
@@ -74,8 +81,9 @@ def test_unknown_canary_kind_is_an_argparse_error(tiny_args, tmp_path, capsys):
 
 def test_audit_steps_through_dptraining_with_fixed_shape_sampling(tiny_args, tmp_path, monkeypatch):
     """The audited DP step is DPTraining's (one logical step per planned step, the canaries'
-    clipped sum in its pending step before the noise), and fixed-shape sampling over data and
-    canary slots gets a finite claim at the default ε = 8."""
+    clipped sum in its pending step before the noise), fixed-shape sampling over data and
+    canary slots gets a finite claim at the default ε = 8, and with the vmap engine the
+    canaries go through the vmap engine too."""
     from opake.dpsgd.training import DPTraining
 
     seen = []
@@ -87,12 +95,45 @@ def test_audit_steps_through_dptraining_with_fixed_shape_sampling(tiny_args, tmp
 
     monkeypatch.setattr(DPTraining, "finish_step", finish_step)
     out = tmp_path / "audit"
-    args = _audit_args(tiny_args, out, "--sampler", "fixed", "--no-plots", "--reproducible")
+    args = _audit_args(
+        tiny_args, out, "--sampler", "fixed", "--no-plots", "--reproducible", "--engine", "vmap"
+    )
     args[args.index("--steps") + 1] = "5"
     args[args.index("--canary-count") + 1] = "20"
     assert main(args) == 0
     data = json.loads((out / "audit.json").read_text())
     assert seen == [2] * 5  # the data's clipped sum and the canaries', every step
+    assert data["engine"] == "vmap"
+    assert data["engine_steps"] == {"data": {"vmap": 5}, "canaries": {"vmap": 5}}
     assert 0.0 <= data["epsilon_lower_bound"] <= data["claimed_epsilon"] < 8.01
     assert data["claimed_epsilon"] == pytest.approx(data["planned_epsilon"], rel=1e-2)
     assert data["randomness"] == "seeded (not private)"
+
+
+def test_audit_catches_an_engine_that_trusts_its_gram_norm(tiny_args, tmp_path, monkeypatch):
+    """Book-keeping clipping each example by its computed Gram norm (no error terms, never
+    measured exactly — the engine before its certified bounds): the crafted canaries escape
+    clipping whole and ``opake audit`` reports a violation of the claimed ε."""
+    import torch
+
+    import opake.dpsgd.bookkeeping._engine as bookkeeping_engine
+    from opake.dpsgd.bookkeeping._certify import LeafBounds
+
+    original = bookkeeping_engine.leaf_bounds
+
+    def leaf_bounds(*args, **kwargs):
+        leaf = original(*args, **kwargs)
+        zero = torch.zeros_like(leaf.sq)
+        return LeafBounds(leaf.sq, leaf.sq.sqrt(), zero, zero > 0, leaf.rounding)
+
+    monkeypatch.setattr(bookkeeping_engine, "leaf_bounds", leaf_bounds)
+    out = tmp_path / "audit"
+    args = _audit_args(tiny_args, out, "--no-plots", "--reproducible", "--target-epsilon", "1")
+    args[args.index("--batch-size") + 1] = "100"  # q ≈ 0.3: every canary drawn a few times
+    args[args.index("--canary-count") + 1] = "400"
+    assert main(args) == 0
+    data = json.loads((out / "audit.json").read_text())
+    assert data["engine"] == "bookkeeping"
+    assert data["group"] in {"cancellation", "underflow", "absorption"}
+    assert not data["consistent"]
+    assert data["epsilon_lower_bound"] > 2.0 * data["claimed_epsilon"]

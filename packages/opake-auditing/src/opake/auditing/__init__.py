@@ -10,10 +10,12 @@ audit found no violation. See ``docs/guide/auditing.md``.
 
 - :func:`epsilon_lower_bound`, :func:`p_value` — the bound itself;
 - :func:`one_run_audit` — guesses from scores → :class:`AuditResult`;
-- :class:`GradientCanaries` / :class:`CanaryRun` — white-box canaries through the DP optimizer;
+- :class:`GradientCanaries` / :class:`CanaryRun` — white-box canaries through the run's clipping
+  engine and the DP optimizer, plain and crafted against book-keeping's numerics
+  (:data:`CRAFTED_KINDS`);
 - :class:`InputCanaries`, :func:`random_token_canaries` — black-box canaries;
 - :func:`audit` — audit your own training function;
-- :func:`self_test` — audit opake-core's DP-SGD on a small model;
+- :func:`self_test` — audit opake-core's DP-SGD on a small model, through the engine a run uses;
 - :func:`simulate_gaussian_audit` — the audit of an ideal Gaussian mechanism (resolution).
 
 >>> from opake.auditing import epsilon_lower_bound
@@ -26,21 +28,30 @@ from __future__ import annotations
 from opake.auditing._api import audit
 from opake.auditing._bound import EPSILON_CEILING, epsilon_lower_bound, p_value
 from opake.auditing._canaries import (
+    CANARY_ENGINES,
     CANARY_PARAMETER,
+    CRAFTED_KINDS,
     CanaryRun,
     GradientCanaries,
-    InputCanaries,
-    random_token_canaries,
     step_quietly,
 )
-from opake.auditing._onerun import GUESS_FRACTIONS, draw_inclusion, one_run_audit
+from opake.auditing._input import InputCanaries, random_token_canaries
+from opake.auditing._onerun import (
+    GROUP_GUESS_FRACTION,
+    GUESS_FRACTIONS,
+    draw_inclusion,
+    one_run_audit,
+)
 from opake.auditing._result import AuditResult
 from opake.auditing._selftest import REPLAY_SEED, replay_batches, self_test
 from opake.auditing._simulate import simulate_gaussian_audit
 
 __all__ = [
+    "CANARY_ENGINES",
     "CANARY_PARAMETER",
+    "CRAFTED_KINDS",
     "EPSILON_CEILING",
+    "GROUP_GUESS_FRACTION",
     "GUESS_FRACTIONS",
     "REPLAY_SEED",
     "AuditResult",

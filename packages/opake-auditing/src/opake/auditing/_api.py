@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from opake.auditing._canaries import CanaryRun, GradientCanaries, InputCanaries
+from opake.auditing._canaries import CanaryRun, GradientCanaries
+from opake.auditing._input import InputCanaries
 from opake.auditing._onerun import draw_inclusion, one_run_audit
 from opake.auditing._result import AuditResult
 from opake.core.errors import ConfigurationError, InputTypeError
@@ -30,11 +31,15 @@ def audit(
     Each canary is included independently with probability ½ (OS entropy unless ``seed``).
 
     - **Gradient canaries** (white-box): ``train(setup)`` receives a callable
-      ``setup(dataset_size=N, clipping_norm=C)`` that returns a :class:`CanaryRun`; the
-      training loop uses it as :class:`CanaryRun` describes (its parameter in the optimizer,
-      a sampler over ``run.total_size``, ``run.split``, ``run.clipped_sum``, ``run.observe``).
-      Scores come from the recorded noisy gradients; ``train`` may return a list of replayed
-      batches (see :meth:`CanaryRun.scores`) or ``None``.
+      ``setup(dataset_size=N, clipping_norm=C, device="cpu", engine="auto")`` that returns a
+      :class:`CanaryRun`; the training loop uses it as :class:`CanaryRun` describes (its
+      parameter in the optimizer, a sampler over ``run.total_size``, ``run.split``,
+      ``run.clipped_sum(ids, engine=training.grad_fn.engine)`` — the canaries through the
+      engine the run's own examples went through — and ``run.observe``). Scores come from the
+      recorded noisy gradients, guessed over all canaries and kind by kind
+      (:attr:`GradientCanaries.labels`); ``train`` may return a list of replayed batches (see
+      :meth:`CanaryRun.scores`) or ``None``. ``result.engine`` names the engine(s) that
+      clipped the canaries.
     - **Input canaries** (black-box): ``train(examples)`` receives the included canaries'
       examples (to add to its data) and returns whatever ``score(returned, all_examples)``
       needs to give one score per canary (higher = more likely trained on), e.g. the loss
@@ -71,12 +76,18 @@ def audit(
             )
         runs: list[CanaryRun] = []
 
-        def setup(*, dataset_size: int, clipping_norm: float, device: Any = "cpu") -> CanaryRun:
+        def setup(
+            *, dataset_size: int, clipping_norm: float, device: Any = "cpu", engine: str = "auto"
+        ) -> CanaryRun:
             if runs:
                 raise ConfigurationError("setup() called twice: one audit audits one run")
             runs.append(
                 canaries.run(
-                    included, dataset_size=dataset_size, clipping_norm=clipping_norm, device=device
+                    included,
+                    dataset_size=dataset_size,
+                    clipping_norm=clipping_norm,
+                    device=device,
+                    engine=engine,
                 )
             )
             return runs[0]
@@ -89,6 +100,8 @@ def audit(
             )
         replay = returned if isinstance(returned, list) else None
         scores: Any = runs[0].scores(replay)
+        groups: Any = canaries.labels
+        engine: str | None = runs[0].engine_used or None
     elif isinstance(canaries, InputCanaries):
         if score is None:
             raise ConfigurationError(
@@ -97,6 +110,7 @@ def audit(
             )
         returned = train(canaries.included_examples(included))
         scores = score(returned, canaries.examples)
+        groups, engine = None, None
     else:
         raise InputTypeError(
             f"canaries={type(canaries).__name__}: expected GradientCanaries or InputCanaries"
@@ -110,4 +124,6 @@ def audit(
         confidence=confidence,
         guesses=guesses,
         kind=canaries.kind_name,
+        groups=groups,
+        engine=engine,
     )

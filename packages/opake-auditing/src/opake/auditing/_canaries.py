@@ -1,5 +1,6 @@
-"""Canaries: gradient (white-box) directions injected through the DP optimizer, and input
-(black-box) examples such as random-token sequences."""
+"""Gradient (white-box) canaries: examples of an audit layer, sent through the run's clipping
+engine and the DP optimizer — plain ones, and ones crafted against the book-keeping engine's
+numerics (:mod:`._crafted`). Input (black-box) canaries are in :mod:`._input`."""
 
 from __future__ import annotations
 
@@ -15,18 +16,25 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "CANARY_ENGINES",
     "CANARY_PARAMETER",
+    "CRAFTED_KINDS",
+    "KINDS",
     "CanaryRun",
     "GradientCanaries",
-    "InputCanaries",
-    "random_token_canaries",
     "step_quietly",
 ]
 
-#: name of the audit parameter (a flat fp32 vector the model never reads) in the dicts given
-#: to the optimizer and to ``DPOptimizer``
-CANARY_PARAMETER = "opake_audit.canaries"
+#: name of the audit parameter in the dicts given to the optimizer and to ``DPOptimizer``: the
+#: weight (``R × K``, fp32) of the audit layer ``opake_audit.canaries``, an ``nn.Linear`` the
+#: model never reads
+CANARY_PARAMETER = "opake_audit.canaries.weight"
 KINDS = ("dirac", "random")
+#: the kinds of gradient canaries crafted against the book-keeping engine's numerics (see
+#: :class:`GradientCanaries`)
+CRAFTED_KINDS = ("cancellation", "underflow", "absorption")
+#: engines a canary run can send its canaries through (``clipped_grad(method=...)``)
+CANARY_ENGINES = ("auto", "bookkeeping", "vmap")
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -43,30 +51,57 @@ def _positive(name: str, value: object) -> float:
     return float(value)
 
 
-class GradientCanaries:
-    """White-box canaries: each is a fixed unit direction injected as one example's gradient.
+def _engine(value: object) -> str:
+    if value not in CANARY_ENGINES:
+        raise ConfigurationError(
+            f"engine={value!r}: expected one of {', '.join(CANARY_ENGINES)} (the clipping engine "
+            "the run's own examples go through, e.g. training.grad_fn.engine)"
+        )
+    return str(value)
 
-    The directions live in a dedicated trainable vector (:data:`CANARY_PARAMETER`) that the
-    model never reads, so the data's own gradients do not blur them. A canary "example" has
-    the loss ``gradient_norm × C × ⟨θ_audit, u⟩``: its gradient is ``gradient_norm × C × u``,
-    far beyond the clipping bound C, and it goes through the real ``clipped_grad`` (clipping),
-    the sampler (canary i is dataset index ``dataset_size + i``), ``DPOptimizer`` (noise once,
-    division by the expected batch) and the accountant — the mechanism as built.
+
+class GradientCanaries:
+    """White-box canaries: examples of a dedicated audit layer, each with a known gradient
+    direction, sent through the run's clipping engine.
+
+    Canary i is one example of the audit layer ``opake_audit.canaries`` (an ``nn.Linear`` the
+    model never reads, so the data's gradients do not blur it; its weight is
+    :data:`CANARY_PARAMETER`) over a short sequence of tokens. Its gradient has norm
+    ``gradient_norm × C``, far beyond the clipping bound C, along a unit direction ``p qᵀ`` the
+    auditor knows; it goes through the real ``clipped_grad`` — the book-keeping engine when the
+    run uses it, the vmap engine otherwise — the sampler (canary i is dataset index
+    ``dataset_size + i``), ``DPOptimizer`` (noise once, division by the expected batch) and the
+    accountant: the mechanism as built.
+
+    Kinds (canary i has kind ``kinds[i % len(kinds)]``, public: the guesses are also made per
+    kind, see :func:`~opake.auditing.one_run_audit`):
+
+    - ``kind``: ``"dirac"`` (one coordinate of the audit matrix) or ``"random"`` (a random
+      rank-one direction), an example as plain as it comes;
+    - with ``crafted=True`` (default), the kinds of :data:`CRAFTED_KINDS`, crafted against the
+      book-keeping engine's numerics: their true norm is ``gradient_norm × C`` but their fp32
+      Gram ("ghost") norm is exactly 0 — per-token terms that are huge and cancel
+      (``"cancellation"``), inputs whose fp32 squares underflow next to huge output gradients
+      (``"underflow"``), small products absorbed by round-to-nearest-even after large ones in
+      a block's fp32 reduction (``"absorption"``). A correct engine clips them to C (it proves
+      its bounds for every input); an engine that trusts its computed Gram norm lets them
+      through whole.
 
     Args:
         count: m, the number of canaries.
-        kind: ``"dirac"`` (canary i is coordinate i of the audit vector) or ``"random"``
-            (random unit directions in a vector of ``dimension`` coordinates).
-        dimension: size of the audit vector for ``"random"`` (default ``max(4·m, 1024)``).
+        kind: the plain kind, ``"dirac"`` or ``"random"``.
+        crafted: add the crafted kinds (each gets its share of the m canaries).
         gradient_norm: the canary gradient's norm as a multiple of C (default 100: a clipping
             fault lets it through at up to this many times C).
         seed: seed of the random directions (``None``: OS entropy). Not a secret: the auditor
             knows the directions.
 
     Example:
-        >>> canaries = GradientCanaries(4)
-        >>> canaries.directions().shape
-        torch.Size([4, 4])
+        >>> canaries = GradientCanaries(8, seed=0)
+        >>> canaries.labels[:4]
+        ('dirac', 'cancellation', 'underflow', 'absorption')
+        >>> canaries.directions().shape  # m unit directions of the R × K audit matrix
+        torch.Size([8, 16384])
     """
 
     kind_name = "gradient"
@@ -76,41 +111,75 @@ class GradientCanaries:
         count: int = 1000,
         *,
         kind: str = "dirac",
-        dimension: int | None = None,
+        crafted: bool = True,
         gradient_norm: float = 100.0,
         seed: int | None = None,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise ConfigurationError(
+                f"GradientCanaries() got unknown keyword argument(s) {sorted(unknown)}; accepted: "
+                "count, kind, crafted, gradient_norm, seed (the audit matrix's shape follows "
+                "from count)"
+            )
         self.count = _positive_int("count", count)
         if kind not in KINDS:
-            raise ConfigurationError(f"kind={kind!r}: expected one of {', '.join(KINDS)}")
-        self.kind = kind
-        if kind == "dirac":
-            if dimension is not None and dimension != count:
-                raise ConfigurationError(
-                    f"dimension={dimension} with kind='dirac': a Dirac canary is one coordinate, "
-                    "so the audit vector has exactly `count` coordinates; drop dimension"
-                )
-            self.dimension = count
-        else:
-            self.dimension = (
-                max(4 * count, 1024) if dimension is None else _positive_int("dimension", dimension)
+            raise ConfigurationError(
+                f"kind={kind!r}: expected one of {', '.join(KINDS)} (the crafted kinds come with "
+                "crafted=True)"
             )
+        if not isinstance(crafted, bool):
+            raise InputTypeError(f"crafted={crafted!r}: expected True or False")
+        self.kind = kind
+        self.crafted = crafted
         self.gradient_norm = _positive("gradient_norm", gradient_norm)
         self.seed = secrets.randbits(63) if seed is None else seed
+        self._geometry: Any = None
 
     def __len__(self) -> int:
         return self.count
 
-    def directions(self) -> torch.Tensor:
-        """The m unit directions, ``[m, dimension]`` fp32."""
-        import torch
+    @property
+    def geometry(self) -> Any:
+        """The canaries' shapes and vectors (built on first use)."""
+        if self._geometry is None:
+            from opake.auditing._crafted import geometry
 
-        if self.kind == "dirac":
-            return torch.eye(self.count, dtype=torch.float32)
-        gen = torch.Generator().manual_seed(self.seed)
-        u = torch.randn(self.count, self.dimension, generator=gen, dtype=torch.float64)
-        unit: torch.Tensor = (u / u.norm(dim=1, keepdim=True)).float()
-        return unit
+            self._geometry = geometry(self.count, self.kind, self.crafted, self.seed)
+        return self._geometry
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """Each canary's kind (public: guesses are also made kind by kind)."""
+        kinds = self.kinds
+        return tuple(kinds[i % len(kinds)] for i in range(self.count))
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds in use, in turn: ``(kind, *CRAFTED_KINDS)`` or ``(kind,)``."""
+        return (self.kind, *CRAFTED_KINDS) if self.crafted else (self.kind,)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(R, K)``: the audit matrix (the audit layer's weight)."""
+        g = self.geometry
+        return int(g.rows), int(g.columns)
+
+    def directions(self) -> torch.Tensor:
+        """The m unit directions ``p qᵀ``, flattened: ``[m, R·K]`` fp32 (dense: for small m)."""
+        g = self.geometry
+        outer = g.unit_p[:, :, None] * g.unit_q[:, None, :]
+        dense: torch.Tensor = outer.reshape(self.count, -1).float()
+        return dense
+
+    def examples(
+        self, indices: Sequence[int], *, clipping_norm: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The examples of canaries ``indices``: inputs ``[n, T, K]`` and output gradients
+        ``[n, T, R]`` (fp32) of the audit layer, each gradient of norm ``gradient_norm × C``."""
+        scale = self.gradient_norm * _positive("clipping_norm", clipping_norm)
+        x, y = self.geometry.examples(list(indices), scale)
+        return x, y
 
     def run(
         self,
@@ -119,14 +188,17 @@ class GradientCanaries:
         dataset_size: int,
         clipping_norm: float,
         device: str | torch.device = "cpu",
+        engine: str = "auto",
     ) -> CanaryRun:
-        """The per-run state: the audit parameter, the canary grad_fn and the recorded scores."""
+        """The per-run state: the audit parameter, the canary ``grad_fn`` and the recorded
+        scores (``engine``: the clipping engine for the canaries, see :class:`CanaryRun`)."""
         return CanaryRun(
             self,
             included,
             dataset_size=dataset_size,
             clipping_norm=clipping_norm,
             device=device,
+            engine=engine,
         )
 
 
@@ -139,6 +211,13 @@ class CanaryRun:
     clipped sum *and* :meth:`clipped_sum` of the canary indices (always, even when none was
     drawn), ``step()``, then :meth:`observe`. :meth:`scores` gives each canary's score: the
     inner product of the noisy gradient sums with its direction, in units of C.
+
+    The canaries' clipped sum is computed by ``clipped_grad`` over a
+    :class:`~opake.dpsgd.bookkeeping.BatchedLoss` of the audit layer with ``method=engine``:
+    ``"auto"`` (book-keeping, as on a full model), ``"bookkeeping"`` or ``"vmap"``. Pass the
+    engine the run's own examples went through in that step —
+    ``run.clipped_sum(ids, engine=training.grad_fn.engine)`` — so that the canaries test the
+    engine in use; :attr:`engines` counts the engines that actually clipped them.
     """
 
     def __init__(
@@ -149,11 +228,14 @@ class CanaryRun:
         dataset_size: int,
         clipping_norm: float,
         device: str | torch.device = "cpu",
+        engine: str = "auto",
     ) -> None:
         import numpy as np
         import torch
 
-        from opake.dpsgd.clipping import clipped_grad
+        from opake.auditing._crafted import SCALES, AuditLayer, canary_losses
+        from opake.dpsgd.bookkeeping import BatchedLoss
+        from opake.functional import make_functional
 
         self.canaries = canaries
         truth = np.asarray(included, dtype=bool).reshape(-1)
@@ -164,25 +246,29 @@ class CanaryRun:
         self.included = truth
         self.dataset_size = _positive_int("dataset_size", dataset_size)
         self.clipping_norm = _positive("clipping_norm", clipping_norm)
-        self.device = torch.device(device)
-        self.parameter = torch.nn.Parameter(
-            torch.zeros(canaries.dimension, dtype=torch.float32, device=self.device)
-        )
-        self._u = canaries.directions().to(self.device)
+        self.engine = _engine(engine)
         scale = canaries.gradient_norm * self.clipping_norm
-
-        def canary_loss(params: dict[str, torch.Tensor], u: torch.Tensor) -> torch.Tensor:
-            """One canary example: a linear loss whose gradient is ``scale · u``."""
-            return scale * torch.dot(params[CANARY_PARAMETER], u)
-
-        self._grad_fn, self._state = clipped_grad(
-            canary_loss,
-            argnums=0,
-            clipping_norm=self.clipping_norm,
-            batch_argnums=1,
-            method="vmap",
-            check_unused=False,
+        low, high = SCALES
+        if canaries.crafted and not low <= scale <= high:
+            raise ConfigurationError(
+                f"gradient_norm × clipping_norm = {scale:g}: the crafted canaries are built for "
+                f"{low:g} … {high:g} (their output gradients must stay finite in fp32); use a "
+                "clipping norm in that range, or GradientCanaries(crafted=False)"
+            )
+        self.device = torch.device(device)
+        rows, columns = canaries.shape
+        layer = AuditLayer(rows, columns).to(self.device)
+        fmodel, _ = make_functional(layer)
+        self._loss = BatchedLoss(canary_losses(fmodel), fmodel)
+        self.parameter = torch.nn.Parameter(
+            torch.zeros(rows, columns, dtype=torch.float32, device=self.device)
         )
+        geometry = canaries.geometry
+        self._p = geometry.unit_p.to(self.device)
+        self._q = geometry.unit_q.to(self.device)
+        self._grad_fns: dict[str, tuple[Any, Any]] = {}
+        #: how many calls of :meth:`clipped_sum` each engine clipped (``grad_fn.engine``)
+        self.engines: dict[str, int] = {}
         self._projections: list[torch.Tensor] = []
         self._drawn = np.zeros(canaries.count, dtype=np.int64)
 
@@ -195,6 +281,14 @@ class CanaryRun:
     def total_size(self) -> int:
         """Indices the sampler draws from: the data, then one slot per canary."""
         return self.dataset_size + self.canaries.count
+
+    @property
+    def engine_used(self) -> str:
+        """The engine(s) that clipped the canaries: ``"bookkeeping"``, ``"vmap"``, or both with
+        their call counts (``"bookkeeping (60 calls), vmap (40 calls)"``); ``""`` before any."""
+        if len(self.engines) == 1:
+            return next(iter(self.engines))
+        return ", ".join(f"{name} ({n} calls)" for name, n in sorted(self.engines.items()))
 
     def split(self, indices: Iterable[int] | Any) -> tuple[list[int], list[int]]:
         """Data indices, and the *included* canaries among the drawn slots.
@@ -219,15 +313,52 @@ class CanaryRun:
                 self._drawn[slot] += 1
         return real, ids
 
-    def clipped_sum(self, canary_ids: Sequence[int]) -> Any:
+    def _grad_fn(self, engine: str) -> tuple[Any, Any]:
+        if engine not in self._grad_fns:
+            from opake.auditing._crafted import batch_rows
+            from opake.dpsgd.clipping import clipped_grad
+
+            _, chunk = batch_rows(1, self.canaries.shape[1])
+            self._grad_fns[engine] = clipped_grad(
+                self._loss,
+                clipping_norm=self.clipping_norm,
+                batch_argnums=(1, 2),
+                microbatch_size=chunk,
+                check_unused=False,
+                method=engine,
+            )
+        return self._grad_fns[engine]
+
+    def clipped_sum(self, canary_ids: Sequence[int], *, engine: str | None = None) -> Any:
         """The clipped sum of the drawn canaries' gradients (a ``ClippedGrads`` with ``max_norm``
-        C), to ``accumulate`` into ``DPOptimizer`` next to the data's."""
+        C), to ``accumulate`` into ``DPOptimizer`` next to the data's.
+
+        ``engine``: the clipping engine for this call (default: the run's); pass the one the
+        run's examples went through, ``training.grad_fn.engine``. The canaries are one batch,
+        padded with masked rows to the shape whose numerics the crafted canaries target.
+        """
         import torch
 
-        index = torch.as_tensor(list(canary_ids), dtype=torch.long, device=self.device)
-        grads, self._state = self._grad_fn(
-            {CANARY_PARAMETER: self.parameter.detach()}, self._u[index], state=self._state
+        from opake.auditing._crafted import batch_rows
+
+        method = self.engine if engine is None else _engine(engine)
+        grad_fn, state = self._grad_fn(method)
+        ids = [int(i) for i in canary_ids]
+        x, y = self.canaries.examples(ids, clipping_norm=self.clipping_norm)
+        mask = None
+        if ids:
+            rows, _ = batch_rows(len(ids), self.canaries.shape[1])
+            pad = rows - len(ids)
+            x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+            y = torch.cat([y, y.new_zeros(pad, *y.shape[1:])])
+            mask = torch.arange(rows, device=self.device) < len(ids)
+        params = {CANARY_PARAMETER: self.parameter.detach()}
+        grads, state = grad_fn(
+            params, x.to(self.device), y.to(self.device), state=state, example_mask=mask
         )
+        self._grad_fns[method] = (grad_fn, state)
+        used = str(grad_fn.engine)
+        self.engines[used] = self.engines.get(used, 0) + 1
         return grads
 
     def observe(self, *, expected_batch_size: float) -> None:
@@ -243,7 +374,8 @@ class CanaryRun:
                 "optimizer and to DPOptimizer, and accumulate run.clipped_sum(...) every step"
             )
         noisy_sum = grad.detach().double() * (expected_batch_size / self.clipping_norm)
-        self._projections.append((self._u.double() @ noisy_sum).cpu())
+        projection = ((self._p @ noisy_sum) * self._q).sum(dim=1)
+        self._projections.append(projection.cpu())
 
     @property
     def steps(self) -> int:
@@ -302,66 +434,6 @@ class CanaryRun:
                         mask[t, slot] = True
             out["replayed_steps"] = np.where(mask, table, 0.0).sum(axis=0)
         return out
-
-
-class InputCanaries:
-    """Black-box canaries: m examples inserted into the training data when included.
-
-    Score them with the trained model, e.g. the loss reduction from the initial model
-    (``loss_before − loss_after``: a memorised canary's loss drops most).
-
-    Args:
-        examples: a tensor whose first dimension is m (one canary example per row).
-
-    Example:
-        >>> canaries = random_token_canaries(3, length=5, vocab_size=10, seed=0)
-        >>> len(canaries), tuple(canaries.examples.shape)
-        (3, (3, 5))
-    """
-
-    kind_name = "input"
-
-    def __init__(self, examples: torch.Tensor) -> None:
-        import torch
-
-        if not isinstance(examples, torch.Tensor) or examples.dim() < 1 or not len(examples):
-            raise InputTypeError(
-                "examples: expected a tensor with one canary example per row (first dimension m)"
-            )
-        self.examples = examples
-        self.count = int(examples.shape[0])
-
-    def __len__(self) -> int:
-        return self.count
-
-    def included_examples(self, included: Sequence[bool] | Any) -> torch.Tensor:
-        """The rows of the included canaries (to add to the training data)."""
-        import numpy as np
-        import torch
-
-        truth = np.asarray(included, dtype=bool).reshape(-1)
-        if truth.shape != (self.count,):
-            raise ConfigurationError(f"included has {truth.shape[0]} entries for {self.count}")
-        return self.examples[torch.as_tensor(truth)]
-
-
-def random_token_canaries(
-    count: int, *, length: int, vocab_size: int, seed: int | None = None, low: int = 0
-) -> InputCanaries:
-    """m sequences of ``length`` tokens drawn uniformly from ``[low, vocab_size)``.
-
-    Random sequences are far from natural text, so whether the model has seen one shows in
-    its loss. ``seed=None`` draws from OS entropy.
-    """
-    import torch
-
-    _positive_int("count", count)
-    _positive_int("length", length)
-    _positive_int("vocab_size", vocab_size)
-    if not 0 <= low < vocab_size:
-        raise ConfigurationError(f"low={low!r}: expected 0 <= low < vocab_size ({vocab_size})")
-    gen = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
-    return InputCanaries(torch.randint(low, vocab_size, (count, length), generator=gen))
 
 
 def step_quietly(optimizer: Any) -> Any:

@@ -15,13 +15,16 @@ from opake.core.errors import ConfigurationError, InputTypeError
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["GUESS_FRACTIONS", "draw_inclusion", "one_run_audit"]
+__all__ = ["GROUP_GUESS_FRACTION", "GUESS_FRACTIONS", "draw_inclusion", "one_run_audit"]
 
 logger = logging.getLogger("opake.auditing")
 
 #: default guess sizes: k "in" guesses (top scores) and k "out" guesses (bottom scores) with
 #: k = fraction × m; every (attack, k) pair is tried at β / (number of pairs) (Bonferroni)
 GUESS_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
+#: with ``groups``, each group is also guessed on its own (abstaining on the others): k "in"
+#: and k "out" guesses with k = this fraction of the group's size, for every attack
+GROUP_GUESS_FRACTION = 0.4
 
 
 def draw_inclusion(count: int, *, seed: int | None = None) -> np.ndarray:
@@ -86,6 +89,92 @@ def _guess_counts(guesses: Any, m: int) -> list[tuple[int, int]]:
     return [guesses]
 
 
+def _groups(groups: Any, m: int) -> list[tuple[str, Any]]:
+    """``[("all", every index), (label, its indices), ...]``; the labels only with two or more."""
+    import numpy as np
+
+    everything = [("all", np.arange(m))]
+    if groups is None:
+        return everything
+    if isinstance(groups, str) or not isinstance(groups, Sequence | np.ndarray):
+        raise InputTypeError(
+            f"groups={groups!r}: expected one label (a str) per canary, e.g. canaries.labels"
+        )
+    labels = [str(label) for label in groups]
+    if len(labels) != m:
+        raise ConfigurationError(f"groups has {len(labels)} labels for {m} canaries; give one each")
+    names = list(dict.fromkeys(labels))
+    if len(names) < 2:
+        return everything
+    if "all" in names:
+        raise ConfigurationError("groups: 'all' names every canary; use another label")
+    array = np.asarray(labels)
+    return everything + [(name, np.flatnonzero(array == name)) for name in names]
+
+
+def _plan(guesses: Any, groups: Any, m: int) -> list[tuple[str, Any, list[tuple[int, int]]]]:
+    """The guess sizes to try, per group of canaries: the grid (or ``guesses``) over all of
+    them, then ``GROUP_GUESS_FRACTION`` of each labelled group (with the grid only)."""
+    import numpy as np
+
+    plan = [("all", np.arange(m), _guess_counts(guesses, m))]
+    labelled = _groups(groups, m)[1:]  # checked even where an explicit guess count ignores it
+    if guesses is None:
+        for name, members in labelled:
+            k = min(len(members) // 2, round(GROUP_GUESS_FRACTION * len(members)))
+            if k >= 1:
+                plan.append((name, members, [(k, k)]))
+    return plan
+
+
+def _best_guesses(
+    score_sets: dict[str, Any],
+    plan: list[tuple[str, Any, list[tuple[int, int]]]],
+    truth: Any,
+    delta: float,
+    confidence: float,
+) -> dict[str, Any]:
+    """Every (attack, group, k) try at ``confidence`` each; the one with the largest bound."""
+    import numpy as np
+
+    m = int(truth.shape[0])
+    best: dict[str, Any] | None = None
+    for attack, values in score_sets.items():
+        for group, members, counts in plan:
+            n = len(members)
+            order = members[np.argsort(values[members], kind="stable")]  # lowest first
+            for k_in, k_out in counts:
+                guess_in = order[n - k_in :] if k_in else order[:0]
+                guess_out = order[:k_out]
+                correct = int(truth[guess_in].sum() + (~truth[guess_out]).sum())
+                bound = epsilon_lower_bound(
+                    canaries=m,
+                    guesses=k_in + k_out,
+                    correct=correct,
+                    delta=delta,
+                    confidence=confidence,
+                )
+                logger.debug(
+                    "attack %s, %s canaries, k=(%d, %d): %d correct, ε ≥ %.4f",
+                    attack,
+                    group,
+                    k_in,
+                    k_out,
+                    correct,
+                    bound,
+                )
+                if best is None or bound > best["bound"]:
+                    best = {
+                        "bound": bound,
+                        "attack": attack,
+                        "group": group,
+                        "k": (k_in, k_out),
+                        "correct": correct,
+                    }
+    assert best is not None
+    return best
+
+
 def one_run_audit(
     scores: Any,
     included: Sequence[bool] | Any,
@@ -95,6 +184,8 @@ def one_run_audit(
     confidence: float = 0.95,
     guesses: int | tuple[int, int] | None = None,
     kind: str = "custom",
+    groups: Sequence[str] | None = None,
+    engine: str | None = None,
 ) -> AuditResult:
     """Guess each canary from its score and bound ε from the number of correct guesses.
 
@@ -113,6 +204,13 @@ def one_run_audit(
         confidence: 1 − β.
         guesses: ``None`` (the grid), ``k`` or ``(k_in, k_out)``.
         kind: what the canaries were (``"gradient"``, ``"input"``, ...), for the report.
+        groups: one public label per canary (e.g. :attr:`GradientCanaries.labels`, fixed before
+            the inclusion draw). With two or more labels, each group is also guessed on its
+            own, abstaining on the others: ``k`` in and ``k`` out with ``k =``
+            :data:`GROUP_GUESS_FRACTION` of the group, for every attack — so a leak confined to
+            one kind of canary is not diluted by the others. These tries share β too. Only with
+            ``guesses=None``.
+        engine: the clipping engine the canaries went through, for the report.
 
     Example:
         >>> import numpy as np
@@ -136,33 +234,9 @@ def one_run_audit(
         or not (claimed_epsilon >= 0 and math.isfinite(claimed_epsilon))
     ):
         raise ConfigurationError(f"claimed_epsilon={claimed_epsilon!r}: expected a number >= 0")
-    counts = _guess_counts(guesses, m)
-    tries = len(counts) * len(score_sets)
-    best: dict[str, Any] | None = None
-    for attack, values in score_sets.items():
-        order = np.argsort(values, kind="stable")  # ascending: lowest first
-        for k_in, k_out in counts:
-            guess_in = order[m - k_in :] if k_in else order[:0]
-            guess_out = order[:k_out]
-            correct = int(truth[guess_in].sum() + (~truth[guess_out]).sum())
-            bound = epsilon_lower_bound(
-                canaries=m,
-                guesses=k_in + k_out,
-                correct=correct,
-                delta=float(delta),
-                confidence=1.0 - beta / tries,
-            )
-            logger.debug(
-                "attack %s k=(%d, %d): %d correct, ε ≥ %.4f", attack, k_in, k_out, correct, bound
-            )
-            if best is None or bound > best["bound"]:
-                best = {
-                    "bound": bound,
-                    "attack": attack,
-                    "k": (k_in, k_out),
-                    "correct": correct,
-                }
-    assert best is not None
+    plan = _plan(guesses, groups, m)
+    tries = sum(len(counts) for _, _, counts in plan) * len(score_sets)
+    best = _best_guesses(score_sets, plan, truth, float(delta), 1.0 - beta / tries)
     return AuditResult(
         claimed_epsilon=float(claimed_epsilon),
         delta=float(delta),
@@ -176,6 +250,8 @@ def one_run_audit(
         attack=best["attack"],
         tries=tries,
         kind=kind,
+        group=best["group"],
+        engine=engine,
         included=tuple(bool(x) for x in truth),
         scores={name: tuple(float(x) for x in v) for name, v in score_sets.items()},
     )

@@ -31,6 +31,10 @@ class AuditResult:
         attack: the score vector the reported guesses came from.
         tries: how many (attack, guess size) pairs shared β (union bound).
         kind: ``"gradient"`` (white-box), ``"input"`` (black-box) or ``"custom"``.
+        group: the canaries the reported guesses were made on: ``"all"``, or one kind of
+            canary (the others abstained; see ``one_run_audit(groups=...)``).
+        engine: the clipping engine the canaries went through (``"bookkeeping"``,
+            ``"vmap"``), or ``None`` when not reported.
         included: the truth, one bool per canary.
         scores: attack name → one score per canary.
         extra: anything the caller adds (settings, run time, ...), written by :meth:`to_dict`.
@@ -48,6 +52,8 @@ class AuditResult:
     attack: str = "score"
     tries: int = 1
     kind: str = "custom"
+    group: str = "all"
+    engine: str | None = None
     included: tuple[bool, ...] = ()
     scores: dict[str, tuple[float, ...]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -72,11 +78,13 @@ class AuditResult:
             if self.consistent
             else "VIOLATION: the measured lower bound exceeds the claimed ε"
         )
+        engine = f" through the {self.engine} engine" if self.engine else ""
+        group = "" if self.group == "all" else f" on the {self.group} canaries"
         return (
             f"claimed ε = {self.claimed_epsilon:.3f}, measured lower bound ε ≥ "
             f"{self.epsilon_lower_bound:.3f} at δ = {self.delta:.3g} with {self.confidence:.0%} "
             f"confidence ({self.correct}/{self.guesses} correct guesses on {self.canaries} "
-            f"{self.kind} canaries, attack {self.attack}): {verdict}"
+            f"{self.kind} canaries{engine}, attack {self.attack}{group}): {verdict}"
         )
 
     def to_dict(self, *, with_scores: bool = True) -> dict[str, Any]:
@@ -94,6 +102,8 @@ class AuditResult:
             "guesses_out": self.guesses_out,
             "correct": self.correct,
             "attack": self.attack,
+            "group": self.group,
+            "engine": self.engine,
             "tries": self.tries,
             "method": "one-run audit (Steinke, Nasr & Jagielski, NeurIPS 2023, Theorem 3)",
         }

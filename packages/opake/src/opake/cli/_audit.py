@@ -5,10 +5,15 @@ clipping engine, DP optimizer and accountant, composed by one
 :class:`~opake.dpsgd.training.DPTraining` as ``opake train`` composes it) with m canaries, each
 included with probability ½ (see :mod:`opake.auditing`):
 
-- ``--canaries gradient`` (default, white-box): canary i is dataset slot N + i; when the
-  sampler draws an included canary, its gradient (a unit direction × 100·C) goes through
-  ``clipped_grad`` and into the noisy sum; each canary is scored by the noisy sums along its
-  direction (over all steps, and over the steps of a public replay of the sampler);
+- ``--canaries gradient`` (default, white-box): canary i is dataset slot N + i, one example of
+  an audit layer the model never reads; when the sampler draws an included canary, its
+  gradient (a unit direction × 100·C) is clipped by the engine the run's own examples went
+  through in that step (book-keeping on a full model) and joins the noisy sum. A quarter of the
+  canaries are plain (``--canary-direction``), the others crafted against book-keeping's
+  numerics (huge cancelling per-token terms, underflowing inputs, absorbed products: a true
+  norm of 100·C whose Gram norm computes as 0). Each canary is scored by the noisy sums along
+  its direction (over all steps, the likelihood ratio, and over the steps of a public replay of
+  the sampler), and guessed over all canaries and kind by kind;
 - ``--canaries input`` (black-box): included random-token blocks join the training data; each
   canary is scored by its loss reduction (initial model − trained model).
 
@@ -24,7 +29,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, OpakePrivacyWarning
@@ -74,10 +79,14 @@ def _run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     plan = plan_run(settings)
     s = plan.settings
+    kinds = ""
+    if options["kind"] == "gradient":
+        from opake.auditing import CRAFTED_KINDS
+
+        kinds = f" ({options['direction']}, {', '.join(CRAFTED_KINDS)})"
     print(
-        f"audit     {options['count']} {options['kind']} canaries"
-        f"{' (' + options['direction'] + ')' if options['kind'] == 'gradient' else ''}, each "
-        f"included with probability ½, on {plan.dataset_size:,} training blocks; σ = "
+        f"audit     {options['count']} {options['kind']} canaries{kinds}, each included with "
+        f"probability ½, on {plan.dataset_size:,} training blocks; σ = "
         f"{plan.noise_multiplier:.4g}, C = {s.clip:g}, q = {plan.sample_rate:.4g}, "
         f"{plan.steps} steps, planned ε = {plan.planned_epsilon:.3g} at δ = {plan.delta:.3g}",
         file=sys.stderr,
@@ -115,15 +124,17 @@ def register(sub: Any) -> None:
         "--canaries",
         choices=CANARY_KINDS,
         default="gradient",
-        help="gradient: white-box directions injected as examples' gradients (default); "
-        "input: random-token blocks inserted into the data (black-box, loss reduction)",
+        help="gradient: white-box canaries, examples of an audit layer clipped by the run's "
+        "engine, plain and crafted against book-keeping's numerics (default); input: "
+        "random-token blocks inserted into the data (black-box, loss reduction)",
     )
     g.add_argument("--canary-count", type=int, default=1000, help="m, canaries (default 1000)")
     g.add_argument(
         "--canary-direction",
         choices=DIRECTIONS,
         default="dirac",
-        help="gradient canaries: one coordinate each (dirac, default) or random unit vectors",
+        help="the plain gradient canaries (a quarter of them): one coordinate each (dirac, "
+        "default) or random rank-one directions",
     )
     g.add_argument(
         "--confidence",
@@ -145,6 +156,8 @@ class _Canaried:
     run: Any = None
     examples: Any = None
     before: Any = None
+    labels: Any = None
+    engines: dict[str, int] = field(default_factory=dict)  # the data's engine, step by step
 
     @property
     def extra_params(self) -> dict[str, Any]:
@@ -191,10 +204,15 @@ def _with_canaries(
         return _Canaried(
             included, data, int(data.shape[0]), examples=canaries.examples, before=before
         )
-    run = GradientCanaries(options["count"], kind=options["direction"]).run(
-        included, dataset_size=int(data.shape[0]), clipping_norm=s.clip, device=plan.device
+    spec = GradientCanaries(options["count"], kind=options["direction"])
+    run = spec.run(
+        included,
+        dataset_size=int(data.shape[0]),
+        clipping_norm=s.clip,
+        device=plan.device,
+        engine=plan.engine,
     )
-    return _Canaried(included, data, run.total_size, run=run)
+    return _Canaried(included, data, run.total_size, run=run, labels=spec.labels)
 
 
 def _max_batch(plan: RunPlan, total: int) -> int | None:
@@ -293,7 +311,8 @@ def _train(
     expected_zero: frozenset[str],
 ) -> None:
     """``plan.steps`` logical DP steps with ``opake train``'s learning-rate schedule; the drawn
-    included gradient canaries' clipped sum joins each step's sum before the noise."""
+    included gradient canaries' clipped sum — by the engine the data went through in that
+    step — joins each step's sum before the noise."""
     import torch
 
     from opake.cli._progress import make_progress
@@ -316,8 +335,10 @@ def _train(
         # the data's examples (fixed-shape padding and canary slots are not data)
         real = torch.as_tensor([i for i in indices if 0 <= i < n_data], dtype=torch.long)
         training.accumulate(data[real].to(plan.device))
+        engine = str(training.grad_fn.engine)
+        canaried.engines[engine] = canaried.engines.get(engine, 0) + 1
         if run is not None:  # always, even with no canary drawn: a zero sum with sensitivity C
-            training.optimizer.accumulate(run.clipped_sum(ids))
+            training.optimizer.accumulate(run.clipped_sum(ids, engine=engine))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", OpakePrivacyWarning)
             training.finish_step()
@@ -342,6 +363,13 @@ def _scores(plan: RunPlan, model: Any, canaried: _Canaried) -> Any:
         )
     after = _canary_losses(model, canaried.examples, plan.device)
     return {"loss_reduction": canaried.before - after}
+
+
+def _engine_text(engines: dict[str, int]) -> str:
+    """``"bookkeeping"``, or each engine with its step count when the run used several."""
+    if len(engines) == 1:
+        return next(iter(engines))
+    return ", ".join(f"{name} ({n} steps)" for name, n in sorted(engines.items()))
 
 
 def run_audit(
@@ -370,6 +398,7 @@ def run_audit(
     canaried = _with_canaries(plan, model, options, secret)
     training, inner, expected_zero = _dp_training(plan, model, patch_report, canaried, secret)
     _train(plan, training, inner, canaried, expected_zero)
+    run = canaried.run
     result = one_run_audit(
         _scores(plan, model, canaried),
         canaried.included,
@@ -377,9 +406,15 @@ def run_audit(
         delta=plan.delta,
         confidence=confidence,
         kind=kind,
+        groups=canaried.labels,
+        engine=run.engine_used if run is not None else _engine_text(canaried.engines),
     )
+    engines = {"data": dict(canaried.engines)}
+    if run is not None:
+        engines["canaries"] = dict(run.engines)
     result.extra.update(
         {
+            "engine_steps": engines,
             "planned_epsilon": plan.planned_epsilon,
             "noise_multiplier": plan.noise_multiplier,
             "sample_rate": plan.sample_rate,
