@@ -55,6 +55,7 @@ from opake.dpsgd.certify import (
     GramTerms,
     contraction_error,
     dense_sq_norms,
+    diagonal_norms,
     entry_error,
     error_bound,
     gamma32,
@@ -117,8 +118,9 @@ class PieceCert:
 
     ``sq``: computed squared norm; ``err``: bound of ``|sq − ‖G‖²|``; ``rel``/``abs``: the
     added tensor is within ``w·rel + abs`` of ``w·G``; ``steps``: tokens per example (the
-    length of its reductions); ``alpha``/``beta``/``terms``: token-norm bounds and Gram terms
-    (OuterSum pieces: for inner products with other pieces of the leaf).
+    length of its reductions); ``sums``: ``(S, Pa, Pb)`` — ``Σ_t α_tβ_t``, ``Σ_t α_t``,
+    ``Σ_t β_t`` of the token-norm bounds (OuterSum pieces: for inner products with other
+    pieces of the leaf).
     """
 
     sq: torch.Tensor
@@ -126,9 +128,7 @@ class PieceCert:
     rel: torch.Tensor
     abs: torch.Tensor
     steps: int = 1
-    alpha: torch.Tensor | None = None
-    beta: torch.Tensor | None = None
-    terms: GramTerms | None = None
+    sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     scale: torch.Tensor | None = None  # Σ_t ‖a_t‖‖b_t‖ (the scale of fp32 rounding), or None
 
     @property
@@ -137,30 +137,51 @@ class PieceCert:
         return (self.sq.clamp(min=0.0) + self.err).sqrt()
 
 
+#: a materialised per-example gradient of at most this many multiply-adds is formed in fp64
+_WIDE_MATERIALISE = WIDE_MACS >> 5
+
+
+def _norms_from(g: torch.Tensor, x: torch.Tensor, d: int) -> torch.Tensor:
+    """Token-norm bounds from the diagonal of ``g = gram(x)`` (free: the Gram route computed it),
+    or by a pass over ``x`` where a block overflowed."""
+    import torch
+
+    out = diagonal_norms(g, d, x.dtype, wide(x))
+    if not bool(torch.isfinite(out).all()):
+        out = token_norms(x)
+    return out
+
+
 def _outer(piece: OuterSum, cache: GramCache | None) -> PieceCert:
     import torch
 
     rows, cols = piece.shape
     batch, steps = int(piece.b.shape[0]), int(piece.b.shape[1])
-    beta = token_norms(piece.b)
+    ghost = piece.indexed or ghost_is_cheaper(steps, rows, cols)
+    ga = gb = None
+    if ghost:  # the token norms come off the Gram matrices' diagonals
+        gb = gram(piece.b) if cache is None else cache.gram(piece.b)
+        beta = _norms_from(gb, piece.b, cols)
+        ga = gram_a(piece, piece)
+    else:
+        beta = token_norms(piece.b)
     if piece.indexed:
         alpha = torch.ones(batch, steps, dtype=torch.float64, device=beta.device)
         a_err = (0.0, 0.0)
     else:
-        alpha = token_norms(piece.a)
+        alpha = token_norms(piece.a) if ga is None else _norms_from(ga, piece.a, rows)
         a_err = entry_error(rows, piece.a.dtype, wide(piece.a))
     widen = 1.0 + 2.0 * gamma64(steps + 2)  # the fp64 sums over tokens round too
     s = (alpha * beta).sum(dim=1) * widen
     pa, pb = alpha.sum(dim=1) * widen, beta.sum(dim=1) * widen
     rel, abs_ = contraction_error(s, pa, pb, steps=steps, rows=batch * steps, shape=(rows, cols))
-    terms = GramTerms.of(alpha, beta, a_err, entry_error(cols, piece.b.dtype, wide(piece.b)))
-    if piece.indexed or ghost_is_cheaper(steps, rows, cols):
-        gb = gram(piece.b) if cache is None else cache.gram(piece.b)
-        prod = gram_a(piece, piece).mul_(gb)
-        sq = prod.sum(dim=(1, 2))
+    b_err = entry_error(cols, piece.b.dtype, wide(piece.b))
+    terms = GramTerms.of((s, pa, pb), steps, a_err, b_err)
+    if ga is not None and gb is not None:
+        sq = ga.mul_(gb).sum(dim=(1, 2))
         err = error_bound(terms, terms)
-    else:  # materialised (in fp64 when small): its distance to G is a contraction over T
-        small = batch * steps * rows * cols <= WIDE_MACS
+    else:  # materialised (in fp64 when tiny): its distance to G is a contraction over T
+        small = batch * steps * rows * cols <= _WIDE_MATERIALISE
         g = materialise(piece, wide=small)
         sq, up = dense_sq_norms(g.reshape(batch, -1))
         del g
@@ -171,7 +192,7 @@ def _outer(piece: OuterSum, cache: GramCache | None) -> PieceCert:
             d_rel, d_abs = contraction_error(s, pa, pb, steps=steps, rows=steps, shape=(rows, cols))
         norm = up.sqrt() + d_rel + d_abs
         err = (norm.square() - sq).clamp(min=0.0) * (1.0 + SAFE)
-    return PieceCert(sq, err, rel, abs_, steps, alpha, beta, terms, s)
+    return PieceCert(sq, err, rel, abs_, steps, (s, pa, pb), s)
 
 
 def _dense(piece: Dense) -> PieceCert:
@@ -231,18 +252,16 @@ def certify(piece: Piece, cache: GramCache | None = None, *, trusted: bool = Fal
 def _inner_outer(
     u: OuterSum, v: OuterSum, cu: PieceCert, cv: PieceCert
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    assert cu.alpha is not None
-    assert cu.beta is not None
-    assert cv.alpha is not None
-    assert cv.beta is not None
+    assert cu.sums is not None
+    assert cv.sums is not None
     prod = gram_a(u, v).mul_(gram(u.b, v.b))
     inner = prod.sum(dim=(1, 2))
     exact_a = u.indexed or v.indexed
     rows, cols = u.shape
     a_err = (0.0, 0.0) if exact_a else entry_error(rows, u.a.dtype, wide(u.a, v.a))
     b_err = entry_error(cols, u.b.dtype, wide(u.b, v.b))
-    tu = GramTerms.of(cu.alpha, cu.beta, a_err, b_err)
-    tv = GramTerms.of(cv.alpha, cv.beta, a_err, b_err)
+    tu = GramTerms.of(cu.sums, cu.steps, a_err, b_err)
+    tv = GramTerms.of(cv.sums, cv.steps, a_err, b_err)
     return inner, error_bound(tu, tv)
 
 
@@ -252,8 +271,7 @@ def _inner_dense_outer(
     """``⟨M_i, Σ_t a_t ⊗ b_t⟩ = Σ_t a_t · (M_i b_t)`` in fp64 (products of fp32 numbers exact)."""
     import torch
 
-    assert cv.alpha is not None
-    assert cv.beta is not None
+    assert cv.sums is not None
     rows, cols = v.shape
     mat = m.g.reshape(m.g.shape[0], rows, cols).double()
     mb = torch.einsum("brc,btc->btr", mat, v.b.double())
@@ -261,8 +279,7 @@ def _inner_dense_outer(
         inner = torch.gather(mb, 2, v.a[:, :, None]).sum(dim=(1, 2))
     else:
         inner = (mb * v.a.double()).sum(dim=(1, 2))
-    n_m, s = cm.norm_up, (cv.alpha * cv.beta).sum(dim=1)
-    pa, pb = cv.alpha.sum(dim=1), cv.beta.sum(dim=1)
+    n_m, (s, pa, pb) = cm.norm_up, cv.sums
     root = math.sqrt(rows * cols)
     err = gamma64(rows + cols + cv.steps + 2) * n_m * s
     err = err + ETA * (root * s + n_m * (math.sqrt(cols) * pa + math.sqrt(rows) * pb))

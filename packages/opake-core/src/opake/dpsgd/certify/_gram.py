@@ -37,7 +37,16 @@ from opake.dpsgd.certify._float import BLOCK, ETA, SAFE, U64, gamma32, gamma64
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["WIDE_MACS", "GramCache", "GramTerms", "entry_error", "error_bound", "gram", "wide"]
+__all__ = [
+    "WIDE_MACS",
+    "GramCache",
+    "GramTerms",
+    "diagonal_norms",
+    "entry_error",
+    "error_bound",
+    "gram",
+    "wide",
+]
 
 ETA64 = 2.0**-1022  # fp64's smallest normal number (fp64 inputs' underflow)
 
@@ -121,40 +130,75 @@ def entry_error(d: int, dtype: torch.dtype, wide: bool = False) -> tuple[float, 
     return root, max(k / root, math.sqrt(m))
 
 
+def diagonal_norms(g: torch.Tensor, d: int, dtype: torch.dtype, wide: bool) -> torch.Tensor:
+    """Certified bounds of ``‖x_t‖`` ``[B, T]`` (fp64) from the diagonal of ``g = gram(x)``.
+
+    The diagonal is a sum of ``d`` squares (non-negative terms, so no cancellation): blocked
+    fp32, each block's sum ``ŝ ≥ (1 − γ32(BLOCK))·s − 2·BLOCK·ETA`` and the fp64 sum over the
+    blocks within ``γ64(blocks)``, a subnormal input read as zero losing less than ``ETA²``:
+    ``‖x‖² ≤ (ĝ·(1 + 2γ64(d)) + 3·d·ETA)/(1 − γ32(BLOCK))``; fp64 products of fp32 inputs:
+    ``ĝ·(1 + 2γ64(d)) + d·ETA²``; fp64 inputs: ``(ĝ + 2·d·2⁻¹⁰²²)·(1 + 2γ64(d + 1))``. A
+    non-finite diagonal (a block that overflowed) stays non-finite: recompute those tokens.
+
+    >>> import torch
+    >>> x = torch.tensor([[[3.0, 4.0]]])
+    >>> 5.0 <= float(diagonal_norms(gram(x), 2, x.dtype, True)[0, 0]) < 5.0 + 1e-9
+    True
+    """
+    import torch
+
+    diag = g.diagonal(dim1=1, dim2=2).clamp(min=0.0)
+    if d == 0:
+        return diag * 0.0
+    if dtype == torch.float64:
+        up = (diag + 2.0 * d * ETA64) * (1.0 + 2.0 * gamma64(d + 1))
+    elif wide:
+        up = diag * (1.0 + 2.0 * gamma64(d)) + d * ETA * ETA
+    else:
+        up = (diag * (1.0 + 2.0 * gamma64(d)) + 3.0 * d * ETA) / (1.0 - gamma32(min(d, BLOCK)))
+    return up.sqrt() * (1.0 + SAFE)
+
+
 @dataclass(frozen=True)
 class GramTerms:
     """The per-example sums of one piece that its Gram-route error bounds need (fp64 ``[B]``).
 
-    ``x``/``y`` are the a-side/b-side entry bounds ``ε_t`` (``x`` is zero when the a side's Gram
-    is exact); see the module docstring for ``X, Y, Z, W``; ``steps`` is ``T``.
+    With ``x_t = √c_a·α_t + λ_a`` and ``y_t = √c_b·β_t + λ_b`` (the two sides' entry bounds,
+    ``x = 0`` when the a side's Gram is exact) every sum of the module docstring is a linear
+    combination of ``S = Σ_t α_tβ_t``, ``Pa = Σ_t α_t``, ``Pb = Σ_t β_t`` and ``T``:
+    ``X = √c_a·S + λ_a·Pb``, ``Y = √c_b·S + λ_b·Pa``,
+    ``Z = √(c_a c_b)·S + √c_a λ_b·Pa + λ_a√c_b·Pb + λ_aλ_b·T`` and
+    ``W = (1+√c_a)(1+√c_b)·S + (1+√c_a)λ_b·Pa + λ_a(1+√c_b)·Pb + λ_aλ_b·T`` — so they cost a
+    few operations on ``[B]`` vectors, whatever the sequence length.
     """
 
     X: torch.Tensor
     Y: torch.Tensor
     Z: torch.Tensor
     W: torch.Tensor
-    S: torch.Tensor  # Σ_t α_t β_t
     steps: int
 
     @classmethod
     def of(
         cls,
-        alpha: torch.Tensor,
-        beta: torch.Tensor,
+        sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        steps: int,
         a_err: tuple[float, float],
         b_err: tuple[float, float],
     ) -> GramTerms:
-        """From token-norm bounds ``α, β [B, T]`` and the two sides' ``(√c, λ)``."""
-        steps = int(alpha.shape[1])
-        widen = 1.0 + 2.0 * gamma64(steps + 4)  # the fp64 sums over tokens round too
-        x = alpha * a_err[0] + a_err[1] if a_err != (0.0, 0.0) else alpha * 0.0
-        y = beta * b_err[0] + b_err[1]
+        """From ``(S, Pa, Pb)`` (upper bounds, fp64 ``[B]``), ``T`` and the two sides'
+        ``(√c, λ)`` (:func:`entry_error`)."""
+        s, pa, pb = sums
+        ra, la = a_err
+        rb, lb = b_err
         return cls(
-            X=(x * beta).sum(dim=1) * widen,
-            Y=(alpha * y).sum(dim=1) * widen,
-            Z=(x * y).sum(dim=1) * widen,
-            W=((alpha + x) * (beta + y)).sum(dim=1) * widen,
-            S=(alpha * beta).sum(dim=1) * widen,
+            X=s * ra + pb * la,
+            Y=s * rb + pa * lb,
+            Z=s * (ra * rb) + pa * (ra * lb) + pb * (la * rb) + la * lb * steps,
+            W=s * ((1 + ra) * (1 + rb))
+            + pa * ((1 + ra) * lb)
+            + pb * (la * (1 + rb))
+            + la * lb * steps,
             steps=steps,
         )
 

@@ -3,8 +3,8 @@
 Where the forward kept the logit gradients ``u`` (``[N, V]`` fp32, :mod:`._kept`), example
 ``i``'s weight gradient is ``G_i = Σ_t u_t (g_t h_t)ᵀ``, and the clipped sum is one contraction
 ``Uᵀ (fl(fl(w g) ⊙ H))`` (:func:`~._kept.kept_weighted_sum`): an
-:class:`~opake.dpsgd.bookkeeping.OuterSum` with ``a = u`` and ``b = g ⊙ h`` (formed exactly, in
-fp64), one of whose factors is scaled with two roundings — exactly what the book-keeping
+:class:`~opake.dpsgd.bookkeeping.OuterSum` with ``a = u`` and ``b = fl(g ⊙ h)``, whose scaled
+side the sum forms within three roundings of ``w·b`` — exactly what the book-keeping
 engine's generic certificate covers (:func:`opake.dpsgd.bookkeeping.certify_piece`). The
 tied-embedding cross term is the generic inner product of that view with the embedding's use.
 
@@ -30,6 +30,8 @@ __all__ = ["certificate", "certified_inner", "outer_view"]
 
 def outer_view(op: LinearCEExampleGrads) -> OuterSum:
     """The :class:`~opake.dpsgd.bookkeeping.OuterSum` ``(u, g ⊙ h)`` of a kept operator."""
+    import torch
+
     from opake.dpsgd.bookkeeping import OuterSum
 
     kept = op._kept
@@ -42,7 +44,11 @@ def outer_view(op: LinearCEExampleGrads) -> OuterSum:
         )
     batch, steps, _ = op.hidden.shape
     u = kept.u.view(batch, steps, -1)
-    b = op.token_grads.double().unsqueeze(-1) * op.hidden.double()  # exact: fp32·fp32 in fp64
+    # b = fl(g·h): the sum adds fl(fl(w·g)·h), within three roundings of w·b (the bound's
+    # budget for the scaled side); fp64 hidden states keep b in fp64 (their conversion to fp32
+    # in the sum is then one of the three)
+    hidden = op.hidden if op.hidden.dtype == torch.float64 else op.hidden.float()
+    b = op.token_grads.to(hidden.dtype).unsqueeze(-1) * hidden
     return OuterSum(u, b)
 
 

@@ -176,6 +176,7 @@ class ExpertGrads:
             dense_sq_norms,
             entry_error,
             error_bound,
+            gamma64,
             gram,
             token_norms,
             wide,
@@ -187,7 +188,9 @@ class ExpertGrads:
         if ghost_is_cheaper(size, rows, cols):
             sq = gram(ga).mul_(gram(gb)).sum(dim=(1, 2))
             a_err = entry_error(rows, ga.dtype, wide(ga))
-            terms = GramTerms.of(alpha, beta, a_err, entry_error(cols, gb.dtype, wide(gb)))
+            widen = 1.0 + 2.0 * gamma64(size + 2)
+            sums = ((alpha * beta).sum(1) * widen, alpha.sum(1) * widen, beta.sum(1) * widen)
+            terms = GramTerms.of(sums, size, a_err, entry_error(cols, gb.dtype, wide(gb)))
             return sq, error_bound(terms, terms)
         block = torch.bmm(ga.transpose(1, 2), gb).reshape(count, -1)
         sq, up = dense_sq_norms(block)
