@@ -84,7 +84,7 @@ __all__ = [
 ]
 
 #: take the exact route where the certified bound exceeds the computed norm by more than this
-LOOSE = 2.0**-7
+LOOSE = 2.0**-4
 #: bounds below this never take the exact route (padding and all-zero examples)
 TINY = 2.0**-64
 #: the rounding model of trusted, uncertified operators (outside the proof)
