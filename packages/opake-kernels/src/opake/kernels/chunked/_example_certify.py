@@ -38,7 +38,7 @@ def outer_view(op: LinearCEExampleGrads) -> OuterSum:
     if kept is None or kept.u is None:
         raise OperationError(
             "book-keeping: the linear cross-entropy's per-example gradients were not kept in "
-            "the forward (they did not fit an eighth of the available memory), so its clipped "
+            "the forward (they did not fit a quarter of the available memory), so its clipped "
             "sum recomputes the logits, which the clipping proof does not cover; use a smaller "
             "microbatch (microbatch_size) so that they fit, or clipped_grad(method='vmap')"
         )

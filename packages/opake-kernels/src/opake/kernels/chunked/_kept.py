@@ -13,7 +13,7 @@ is linear in the upstream gradients ``g_t`` (``d_t = g_t u_t``), so none recompu
 - the clipped sum ``Σ_i c_i G_i = Uᵀ ((c g) ⊙ H)``: one matrix product.
 
 ``u`` costs ``4·N·V`` bytes, no more than the non-private head keeps for its logits and
-log-softmax; it is kept only while that fits an eighth of the device's available memory
+log-softmax; it is kept only while that fits a quarter of the device's available memory
 (:func:`keeps_logit_grads`). Otherwise, when one vocabulary tile spans the vocabulary, the
 forward keeps ``u W`` and each example's Gram matrix of ``u`` (the "Gram form"), and only the
 clipped sum recomputes the tiles; else the tiles are recomputed as before.
@@ -43,7 +43,7 @@ __all__ = [
 
 Tensor = torch.Tensor
 _F32 = torch.float32
-_FRACTION = 8  # kept gradients take at most this fraction of the available memory
+_FRACTION = 4  # kept gradients take at most this fraction of the available memory
 
 
 @dataclass
@@ -67,7 +67,7 @@ def keeps_logit_grads(
 ) -> str | None:
     """What the forward keeps for hidden states ``[B, T]`` and a vocabulary ``V``
     (``shape = (B, T, V)``) and the chunked kernel's ``tiles``: ``"u"`` when ``4·B·T·V``
-    bytes fit an eighth of the available memory (whatever the tiles); else ``"gram"``
+    bytes fit a quarter of the available memory (whatever the tiles); else ``"gram"``
     (``u W`` and each example's Gram matrix of ``u``; the clipped sum then recomputes the
     tiles once) when ``gram_ok`` (the Gram route, no bias), one vocabulary tile spans the
     vocabulary and one token tile holds a whole example; else ``None``.

@@ -172,7 +172,7 @@ def linear_cross_entropy_recorded(
 
     ``keep_logit_grads`` (``None``: automatic) makes the forward keep the fp32 logit gradients
     (``4·B·T·V`` bytes; automatic: when one vocabulary tile spans the vocabulary and they fit
-    an eighth of the available memory): the backward and every later use then compute no logit
+    a quarter of the available memory): the backward and every later use then compute no logit
     again. Otherwise the backward recomputes each logits tile once and forms from it both the
     hidden states' gradient and each example's squared norm
     (``record.example_grads(token_grads)``).
