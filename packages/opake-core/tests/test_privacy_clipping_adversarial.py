@@ -144,23 +144,14 @@ CLIPPING = st.sampled_from(["fixed", "group", "auto_s", "adaptive"])
 
 def _batch(rule: Rule, examples, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    xs, ys = [], []
-    for inputs, grads, ex, ey, res in examples:
-        if rule.tokens:
-            ids = torch.randint(1, rule.width, (rule.steps,), generator=gen)
-            if inputs in ("repeated", "alternating", "cancelling"):
-                ids[:] = ids[0]
-            elif inputs == "zero":
-                ids[:] = 0  # padding only
-            xs.append(ids)
-        else:
-            xs.append(_pattern(gen, (rule.steps, rule.width), inputs, ex, res))
-        ys.append(_pattern(gen, (rule.steps, rule.out), grads, ey, res))
-    if not xs:
-        shape = (0, rule.steps) if rule.tokens else (0, rule.steps, rule.width)
-        dtype = torch.int64 if rule.tokens else torch.float32
-        return torch.zeros(shape, dtype=dtype), torch.zeros(0, rule.steps, rule.out)
-    return torch.stack(xs), torch.stack(ys)
+    return testing.adversarial_batch(
+        examples,
+        gen,
+        tokens=rule.tokens,
+        width=rule.width,
+        steps=rule.steps,
+        out_shape=(rule.steps, rule.out),
+    )
 
 
 def _state(kind: str, names, clip: float):

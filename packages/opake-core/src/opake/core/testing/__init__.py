@@ -28,6 +28,7 @@ from opake.core.testing._reference import (
 from opake.core.testing._rules import (
     PATTERNS,
     TOLERANCE,
+    adversarial_batch,
     adversarial_tensor,
     check_rule_example,
     rule_example_cases,
@@ -37,6 +38,7 @@ from opake.core.testing._rules import (
 __all__ = [
     "PATTERNS",
     "TOLERANCE",
+    "adversarial_batch",
     "adversarial_tensor",
     "assert_grads_close",
     "causal_lm_loss",

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PATTERNS",
     "TOLERANCE",
+    "adversarial_batch",
     "adversarial_tensor",
     "check_rule_example",
     "rule_example_cases",
@@ -111,6 +112,48 @@ def adversarial_tensor(
     return out
 
 
+def adversarial_batch(
+    examples: Sequence[ExampleSpec],
+    gen: torch.Generator,
+    *,
+    tokens: bool,
+    width: int,
+    steps: int,
+    out_shape: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and output gradients of a batch of ``examples`` (:data:`ExampleSpec` each):
+    token ids in ``[1, width)`` (``tokens``; repeated for the repeating patterns, 0 — padding —
+    for ``"zero"``) or ``[steps, width]`` vectors, and ``out_shape`` output gradients.
+
+    >>> import torch
+    >>> x, y = adversarial_batch(
+    ...     [("random", "zero", 0.0, 0.0, 0.0)], torch.Generator().manual_seed(0),
+    ...     tokens=False, width=3, steps=2, out_shape=(2, 4),
+    ... )
+    >>> tuple(x.shape), tuple(y.shape), float(y.abs().sum())
+    ((1, 2, 3), (1, 2, 4), 0.0)
+    """
+    import torch
+
+    xs, ys = [], []
+    for inputs, grads, ex, ey, res in examples:
+        if tokens:
+            ids = torch.randint(1, width, (steps,), generator=gen)
+            if inputs in ("repeated", "alternating", "cancelling"):
+                ids[:] = ids[0]
+            elif inputs == "zero":
+                ids[:] = 0  # padding only
+            xs.append(ids)
+        else:
+            xs.append(adversarial_tensor(gen, (steps, width), inputs, ex, res))
+        ys.append(adversarial_tensor(gen, out_shape, grads, ey, res))
+    if not xs:
+        shape = (0, steps) if tokens else (0, steps, width)
+        dtype = torch.int64 if tokens else torch.float32
+        return torch.zeros(shape, dtype=dtype), torch.zeros(0, *out_shape)
+    return torch.stack(xs), torch.stack(ys)
+
+
 def _inputs(
     case: RuleExample, examples: Sequence[ExampleSpec], gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,23 +164,9 @@ def _inputs(
         probe = torch.zeros(1, case.steps, case.width)
     with torch.no_grad():
         out_shape = tuple(case.module(probe).shape[1:])
-    xs, ys = [], []
-    for inputs, grads, ex, ey, res in examples:
-        if case.tokens:
-            ids = torch.randint(1, case.width, (case.steps,), generator=gen)
-            if inputs in ("repeated", "alternating", "cancelling"):
-                ids[:] = ids[0]
-            elif inputs == "zero":
-                ids[:] = 0  # padding only
-            xs.append(ids)
-        else:
-            xs.append(adversarial_tensor(gen, (case.steps, case.width), inputs, ex, res))
-        ys.append(adversarial_tensor(gen, out_shape, grads, ey, res))
-    if not xs:
-        shape = (0, case.steps) if case.tokens else (0, case.steps, case.width)
-        dtype = torch.int64 if case.tokens else torch.float32
-        return torch.zeros(shape, dtype=dtype), torch.zeros(0, *out_shape)
-    return torch.stack(xs), torch.stack(ys)
+    return adversarial_batch(
+        examples, gen, tokens=case.tokens, width=case.width, steps=case.steps, out_shape=out_shape
+    )
 
 
 def _norm(grads: Any) -> float:

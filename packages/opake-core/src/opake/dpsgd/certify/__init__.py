@@ -49,7 +49,14 @@ from opake.dpsgd.certify._gram import (
     gram,
     wide,
 )
-from opake.dpsgd.certify._sums import FINAL, adjust_factors, contraction_error, scaled_add_error
+from opake.dpsgd.certify._sums import (
+    FINAL,
+    adjust_factors,
+    contraction_error,
+    division_slack,
+    divisor_up,
+    scaled_add_error,
+)
 
 __all__ = [
     "BLOCK",
@@ -66,6 +73,8 @@ __all__ = [
     "contraction_error",
     "dense_sq_norms",
     "diagonal_norms",
+    "division_slack",
+    "divisor_up",
     "entry_error",
     "error_bound",
     "full_precision",

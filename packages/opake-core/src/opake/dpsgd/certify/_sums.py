@@ -28,7 +28,14 @@ from opake.dpsgd.certify._float import ETA, SAFE, U32, gamma32
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FINAL", "adjust_factors", "contraction_error", "scaled_add_error"]
+__all__ = [
+    "FINAL",
+    "adjust_factors",
+    "contraction_error",
+    "division_slack",
+    "divisor_up",
+    "scaled_add_error",
+]
 
 #: what an added tensor may still gain after its bound: an fp64 value converted to fp32, the
 #: product with the clip factor where a piece's own ``rel`` does not cover it, and the division
@@ -116,3 +123,40 @@ def adjust_factors(
     rounded = wide.to(torch.float32)
     too_big = rounded.double() > wide
     return torch.where(too_big, torch.nextafter(rounded, torch.zeros_like(rounded)), rounded)
+
+
+def divisor_up(value: float, device: torch.device) -> torch.Tensor:
+    """``normalize_by`` as an fp32 0-d tensor rounded *up*: dividing by it never enlarges a
+    quotient beyond the division's own rounding.
+
+    >>> float(divisor_up(3.0, __import__("torch").device("cpu")))
+    3.0
+    >>> float(divisor_up(0.1, __import__("torch").device("cpu"))) >= 0.1
+    True
+    """
+    import torch
+
+    rounded = torch.tensor(value, dtype=torch.float32)
+    if float(rounded) < value:
+        rounded = torch.nextafter(rounded, torch.tensor(math.inf, dtype=torch.float32))
+    return rounded.to(device)
+
+
+def division_slack(
+    slack: torch.Tensor | None, bound_sq: torch.Tensor, numel: list[int], normalize_by: float
+) -> torch.Tensor:
+    """``slack`` ``[m, leaves]`` plus what dividing the sum by ``normalize_by`` can add where a
+    quotient is subnormal (``2⁻¹⁵⁰`` per entry): ``ETA·√n`` per leaf of ``n`` entries, in the
+    sum's units before the division (× ``normalize_by``).
+
+    >>> import torch
+    >>> extra = division_slack(None, torch.ones(1, 1), [4], 2.0)
+    >>> bool(extra[0, 0] >= 2 * 2.0**-126 * 2.0)
+    True
+    """
+    import torch
+
+    extra = torch.tensor([float(n) for n in numel], dtype=torch.float64, device=bound_sq.device)
+    extra = extra.sqrt_().mul_(ETA * normalize_by * FINAL)
+    base = slack if slack is not None else torch.zeros_like(bound_sq)
+    return base + extra

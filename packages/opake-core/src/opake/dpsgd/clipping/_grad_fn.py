@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from opake.dpsgd.bookkeeping._engine import (
     BookkeepingRunner,
 )
 from opake.dpsgd.bookkeeping._engine import choose as choose_engine
-from opake.dpsgd.certify import ETA, FINAL, adjust_factors, full_precision
+from opake.dpsgd.certify import adjust_factors, division_slack, divisor_up, full_precision
 from opake.dpsgd.clipping import _engine as vmap_engine
 from opake.dpsgd.clipping._base import ChunkNorms, ClipState, GroupSpec
 from opake.dpsgd.clipping._bookkeeping import BookkeepingEngine
@@ -88,21 +87,6 @@ def _outer_transform_differentiates() -> bool:
         return False
     keys = {TransformType.Grad, TransformType.Jvp}
     return any(interp.key() in keys for interp in retrieve_all_functorch_interpreters())
-
-
-def _divisor(value: float, device: torch.device) -> torch.Tensor:
-    """``normalize_by`` as an fp32 0-d tensor rounded *up*: dividing by it never enlarges a
-    quotient beyond the division's own rounding.
-
-    >>> float(_divisor(3.0, __import__("torch").device("cpu")))
-    3.0
-    """
-    import torch
-
-    rounded = torch.tensor(value, dtype=torch.float32)
-    if float(rounded) < value:
-        rounded = torch.nextafter(rounded, torch.tensor(math.inf, dtype=torch.float32))
-    return rounded.to(device)
 
 
 class ClippedGradFn:
@@ -451,24 +435,17 @@ class ClippedGradFn:
             record.add(out, norms, factors, self.has_aux)
         sums = {name: sums[name] for name in leaves}  # leaf order; a leaf never added: zeros
         if self.normalize_by != 1.0:
-            divisor = _divisor(self.normalize_by, device)
+            divisor = divisor_up(self.normalize_by, device)
             with full_precision():
                 sums = {name: value / divisor for name, value in sums.items()}
         return sums, record.result(state.group_names()), record.count
 
     def _slack(self, out: ChunkOut, call: _Call) -> torch.Tensor | None:
-        """The chunk's slack, plus (in the sum's units before the division) what the final
-        division by ``normalize_by`` can add where a quotient is subnormal: ``ETA·√n`` per leaf
-        of ``n`` entries, times ``normalize_by``."""
-        import torch
-
+        """The chunk's slack plus what the final division by ``normalize_by`` can add."""
         if self.normalize_by == 1.0:
             return out.slack
-        numel = [float(v.numel()) for v in call.tree.leaves.values()]
-        extra = torch.tensor(numel, dtype=torch.float64, device=out.bound_sq.device)
-        extra = extra.sqrt_().mul_(ETA * self.normalize_by * FINAL)
-        base = out.slack if out.slack is not None else torch.zeros_like(out.bound_sq)
-        return base + extra
+        numel = [v.numel() for v in call.tree.leaves.values()]
+        return division_slack(out.slack, out.bound_sq, numel, self.normalize_by)
 
     def _warn_unused(self, args: tuple[Any, ...], tree: DiffTree) -> None:
         """Warn (once) about differentiated leaves the loss does not depend on at all."""

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from opake.dpsgd.training._result import PrivacyBudgetExhausted
 
 
 def _steps_within(epsilon_after: Callable[[int], float], guess: int, target: float) -> int:
@@ -51,3 +54,22 @@ def _trial_epsilon(
     trial = accountant_from_state_dict(accountant.state_dict())
     trial.step(noise_multiplier=noise_multiplier, num_steps=extra_steps, **accounting)
     return float(trial.get_epsilon(delta))
+
+
+def exhausted(
+    steps: int, spent: tuple[float, float], sigma: float, rate: float, target: float
+) -> PrivacyBudgetExhausted:
+    """The error a step past the budget raises: ``spent`` is ``(ε so far, δ)``.
+
+    >>> str(exhausted(3, (1.0, 1e-5), 1.1, 0.01, 1.0)).startswith("privacy budget spent")
+    True
+    """
+    from opake.dpsgd.training._result import PrivacyBudgetExhausted
+
+    epsilon, delta = spent
+    return PrivacyBudgetExhausted(
+        f"privacy budget spent: after {steps} step(s) ε = {epsilon:.4g} (δ = {delta:.3g}), and "
+        f"one more step at σ = {sigma:.4g}, q = {rate:.4g} would exceed target_epsilon = "
+        f"{target:g}. Stop training here (the model trained so far is (ε, δ)-DP), or raise the "
+        "target knowingly"
+    )

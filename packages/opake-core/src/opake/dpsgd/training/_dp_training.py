@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.dpsgd.training import _persist
-from opake.dpsgd.training._budget import _steps_within, _trial_epsilon
+from opake.dpsgd.training._budget import _steps_within, _trial_epsilon, exhausted
 from opake.dpsgd.training._options import (
     _accounting_of,
     _calibrated_sigma,
@@ -306,12 +306,9 @@ class DPTraining:
             self._budget_end = self.steps + self._steps_within(self._target)
         assert self._budget_end is not None
         if raise_error and self.steps >= self._budget_end:
-            raise PrivacyBudgetExhausted(
-                f"privacy budget spent: after {self.steps} step(s) ε = {self.epsilon():.4g} "
-                f"(δ = {self._delta:.3g}), and one more step at σ = {self.noise_multiplier:.4g}, "
-                f"q = {self.sample_rate:.4g} would exceed target_epsilon = {self._target:g}. "
-                "Stop training here (the model trained so far is (ε, δ)-DP), or raise the "
-                "target knowingly"
+            spent = (self.epsilon(), self._delta)
+            raise exhausted(
+                self.steps, spent, self.noise_multiplier, self.sample_rate, self._target
             )
 
     def _steps_within(self, target: float) -> int:
