@@ -44,3 +44,15 @@ def tiny_llama() -> torch.nn.Module:
 def tiny_gpt2() -> torch.nn.Module:
     pytest.importorskip("transformers")
     return testing.tiny_gpt2(n_embd=32, n_layer=2, vocab_size=VOCAB)
+
+
+@pytest.fixture
+def flush_denormal():
+    """Flush-to-zero and denormals-are-zero on for the test (the clipping proof must hold with
+    them); skipped on a CPU that cannot flush denormals."""
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals (torch.set_flush_denormal returned False)")
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)

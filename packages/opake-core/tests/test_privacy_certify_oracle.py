@@ -91,12 +91,10 @@ def _within(value: float, err: float, exact: Fraction) -> bool:
 
 @pytest.fixture(params=[False, True], ids=["ieee", "ftz-daz"])
 def flush(request):
-    if request.param and not torch.set_flush_denormal(True):
-        pytest.skip("this CPU cannot flush denormals")
-    try:
-        yield request.param
-    finally:
-        torch.set_flush_denormal(False)
+    """Each property with denormals kept, then flushed (conftest's ``flush_denormal``)."""
+    if request.param:
+        request.getfixturevalue("flush_denormal")
+    return request.param
 
 
 def _piece(gen, steps, rows, cols, pa, pb, sa, sb, indexed=False):

@@ -16,15 +16,12 @@ import math
 import pytest
 import torch
 
+from opake.core import testing
 from opake.dpsgd.bookkeeping import BatchedLoss
 from opake.dpsgd.clipping import clipped_grad
 from opake.functional import make_functional
 
 EXACT = 1.0 + 1e-12  # the oracle's fp64 rounding of a norm: nothing else is tolerated
-
-
-def _norm(grads) -> float:
-    return math.sqrt(math.fsum(float(g.double().square().sum()) for g in grads.values()))
 
 
 def _contributions(grad_fn, state, args, batch):
@@ -36,13 +33,10 @@ def _contributions(grad_fn, state, args, batch):
         for a in args[1:]
     )
     grad_fn(args[0], *benign, state=state)
-    out = []
-    for i in range(batch):
-        mask = torch.zeros(batch, dtype=torch.bool)
-        mask[i] = True
-        got, _ = grad_fn(*args, state=state, example_mask=mask)
-        out.append(_norm(got))
-    return out
+    return [
+        testing.exact_norm(testing.contribution(grad_fn, args, state=state, index=i, batch=batch))
+        for i in range(batch)
+    ]
 
 
 def _mse(fmodel):
@@ -218,16 +212,6 @@ def test_dense_pieces_of_book_keeping_are_measured_in_full():
 
 
 # ------------------------------------------------------------- flush-to-zero, denormals-are-zero
-@pytest.fixture
-def flush_denormal():
-    if not torch.set_flush_denormal(True):
-        pytest.skip("this CPU cannot flush denormals")
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(False)
-
-
 @pytest.mark.usefixtures("flush_denormal")
 @pytest.mark.parametrize("method", ["bookkeeping", "vmap"])
 def test_with_flush_to_zero_the_bound_still_holds(method):

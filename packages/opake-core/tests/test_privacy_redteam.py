@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 
+from opake.core import testing
 from opake.dpsgd.bookkeeping import BatchedLoss
 from opake.dpsgd.clipping import (
     AdaptiveClipping,
@@ -32,17 +33,11 @@ U = 2.0**-24
 FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
-def _norm(grads) -> float:
-    squares = [v for g in grads.values() for v in g.double().square().flatten().tolist()]
-    return math.sqrt(math.fsum(squares))
+_norm = testing.exact_norm
 
 
 def _isolated(grad_fn, state, args, batch: int, i: int) -> float:
-    mask = torch.zeros(batch, dtype=torch.bool)
-    mask[i] = True
-    out, _ = grad_fn(*args, state=state, example_mask=mask)
-    grads = out[0] if isinstance(out, tuple) else out
-    return _norm(grads)
+    return _norm(testing.contribution(grad_fn, args, state=state, index=i, batch=batch))
 
 
 def _warm(grad_fn, state, args) -> None:
@@ -294,16 +289,6 @@ def test_auto_s_tiny_stability_with_zero_and_subnormal_gradients(method):
 
 
 # ---------------------------------------------------------------- underflow with a tiny bound
-@pytest.fixture
-def flush_denormal():
-    if not torch.set_flush_denormal(True):
-        pytest.skip("this CPU cannot flush denormals")
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(False)
-
-
 def _tiny_case(method, clip):
     layer = torch.nn.Linear(16, 8)
     fmodel, params = make_functional(layer)

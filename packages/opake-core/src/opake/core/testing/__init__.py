@@ -9,7 +9,8 @@
 - :func:`search_rule`, :func:`check_rule_example`, :func:`rule_example_cases`: the book-keeping
   rule conformance harness — a plugin author runs ``search_rule("my-rule")`` in the plugin's
   tests (adversarial batches, hypothesis-guided, against the clipping bound with no tolerance
-  and against the per-example loop).
+  and against the per-example loop); :func:`contribution` and :func:`exact_norm`, what one
+  example alone adds to a clipped sum and its norm measured exactly.
 
 >>> from opake.core.testing import reference_clipped_grad
 >>> callable(reference_clipped_grad)
@@ -18,6 +19,7 @@ True
 
 from __future__ import annotations
 
+from opake.core.testing._isolate import contribution, exact_norm
 from opake.core.testing._models import causal_lm_loss, tiny_gpt2, tiny_llama, tiny_mlp, with_lora
 from opake.core.testing._reference import (
     assert_grads_close,
@@ -43,6 +45,8 @@ __all__ = [
     "assert_grads_close",
     "causal_lm_loss",
     "check_rule_example",
+    "contribution",
+    "exact_norm",
     "per_example_grads_loop",
     "reference_clipped_grad",
     "reference_clipped_sum",

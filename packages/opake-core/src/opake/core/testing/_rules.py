@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from opake.core.testing._isolate import contribution, exact_norm
 
 if TYPE_CHECKING:
     import torch
@@ -169,10 +171,6 @@ def _inputs(
     )
 
 
-def _norm(grads: Any) -> float:
-    return math.sqrt(math.fsum(float(g.double().square().sum()) for g in grads.values()))
-
-
 def _moderate(examples: Sequence[ExampleSpec]) -> bool:
     """No cancellation and fp32-safe magnitudes (where fp32 autograd itself is accurate)."""
     return all(
@@ -230,10 +228,8 @@ def check_rule_example(
     assert all(bool(torch.isfinite(g).all()) for g in total.values())
     contributions, worst = [], 0.0
     for i in range(batch):
-        mask = torch.zeros(batch, dtype=torch.bool)
-        mask[i] = True
-        one, _ = grad_fn(params, x, y, state=state, example_mask=mask)
-        norm = _norm(one)
+        one = contribution(grad_fn, (params, x, y), state=state, index=i, batch=batch)
+        norm = exact_norm(one)
         worst = max(worst, norm / clip)
         assert norm <= clip * (1 + TOLERANCE), (i, examples[i], norm, clip)
         contributions.append(one)

@@ -1,4 +1,4 @@
-"""How many more logical steps fit in a privacy budget (for ``DPTraining.steps_left``)."""
+"""How many more logical steps fit in a privacy budget (``DPTraining``'s ``steps_left``)."""
 
 from __future__ import annotations
 
@@ -73,3 +73,37 @@ def exhausted(
         f"{target:g}. Stop training here (the model trained so far is (ε, δ)-DP), or raise the "
         "target knowingly"
     )
+
+
+class Budget:
+    """A target ε and the logical step it ends at, computed once per ``(σ, q)``.
+
+    >>> budget = Budget(target=3.2, planned=None)
+    >>> budget.steps_left(2, ("σ", "q"), lambda k: 0.5 * (2 + k))
+    4
+    >>> Budget(target=None, planned=None).steps_left(0, (), lambda k: 0.0) is None
+    True
+    """
+
+    def __init__(self, target: float | None, planned: int | None) -> None:
+        self.target = target
+        self.planned = planned
+        self._key: tuple[Any, ...] | None = None
+        self._end: int | None = None
+
+    def reset(self) -> None:
+        """Forget the computed end (a loaded state, or σ or q changed)."""
+        self._key = self._end = None
+
+    def steps_left(
+        self, steps: int, key: tuple[Any, ...], epsilon_after: Callable[[int], float]
+    ) -> int | None:
+        """Steps the budget allows after ``steps`` (``None``: no target); ``key`` names the
+        current ``(σ, q)``, ``epsilon_after(k)`` is ε after ``k`` more steps."""
+        if self.target is None:
+            return None
+        if key != self._key or self._end is None:
+            self._key = key
+            guess = (self.planned or 0) - steps
+            self._end = steps + _steps_within(epsilon_after, guess, self.target)
+        return max(0, self._end - steps)

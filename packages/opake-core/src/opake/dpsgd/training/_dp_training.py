@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.dpsgd.training import _persist
-from opake.dpsgd.training._budget import _steps_within, _trial_epsilon, exhausted
+from opake.dpsgd.training._budget import Budget, _trial_epsilon, exhausted
 from opake.dpsgd.training._options import (
     _accounting_of,
     _calibrated_sigma,
@@ -111,8 +111,6 @@ class DPTraining:
 
     _hooks: list[Callable[[StepResult], None]]
     _pending_aux: list[Any]
-    _budget_key: tuple[Any, ...] | None
-    _budget_end: int | None
     _epsilon_cache: tuple[int, float, float] | None
 
     def __init__(
@@ -161,8 +159,10 @@ class DPTraining:
         sigma = _calibrated_sigma(
             self._accountant, noise_multiplier, target_epsilon, steps, q, delta=delta, extra=extra
         )
-        self._target: float | None = _optional_positive("target_epsilon", target_epsilon)
-        self._planned_steps = _optional_positive("steps", steps, integer=True)
+        self._budget = Budget(
+            _optional_positive("target_epsilon", target_epsilon),
+            _optional_positive("steps", steps, integer=True),
+        )
         self._secure = seed is None
         self._sampler: Any = _make_sampler(
             sampler, n, q, extra, self._context, steps_per_epoch=steps_per_epoch, seed=seed
@@ -193,8 +193,7 @@ class DPTraining:
         self._accounting = _accounting_of(self._sampler, extra, self._clip_state)
         self._hooks = []
         self._after_load()  # no step pending, no budget or ε computed yet
-        if self._target is not None:
-            self._check_budget()
+        self._check_budget()
 
     # -- read-only views --------------------------------------------------------------------
 
@@ -245,7 +244,7 @@ class DPTraining:
 
     @property
     def target_epsilon(self) -> float | None:
-        return self._target
+        return self._budget.target
 
     @property
     def secure(self) -> bool:
@@ -280,11 +279,8 @@ class DPTraining:
     @property
     def steps_left(self) -> int | None:
         """Logical steps the budget still allows at the current σ and q (``None``: no budget)."""
-        if self._target is None:
-            return None
-        self._check_budget(raise_error=False)
-        assert self._budget_end is not None
-        return max(0, self._budget_end - self.steps)
+        key = (self.noise_multiplier, self.sample_rate)
+        return self._budget.steps_left(self.steps, key, self._epsilon_after)
 
     @property
     def exhausted(self) -> bool:
@@ -296,25 +292,13 @@ class DPTraining:
         sigma, delta = self.noise_multiplier, self._delta
         return _trial_epsilon(self._accountant, sigma, extra_steps, self._accounting, delta)
 
-    def _check_budget(self, *, raise_error: bool = True) -> None:
-        """Compute (once per σ and q) how many steps fit in the budget; raise if none left."""
-        if self._target is None:
-            return
-        key = (self.noise_multiplier, self.sample_rate)
-        if key != self._budget_key:
-            self._budget_key = key
-            self._budget_end = self.steps + self._steps_within(self._target)
-        assert self._budget_end is not None
-        if raise_error and self.steps >= self._budget_end:
+    def _check_budget(self) -> None:
+        """Raise :class:`PrivacyBudgetExhausted` when the budget allows no further step."""
+        if self.exhausted:
             spent = (self.epsilon(), self._delta)
-            raise exhausted(
-                self.steps, spent, self.noise_multiplier, self.sample_rate, self._target
-            )
-
-    def _steps_within(self, target: float) -> int:
-        """Largest k ≥ 0 with ε(history + k steps) ≤ target."""
-        guess = (self._planned_steps or 0) - self.steps
-        return _steps_within(self._epsilon_after, guess, target)
+            target = self._budget.target
+            assert target is not None
+            raise exhausted(self.steps, spent, self.noise_multiplier, self.sample_rate, target)
 
     # -- data --------------------------------------------------------------------------------
 
@@ -450,8 +434,7 @@ class DPTraining:
 
     def _after_load(self) -> None:
         self._pending_aux = []
-        self._budget_key = None
-        self._budget_end = None
+        self._budget.reset()
         self._epsilon_cache = None
         if self._sampler.position != self.steps:
             self._sampler.seek(self.steps)
@@ -492,6 +475,6 @@ class DPTraining:
         return (
             f"DPTraining(steps={self.steps}, σ={self.noise_multiplier:.4g}, "
             f"q={self.sample_rate:.4g}, N={self.dataset_size}, δ={self._delta:.3g}, "
-            f"target_epsilon={self._target}, world_size={self.world_size}, "
+            f"target_epsilon={self._budget.target}, world_size={self.world_size}, "
             f"{'secure' if self._secure else 'seeded'})"
         )

@@ -231,9 +231,7 @@ class ExpertGrads:
         clipping proof, see :mod:`opake.dpsgd.certify`): per (expert, example) group the Gram
         route's error bound or the materialised block's rounding; for the sum, one contraction
         per expert over its slots (an example has at most the largest group's slots in one
-        expert), ``√E`` times the flushes' worth of one expert's block."""
-        import math
-
+        expert)."""
         import torch
 
         from opake.dpsgd.bookkeeping import PieceCert
@@ -250,8 +248,9 @@ class ExpertGrads:
         steps = int(pos.max()) + 1 if pos.numel() else 1
         _, rows, cols = self.shape
         slots = max(1, int(self.a.shape[0]))
+        # one contraction per expert over its K_e slots: summed over the experts, the flushes'
+        # part is that of one contraction over all Σ_e K_e = N slots
         rel, abs_ = contraction_error(s, pa, pb, steps=steps, rows=slots, shape=(rows, cols))
-        abs_ = abs_ * math.sqrt(len(self.counts))
         return PieceCert(sq, err * (1.0 + SAFE), rel, abs_, steps, scale=s)
 
     def certified_inner(
