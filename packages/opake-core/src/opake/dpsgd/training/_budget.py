@@ -91,6 +91,15 @@ class Budget:
         self._key: tuple[Any, ...] | None = None
         self._end: int | None = None
 
+    @classmethod
+    def checked(cls, target_epsilon: object, steps: object) -> Budget:
+        """From ``DPTraining``'s ``target_epsilon`` and ``steps`` as given (each ``None`` or
+        positive; a bad value raises)."""
+        from opake.dpsgd.training._options import _optional_positive
+
+        target = _optional_positive("target_epsilon", target_epsilon)
+        return cls(target, _optional_positive("steps", steps, integer=True))
+
     def reset(self) -> None:
         """Forget the computed end (a loaded state, or σ or q changed)."""
         self._key = self._end = None

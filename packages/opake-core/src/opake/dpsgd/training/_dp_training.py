@@ -23,7 +23,6 @@ from opake.dpsgd.training._options import (
     _fixed_shape,
     _make_accountant,
     _make_sampler,
-    _optional_positive,
     _physical_batch,
     _positive,
     _rate,
@@ -159,10 +158,7 @@ class DPTraining:
         sigma = _calibrated_sigma(
             self._accountant, noise_multiplier, target_epsilon, steps, q, delta=delta, extra=extra
         )
-        self._budget = Budget(
-            _optional_positive("target_epsilon", target_epsilon),
-            _optional_positive("steps", steps, integer=True),
-        )
+        self._budget = Budget.checked(target_epsilon, steps)
         self._secure = seed is None
         self._sampler: Any = _make_sampler(
             sampler, n, q, extra, self._context, steps_per_epoch=steps_per_epoch, seed=seed
