@@ -7,6 +7,10 @@
 
 Stages fail loudly: any failing stage makes the exit code non-zero, and pytest's exit code 5
 ("no tests collected") counts as a failure, never a silent pass.
+
+Hypothesis runs its derandomized ``ci`` profile (``tests/hypothesis_profiles.py``, loaded by
+pytest's ``addopts``): every run draws the same examples. ``OPAKE_HYPOTHESIS_PROFILE=explore``
+makes the pytest stage an exploratory search instead (fresh random examples, more of them).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ def _env() -> dict[str, str]:
     env.setdefault("MPLBACKEND", "Agg")
     env.setdefault("PYTHONHASHSEED", "0")
     env.setdefault("NO_MKDOCS_2_WARNING", "1")
+    env.setdefault("OPAKE_HYPOTHESIS_PROFILE", "ci")  # derandomized; "explore" opts in
     # tiny-model tests run several times faster on one intra-op thread on small machines
     env.setdefault("OMP_NUM_THREADS", "1")
     return env

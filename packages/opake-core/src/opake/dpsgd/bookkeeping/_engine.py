@@ -426,13 +426,11 @@ def choose(
     *,
     differentiable: bool,
     randomness: str,
-    small: bool = False,
 ) -> tuple[BookkeepingRunner | None, str]:
     """Pick the engine for one call: ``(runner or None, reason)``; explicit requests are loud.
 
-    ``small``: the differentiated parameters are a small part of the model (adapters next to a
-    frozen model), where the vmap engine's expanded forward is the cheaper route: ``"auto"``
-    then takes it (measured on LoRA: 1.00× vs 1.13× the non-private step).
+    Adapters (LoRA) take book-keeping like any other parameters: on the DP-step benchmark it
+    is the faster engine there too (see ``docs/guide/bookkeeping.md``).
     """
     if runner is None:
         return None, (
@@ -448,11 +446,6 @@ def choose(
         why = "an outer torch.func transform differentiates through grad_fn"
     elif method == "auto" and randomness != "error":
         why = f"randomness={randomness!r} (random layers): the per-example check cannot run"
-    elif method == "auto" and small:
-        why = (
-            "the differentiated parameters are a small part of the model (e.g. LoRA): the "
-            "vmap engine's expanded forward is cheaper there than book-keeping"
-        )
     else:
         plan = runner.plan(names)
         if not plan.supported:
