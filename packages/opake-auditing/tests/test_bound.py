@@ -124,3 +124,30 @@ def test_bad_input_raises_typed_errors(kwargs, error):
 def test_p_value_rejects_a_negative_epsilon():
     with pytest.raises(ConfigurationError, match="epsilon"):
         p_value(canaries=2, guesses=1, correct=1, epsilon=-1.0)
+
+
+def test_the_scan_finds_the_first_crossing_of_a_plain_scan():
+    """The vectorised scan against the obvious one: ε = 0, 0.02, 0.04, ... one p-value at a
+    time until the first that exceeds β, then bisection."""
+    from opake.auditing import p_value
+
+    def plain(m, r, v, delta, beta=0.05):
+        def rejected(eps):
+            return p_value(canaries=m, guesses=r, correct=v, epsilon=eps, delta=delta) <= beta
+
+        if not rejected(0.0):
+            return 0.0
+        k = 1
+        while rejected(0.02 * k):
+            k += 1
+        lo, hi = 0.02 * (k - 1), 0.02 * k
+        while hi - lo > 1e-6:
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if rejected(mid) else (lo, mid)
+        return lo
+
+    for m, r, v, delta in [(1000, 200, 170, 1e-5), (1000, 1000, 1000, 1e-8), (500, 60, 52, 0.0),
+                           (2000, 800, 640, 1e-6), (100, 100, 97, 1e-3)]:  # fmt: skip
+        ours = epsilon_lower_bound(canaries=m, guesses=r, correct=v, delta=delta)
+        assert ours == pytest.approx(plain(m, r, v, delta), abs=2e-6)
+        assert ours > 0.5

@@ -16,7 +16,11 @@ audit found no violation. See ``docs/guide/auditing.md``.
 - :class:`InputCanaries`, :func:`random_token_canaries` — black-box canaries;
 - :func:`audit` — audit your own training function;
 - :func:`self_test` — audit opake-core's DP-SGD on a small model, through the engine a run uses;
-- :func:`simulate_gaussian_audit` — the audit of an ideal Gaussian mechanism (resolution).
+- :func:`simulate_gaussian_audit` — the audit of an ideal Gaussian mechanism (resolution);
+- :func:`max_provable_bound`, :func:`expected_lower_bound` (of a run that exactly meets its
+  claim: :class:`SubsampledGaussian`, the run's σ, q and T), :func:`canaries_needed` — what an
+  audit can show; :class:`AuditResult` carries them (``max_provable``,
+  ``expected_if_correct``, ``advice``: :class:`Advice`) and :meth:`AuditResult.explain` says them.
 
 >>> from opake.auditing import epsilon_lower_bound
 >>> round(epsilon_lower_bound(canaries=1000, guesses=200, correct=200, delta=1e-5), 2)
@@ -42,8 +46,15 @@ from opake.auditing._onerun import (
     draw_inclusion,
     one_run_audit,
 )
+from opake.auditing._resolution import (
+    Advice,
+    canaries_needed,
+    expected_lower_bound,
+    max_provable_bound,
+)
 from opake.auditing._result import AuditResult
 from opake.auditing._selftest import REPLAY_SEED, replay_batches, self_test
+from opake.auditing._signal import SubsampledGaussian
 from opake.auditing._simulate import simulate_gaussian_audit
 
 __all__ = [
@@ -54,13 +65,18 @@ __all__ = [
     "GROUP_GUESS_FRACTION",
     "GUESS_FRACTIONS",
     "REPLAY_SEED",
+    "Advice",
     "AuditResult",
     "CanaryRun",
     "GradientCanaries",
     "InputCanaries",
+    "SubsampledGaussian",
     "audit",
+    "canaries_needed",
     "draw_inclusion",
     "epsilon_lower_bound",
+    "expected_lower_bound",
+    "max_provable_bound",
     "one_run_audit",
     "p_value",
     "random_token_canaries",

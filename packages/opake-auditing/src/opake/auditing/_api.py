@@ -9,6 +9,7 @@ from opake.auditing._canaries import CanaryRun, GradientCanaries
 from opake.auditing._input import InputCanaries
 from opake.auditing._onerun import draw_inclusion, one_run_audit
 from opake.auditing._result import AuditResult
+from opake.auditing._signal import SubsampledGaussian
 from opake.core.errors import ConfigurationError, InputTypeError
 
 __all__ = ["audit"]
@@ -24,6 +25,7 @@ def audit(
     confidence: float = 0.95,
     guesses: int | tuple[int, int] | None = None,
     seed: int | None = None,
+    mechanism: SubsampledGaussian | None = None,
     **unknown: Any,
 ) -> AuditResult:
     """Audit one training run of ``train`` with canaries; return the claimed vs measured ε.
@@ -46,7 +48,9 @@ def audit(
       reduction from the initial model.
 
     ``claimed_epsilon`` is a number, or a callable of what ``train`` returned (e.g. reading its
-    accountant).
+    accountant). ``mechanism`` (the run's σ, q and T as a :class:`SubsampledGaussian`) adds
+    what a run that exactly meets the claim is expected to show (see
+    :func:`~opake.auditing.one_run_audit`).
 
     Example:
         >>> import numpy as np
@@ -63,7 +67,7 @@ def audit(
     if unknown:
         raise ConfigurationError(
             f"audit() got unknown keyword argument(s) {sorted(unknown)}; accepted: "
-            "claimed_epsilon, delta, score, confidence, guesses, seed"
+            "claimed_epsilon, delta, score, confidence, guesses, seed, mechanism"
         )
     if not callable(train):
         raise InputTypeError(f"train={train!r}: expected a callable that trains one model")
@@ -115,15 +119,15 @@ def audit(
         raise InputTypeError(
             f"canaries={type(canaries).__name__}: expected GradientCanaries or InputCanaries"
         )
-    claimed = claimed_epsilon(returned) if callable(claimed_epsilon) else claimed_epsilon
     return one_run_audit(
         scores,
         included,
-        claimed_epsilon=claimed,
+        claimed_epsilon=claimed_epsilon(returned) if callable(claimed_epsilon) else claimed_epsilon,
         delta=delta,
         confidence=confidence,
         guesses=guesses,
         kind=canaries.kind_name,
         groups=groups,
         engine=engine,
+        mechanism=mechanism,
     )

@@ -16,15 +16,19 @@ above β = 1 − confidence: every smaller ε is rejected at level β.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
 
-__all__ = ["EPSILON_CEILING", "epsilon_lower_bound", "p_value"]
+__all__ = ["EPSILON_CEILING", "NEGLIGIBLE", "epsilon_lower_bound", "p_value"]
 
 #: the bound search stops here (e^ε overflows nothing, and no audit of m ≤ 10⁹ canaries gets
 #: near it: r correct guesses at δ = 0 give at most ε = −ln(β^(−1/r) − 1) ≈ ln(r / ln(1/β)))
 EPSILON_CEILING = 50.0
+#: a lower bound below this shows nothing (≈ 0)
+NEGLIGIBLE = 0.05
 _GRID = 0.02  # spacing of the scan for the first ε whose p-value exceeds β
+_CHUNK = 1 << 18  # at most this many p-value terms (grid points × correct guesses) at once
 _TOL = 1e-6
 
 
@@ -58,20 +62,24 @@ def _probability(name: str, value: object, *, closed: bool) -> float:
     return x
 
 
-def _p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
+def _p_values(m: int, r: int, v: int, epsilons: Any, delta: float) -> Any:
+    """:func:`p_value` at each ε of the array ``epsilons`` (one vectorised evaluation)."""
+    import numpy as np
     from scipy import stats
     from scipy.special import expit
 
-    q = float(expit(epsilon))
-    tail = float(stats.binom.sf(v - 1, r, q))  # f(v) = P[W >= v]
+    q = expit(np.asarray(epsilons, dtype=np.float64))
+    tail = stats.binom.sf(v - 1, r, q)  # f(v) = P[W >= v]
     if delta == 0.0 or v == 0:
-        return min(1.0, tail)
-    import numpy as np
-
+        return np.minimum(1.0, tail)
     # f(v - i) - f(v) = P[v - i <= W < v] = Σ_{j=1..i} pmf(v - j): a running sum over i
-    pmf = stats.binom.pmf(np.arange(v - 1, -1, -1), r, q)
-    steps = np.cumsum(pmf) / np.arange(1, v + 1)
-    return min(1.0, tail + 2.0 * m * delta * float(steps.max()))
+    pmf = stats.binom.pmf(np.arange(v - 1, -1, -1)[:, None], r, q[None, :])
+    steps = np.cumsum(pmf, axis=0) / np.arange(1, v + 1)[:, None]
+    return np.minimum(1.0, tail + 2.0 * m * delta * steps.max(axis=0))
+
+
+def _p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
+    return float(_p_values(m, r, v, [epsilon], delta)[0])
 
 
 def p_value(
@@ -142,13 +150,24 @@ def epsilon_lower_bound(
 
     if not rejected(0.0):
         return 0.0
-    # the first grid point that is not rejected brackets the first crossing
-    lo, eps = 0.0, _GRID
-    while eps <= EPSILON_CEILING and rejected(eps):
-        lo, eps = eps, eps + _GRID
-    if eps > EPSILON_CEILING:
+    # the first grid point that is not rejected brackets the first crossing; the grid is
+    # evaluated a chunk at a time (one vectorised p-value per chunk)
+    import numpy as np
+
+    grid = np.arange(1, round(EPSILON_CEILING / _GRID) + 1) * _GRID
+    most = max(1, _CHUNK // max(1, v))
+    lo, hi, start, chunk = 0.0, math.inf, 0, 16
+    while start < len(grid):
+        chunk = min(chunk, most)
+        points = grid[start : start + chunk]
+        kept = np.flatnonzero(_p_values(m, r, v, points, d) > beta)
+        if kept.size:
+            first = start + int(kept[0])
+            lo, hi = (float(grid[first - 1]) if first else 0.0), float(grid[first])
+            break
+        start, chunk = start + chunk, 2 * chunk  # doubling: at most twice the points needed
+    if not math.isfinite(hi):
         return EPSILON_CEILING
-    hi = eps
     while hi - lo > _TOL:
         mid = 0.5 * (lo + hi)
         if rejected(mid):

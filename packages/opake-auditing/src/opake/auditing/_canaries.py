@@ -413,13 +413,11 @@ class CanaryRun:
                 "the likelihood-ratio score needs both noise_multiplier and sample_rate"
             )
         if noise_multiplier is not None and sample_rate is not None:
+            from opake.auditing._signal import likelihood_ratio
+
             sigma = _positive("noise_multiplier", noise_multiplier)
-            q = _positive("sample_rate", sample_rate)
-            if q >= 1.0:
-                out["likelihood_ratio"] = ((table - 0.5) / sigma**2).sum(axis=0)
-            else:
-                log_in = math.log(q) + (table - 0.5) / sigma**2
-                out["likelihood_ratio"] = np.logaddexp(math.log1p(-q), log_in).sum(axis=0)
+            q = min(1.0, _positive("sample_rate", sample_rate))
+            out["likelihood_ratio"] = likelihood_ratio(table, noise_multiplier=sigma, sample_rate=q)
         if replay is not None:
             batches = list(replay)
             if len(batches) != table.shape[0]:

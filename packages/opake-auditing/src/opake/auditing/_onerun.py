@@ -2,29 +2,28 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from opake.auditing._bound import _check, _probability, epsilon_lower_bound
+from opake.auditing._bound import _check, _probability
+from opake.auditing._guesses import (
+    GROUP_GUESS_FRACTION,
+    GUESS_FRACTIONS,
+    _as_scores,
+    _best_guesses,
+    _plan,
+)
+from opake.auditing._resolution import could_show
 from opake.auditing._result import AuditResult
-from opake.core.errors import ConfigurationError, InputTypeError
+from opake.auditing._signal import SubsampledGaussian
+from opake.core.errors import ConfigurationError
 
 if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["GROUP_GUESS_FRACTION", "GUESS_FRACTIONS", "draw_inclusion", "one_run_audit"]
-
-logger = logging.getLogger("opake.auditing")
-
-#: default guess sizes: k "in" guesses (top scores) and k "out" guesses (bottom scores) with
-#: k = fraction × m; every (attack, k) pair is tried at β / (number of pairs) (Bonferroni)
-GUESS_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
-#: with ``groups``, each group is also guessed on its own (abstaining on the others): k "in"
-#: and k "out" guesses with k = this fraction of the group's size, for every attack
-GROUP_GUESS_FRACTION = 0.4
 
 
 def draw_inclusion(count: int, *, seed: int | None = None) -> np.ndarray:
@@ -45,136 +44,6 @@ def draw_inclusion(count: int, *, seed: int | None = None) -> np.ndarray:
     return rng.random(count) < 0.5
 
 
-def _as_scores(scores: Any, m: int) -> dict[str, np.ndarray]:
-    import numpy as np
-
-    items = list(scores.items()) if isinstance(scores, Mapping) else [("score", scores)]
-    if not items:
-        raise ConfigurationError("scores is empty; give at least one score vector")
-    out = {}
-    for name, value in items:
-        raw = value.detach().cpu().double().numpy() if hasattr(value, "detach") else value
-        array = np.asarray(raw, dtype=np.float64)
-        if array.shape != (m,):
-            raise ConfigurationError(
-                f"scores[{name!r}] has shape {array.shape}; expected ({m},), one score per canary"
-            )
-        if not np.isfinite(array).all():
-            raise ConfigurationError(
-                f"scores[{name!r}] holds non-finite values; scores must be finite numbers"
-            )
-        out[str(name)] = array
-    return out
-
-
-def _guess_counts(guesses: Any, m: int) -> list[tuple[int, int]]:
-    if guesses is None:
-        ks = sorted({max(1, min(m // 2, round(f * m))) for f in GUESS_FRACTIONS})
-        return [(k, k) for k in ks if 2 * k <= m]
-    if isinstance(guesses, int) and not isinstance(guesses, bool):
-        guesses = (guesses, guesses)
-    if (
-        not isinstance(guesses, tuple)
-        or len(guesses) != 2
-        or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in guesses)
-    ):
-        raise InputTypeError(
-            f"guesses={guesses!r}: expected None (a grid), an int k (k in and k out), or a "
-            "pair (k_in, k_out) of ints >= 0"
-        )
-    if sum(guesses) < 1 or sum(guesses) > m:
-        raise ConfigurationError(
-            f"guesses={guesses}: expected 1 <= k_in + k_out <= {m} (the canary count)"
-        )
-    return [guesses]
-
-
-def _groups(groups: Any, m: int) -> list[tuple[str, Any]]:
-    """``[("all", every index), (label, its indices), ...]``; the labels only with two or more."""
-    import numpy as np
-
-    everything = [("all", np.arange(m))]
-    if groups is None:
-        return everything
-    if isinstance(groups, str) or not isinstance(groups, Sequence | np.ndarray):
-        raise InputTypeError(
-            f"groups={groups!r}: expected one label (a str) per canary, e.g. canaries.labels"
-        )
-    labels = [str(label) for label in groups]
-    if len(labels) != m:
-        raise ConfigurationError(f"groups has {len(labels)} labels for {m} canaries; give one each")
-    names = list(dict.fromkeys(labels))
-    if len(names) < 2:
-        return everything
-    if "all" in names:
-        raise ConfigurationError("groups: 'all' names every canary; use another label")
-    array = np.asarray(labels)
-    return everything + [(name, np.flatnonzero(array == name)) for name in names]
-
-
-def _plan(guesses: Any, groups: Any, m: int) -> list[tuple[str, Any, list[tuple[int, int]]]]:
-    """The guess sizes to try, per group of canaries: the grid (or ``guesses``) over all of
-    them, then ``GROUP_GUESS_FRACTION`` of each labelled group (with the grid only)."""
-    import numpy as np
-
-    plan = [("all", np.arange(m), _guess_counts(guesses, m))]
-    labelled = _groups(groups, m)[1:]  # checked even where an explicit guess count ignores it
-    if guesses is None:
-        for name, members in labelled:
-            k = min(len(members) // 2, round(GROUP_GUESS_FRACTION * len(members)))
-            if k >= 1:
-                plan.append((name, members, [(k, k)]))
-    return plan
-
-
-def _best_guesses(
-    score_sets: dict[str, Any],
-    plan: list[tuple[str, Any, list[tuple[int, int]]]],
-    truth: Any,
-    delta: float,
-    confidence: float,
-) -> dict[str, Any]:
-    """Every (attack, group, k) try at ``confidence`` each; the one with the largest bound."""
-    import numpy as np
-
-    m = int(truth.shape[0])
-    best: dict[str, Any] | None = None
-    for attack, values in score_sets.items():
-        for group, members, counts in plan:
-            n = len(members)
-            order = members[np.argsort(values[members], kind="stable")]  # lowest first
-            for k_in, k_out in counts:
-                guess_in = order[n - k_in :] if k_in else order[:0]
-                guess_out = order[:k_out]
-                correct = int(truth[guess_in].sum() + (~truth[guess_out]).sum())
-                bound = epsilon_lower_bound(
-                    canaries=m,
-                    guesses=k_in + k_out,
-                    correct=correct,
-                    delta=delta,
-                    confidence=confidence,
-                )
-                logger.debug(
-                    "attack %s, %s canaries, k=(%d, %d): %d correct, ε ≥ %.4f",
-                    attack,
-                    group,
-                    k_in,
-                    k_out,
-                    correct,
-                    bound,
-                )
-                if best is None or bound > best["bound"]:
-                    best = {
-                        "bound": bound,
-                        "attack": attack,
-                        "group": group,
-                        "k": (k_in, k_out),
-                        "correct": correct,
-                    }
-    assert best is not None
-    return best
-
-
 def one_run_audit(
     scores: Any,
     included: Sequence[bool] | Any,
@@ -186,6 +55,7 @@ def one_run_audit(
     kind: str = "custom",
     groups: Sequence[str] | None = None,
     engine: str | None = None,
+    mechanism: SubsampledGaussian | None = None,
 ) -> AuditResult:
     """Guess each canary from its score and bound ε from the number of correct guesses.
 
@@ -211,6 +81,14 @@ def one_run_audit(
             one kind of canary is not diluted by the others. These tries share β too. Only with
             ``guesses=None``.
         engine: the clipping engine the canaries went through, for the report.
+        mechanism: what each canary went through (σ, q and T of a DP-SGD run,
+            :class:`SubsampledGaussian`), when known: the result then also says what a run
+            that exactly meets the claim is expected to show (``expected_if_correct``, from
+            simulated audits of the same design; :func:`expected_lower_bound`).
+
+    The result always says the most this audit could prove (``max_provable``: every guess
+    right) and, where the audit cannot contradict the claim or a correct run shows ≈ 0, what
+    would make it informative (``advice``; :meth:`AuditResult.explain`).
 
     Example:
         >>> import numpy as np
@@ -234,9 +112,15 @@ def one_run_audit(
         or not (claimed_epsilon >= 0 and math.isfinite(claimed_epsilon))
     ):
         raise ConfigurationError(f"claimed_epsilon={claimed_epsilon!r}: expected a number >= 0")
+    if mechanism is not None and not isinstance(mechanism, SubsampledGaussian):
+        raise ConfigurationError(
+            f"mechanism={mechanism!r}: expected None or a SubsampledGaussian(noise_multiplier=, "
+            "sample_rate=, steps=) (the run's σ, q and T)"
+        )
     plan = _plan(guesses, groups, m)
     tries = sum(len(counts) for _, _, counts in plan) * len(score_sets)
-    best = _best_guesses(score_sets, plan, truth, float(delta), 1.0 - beta / tries)
+    level = 1.0 - beta / tries
+    best = _best_guesses(score_sets, plan, truth, float(delta), level)
     return AuditResult(
         claimed_epsilon=float(claimed_epsilon),
         delta=float(delta),
@@ -254,4 +138,18 @@ def one_run_audit(
         engine=engine,
         included=tuple(bool(x) for x in truth),
         scores={name: tuple(float(x) for x in v) for name, v in score_sets.items()},
+        **could_show(
+            truth,
+            plan,
+            list(score_sets),
+            level=level,
+            claimed_epsilon=float(claimed_epsilon),
+            epsilon_lower_bound=float(best["bound"]),
+            delta=float(delta),
+            confidence=float(confidence),
+            guesses=guesses,
+            groups=groups,
+            mechanism=mechanism,
+            kind=kind,
+        ),
     )

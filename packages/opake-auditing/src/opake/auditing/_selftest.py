@@ -108,7 +108,9 @@ def self_test(
     engine. The canaries go through the engine the data went through in each step; with
     ``crafted`` (default) their kinds include those crafted against book-keeping's numerics.
     ``result.engine`` names the engine that clipped the canaries, ``result.extra["engine_steps"]``
-    counts the steps of each engine for the data and the canaries.
+    counts the steps of each engine for the data and the canaries; ``noise_multiplier``,
+    ``sample_rate`` and ``steps`` in ``result.extra`` are the run's σ, q and T (for
+    :class:`SubsampledGaussian`, the mechanism its canaries went through).
 
     Everything random (data, inclusion, sampler, noise) comes from ``seed`` (``None``: OS
     entropy); the auditor's replay uses the public :data:`REPLAY_SEED` only.
@@ -176,5 +178,10 @@ def self_test(
         groups=spec.labels,
         engine=run.engine_used,
     )
-    result.extra["engine_steps"] = {"data": data_engines, "canaries": dict(run.engines)}
+    result.extra.update(
+        engine_steps={"data": data_engines, "canaries": dict(run.engines)},
+        noise_multiplier=sigma,
+        sample_rate=sample_rate,
+        steps=steps,
+    )
     return result
