@@ -4,18 +4,10 @@ The rules a page follows (what a reader who copies a block gets):
 
 * A ```` ```python ```` block is a **complete program**. The test runs each block alone, exactly
   as shown, as ``example.py`` in its own empty temporary directory — a fresh namespace with
-  nothing but what the block defines or imports: no prelude, no name from an earlier block of
-  the page. Build the tiny model and batch the example needs in the block itself.
-* A longer setup may sit in a visible, collapsible admonition right before the block::
-
-      ??? example "Setup: a tiny model and a batch"
-
-          ```python
-          ...
-          ```
-
-  The test runs that setup followed by the block, as a reader who opens it and pastes both
-  would; a setup belongs to the next ```` ```python ```` block of the page only.
+  nothing but what the block itself defines or imports: no prelude, no name from an earlier
+  block of the page, no code from a (collapsed) admonition around or before it. A block that
+  continues another repeats the setup it needs, visibly, in its own text; build the tiny model
+  and batch the example needs in the block itself.
 * A fragment that truly cannot run by itself — a signature, code that only runs inside a
   ``torchrun`` worker — carries a visible title starting with "Excerpt", which the page shows
   above the block: ```` ```python title="Excerpt: runs in every torchrun worker" ````. The test
@@ -49,30 +41,22 @@ DOCS = ROOT / "docs"
 RUNNER = Path(__file__).resolve().parent / "_docs_runner.py"
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)\s*(?P<info>[^\n`]*)$")
 TITLE = re.compile(r"""\btitle=(?:"(?P<dq>[^"]*)"|'(?P<sq>[^']*)')""")
-SETUP = re.compile(r"""^\s*\?\?\?\+?\s+example\s+["']Setup\b""", re.IGNORECASE)
 HIDDEN_MARK = re.compile(r"<!--\s*docs-test\b")
 _MODULE_NAMES = {"__name__", "__file__", "__doc__", "__builtins__", "__spec__", "__loader__"}
 
 
 @dataclass(frozen=True)
 class Example:
-    """One ```python block of a page, with the visible setup that precedes it."""
+    """One ```python block of a page."""
 
     page: str
     line: int
-    code: str  # the block's text, as the page shows it
+    code: str  # the block's text, as the page shows it: the whole program the test runs
     title: str = ""
-    setup: str = ""  # the code of a "Setup" admonition right before it
-    is_setup: bool = False
 
     @property
     def is_excerpt(self) -> bool:
         return self.title.lower().startswith("excerpt")
-
-    @property
-    def program(self) -> str:
-        """What a reader pastes into a fresh ``python``: the setup (if any), then the block."""
-        return self.setup + self.code
 
     @property
     def id(self) -> str:
@@ -80,10 +64,9 @@ class Example:
 
 
 def python_blocks(text: str, page: str) -> list[Example]:
-    """The ```python blocks of a Markdown page; each setup block is attached to the next block."""
+    """The ```python blocks of a Markdown page (indented ones too: lists, admonitions)."""
     lines = text.splitlines()
     blocks: list[Example] = []
-    setup = ""
     i = 0
     while i < len(lines):
         match = FENCE.match(lines[i])
@@ -104,23 +87,8 @@ def python_blocks(text: str, page: str) -> list[Example]:
         code = "\n".join(body) + "\n"
         title_match = TITLE.search(info)
         title = (title_match["dq"] or title_match["sq"] or "") if title_match else ""
-        if indent and _in_setup_admonition(lines, start, len(indent)):
-            setup += code
-            blocks.append(Example(page, start + 1, code, title, is_setup=True))
-            continue
-        blocks.append(Example(page, start + 1, code, title, setup))
-        setup = ""
-    if setup:
-        raise ValueError(f"{page}: a 'Setup' admonition with no ```python block after it")
+        blocks.append(Example(page, start + 1, code, title))
     return blocks
-
-
-def _in_setup_admonition(lines: list[str], fence_line: int, indent: int) -> bool:
-    """Whether the nearest less-indented line above the fence opens a ``??? example "Setup"``."""
-    for line in reversed(lines[:fence_line]):
-        if line.strip() and len(line) - len(line.lstrip()) < indent:
-            return bool(SETUP.match(line))
-    return False
 
 
 def undefined_names(source: str) -> set[str]:
@@ -175,7 +143,7 @@ def _examples() -> list[Example]:
 
 
 EXAMPLES = _examples()
-RUNNABLE = [e for e in EXAMPLES if not e.is_setup and not e.is_excerpt]
+RUNNABLE = [e for e in EXAMPLES if not e.is_excerpt]
 EXCERPTS = [e for e in EXAMPLES if e.is_excerpt]
 
 
@@ -203,10 +171,10 @@ def run_programs(
 
 @pytest.fixture(scope="module")
 def example_results(tmp_path_factory) -> dict[str, dict]:
-    return run_programs({e.id: e.program for e in RUNNABLE}, tmp_path_factory.mktemp("docs"))
+    return run_programs({e.id: e.code for e in RUNNABLE}, tmp_path_factory.mktemp("docs"))
 
 
-def test_the_parser_finds_blocks_setups_and_excerpts():
+def test_the_parser_finds_every_block_and_each_is_its_own_program():
     text = textwrap.dedent(
         """\
         Intro.
@@ -249,15 +217,10 @@ def test_the_parser_finds_blocks_setups_and_excerpts():
         "w = 3\n",
     ]
     assert [b.is_excerpt for b in blocks] == [False, True, False, False, False]
-    assert [b.is_setup for b in blocks] == [False, False, True, False, False]
-    assert blocks[3].program == "model = 2\nz = model + 1\n"
-    assert blocks[4].program == "w = 3\n"  # a setup belongs to the next block only
-
-
-def test_a_setup_with_no_block_after_it_is_an_error():
-    text = '??? example "Setup"\n\n    ```python\n    x = 1\n    ```\n'
-    with pytest.raises(ValueError, match="Setup"):
-        python_blocks(text, "page.md")
+    # a (collapsed) "Setup" admonition lends nothing to the block after it: that block is run
+    # alone, as shown, and fails (here: NameError) until it repeats the setup itself
+    assert [b.line for b in blocks] == [3, 7, 17, 23, 27]
+    assert undefined_names(blocks[3].code) == {"model"}
 
 
 def test_undefined_names_finds_what_a_fresh_interpreter_would_not_know():
@@ -292,7 +255,7 @@ def test_no_hidden_marks():
     ]
     assert not marked, (
         f"'<!-- docs-test ... -->' is not honoured (pages: {marked}): make the block complete, "
-        "give it a visible '??? example \"Setup\"' admonition, or title it "
+        "repeat the setup it needs in the block itself, or title it "
         '```python title="Excerpt: why it cannot run alone"'
     )
 
@@ -304,11 +267,11 @@ def test_excerpt_parses(example):
 
 @pytest.mark.parametrize("example", RUNNABLE, ids=lambda e: e.id)
 def test_example_uses_only_names_it_defines(example):
-    missing = undefined_names(example.program)
+    missing = undefined_names(example.code)
     assert not missing, (
         f"{example.id}: the example uses {sorted(missing)} without defining them; pasted "
-        "into a fresh python it fails with NameError. Define them in the block (or in a "
-        "'??? example \"Setup\"' admonition right before it)."
+        "into a fresh python it fails with NameError. Define them in the block itself (repeat "
+        "the setup of the block it continues, visibly)."
     )
 
 

@@ -128,3 +128,97 @@ def test_lora_with_gradient_checkpointing_under_clipped_grad(patched, tiny_llama
     assert results[0].keys() == results[1].keys()
     for k in results[0]:
         torch.testing.assert_close(results[1][k], results[0][k], rtol=1e-4, atol=1e-7, msg=k)
+
+
+def _padded_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=16, pad_token_id=0
+    )
+    return GPT2LMHeadModel(config).train()  # dropout 0.1 everywhere
+
+
+def _per_example_grads(model, ids):
+    fmodel, params = make_functional(model)
+
+    def loss_fn(p, x):
+        return fmodel(p, x[None], labels=x[None], use_cache=False).loss
+
+    return torch.func.vmap(torch.func.grad(loss_fn), in_dims=(None, 0), randomness="different")(
+        params, ids
+    )
+
+
+def test_the_padding_check_of_transformers_runs_under_vmap(patched, monkeypatch):
+    """``warn_if_padding_and_no_attention_mask`` asks ``pad_token_id in input_ids``, which
+    ``vmap`` refuses (".item()"); patched, it is skipped inside transforms and kept outside."""
+    import transformers.modeling_utils as mu
+
+    warned = []
+
+    def record(message, *args, **kwargs):
+        if "attention_mask" in message:
+            warned.append(message)
+
+    monkeypatch.setattr(mu.logger, "warning_once", record)
+    model = _padded_gpt2()
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])  # right padding with the pad id
+    grads = _per_example_grads(model, ids)
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    assert warned == []
+    model(input_ids=ids)  # outside transforms: the stock check, and its warning
+    assert len(warned) == 1
+
+
+def test_without_the_patch_the_padding_check_fails_under_vmap():
+    """What the patch is for (stock transformers); guards the test above from passing vacuously."""
+    model = _padded_gpt2()
+    with pytest.raises(RuntimeError, match="vmap"):
+        _per_example_grads(model, torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]]))
+
+
+def test_the_padding_check_patch_is_removed_with_the_runtime_patches():
+    import transformers.modeling_utils as mu
+
+    stock = mu.PreTrainedModel.warn_if_padding_and_no_attention_mask
+    apply_runtime_patches()
+    patched_check = mu.PreTrainedModel.warn_if_padding_and_no_attention_mask
+    assert patched_check is not stock
+    assert patched_check._opake_patch == "vmap_checkpointing"
+    apply_runtime_patches()  # idempotent
+    assert mu.PreTrainedModel.warn_if_padding_and_no_attention_mask is patched_check
+    remove_runtime_patches()
+    assert mu.PreTrainedModel.warn_if_padding_and_no_attention_mask is stock
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_every_supported_family_runs_its_per_example_forward_with_a_pad_id(patched):
+    """Each family of opake-models (its tiny model, pad id set, dropout on where the family has
+    it, padding at the end and no attention mask) under ``vmap(grad)`` with the runtime patches."""
+    testing = pytest.importorskip("opake.models.testing")
+    from opake.models import family_names
+
+    failed = {}
+    for family in family_names():
+        model = testing.tiny_model(family).train()
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = 0
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+        ids[:, -1] = model.config.pad_token_id
+        extra = {"use_cache": False} if hasattr(model.config, "use_cache") else {}
+
+        def loss(p, x, model=model, extra=extra):
+            out = torch.func.functional_call(model, p, (), {"input_ids": x[None], **extra})
+            return out.logits.float().logsumexp(-1).mean()
+
+        try:
+            torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0), randomness="different")(
+                params, ids
+            )
+        except RuntimeError as err:
+            failed[family] = str(err)[:120]
+    assert failed == {}

@@ -12,10 +12,20 @@ MODULES = [
     "opake.transformers",
     "opake.transformers._args",
     "opake.transformers._collate",
+    "opake.transformers._hf_checks",
     "opake.transformers._losses",
+    "opake.transformers._microbatch",
+    "opake.transformers._refusals",
     "opake.transformers._trainer",
 ]
-WITH_EXAMPLES = {"opake.transformers", "opake.transformers._args", "opake.transformers._collate"}
+WITH_EXAMPLES = {
+    "opake.transformers",
+    "opake.transformers._args",
+    "opake.transformers._collate",
+    "opake.transformers._hf_checks",
+    "opake.transformers._microbatch",
+    "opake.transformers._refusals",
+}
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -176,6 +176,28 @@ def test_resume_mid_run_equals_the_uninterrupted_run_bitwise(tmp_path):
     assert resumed.dp_training.epsilon() == full.dp_training.epsilon()
 
 
+def test_logged_epoch_after_a_resume_counts_the_steps_before_it(tmp_path):
+    """A resumed run logs the same ``epoch`` at each step as the uninterrupted run (the DP
+    sampler restores its own position; the Trainer skips no batch to get there)."""
+    full = _trainer(tmp_path / "full", max_steps=8, num_train_epochs=2)
+    full.train()
+    first = _trainer(tmp_path / "run", max_steps=8, save_strategy="steps", save_steps=3)
+    first.train()
+    resumed = _trainer(tmp_path / "run", max_steps=8)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+
+    def epochs(trainer):
+        return {h["step"]: h["epoch"] for h in trainer.state.log_history if "loss" in h}
+
+    want = epochs(full)
+    assert want[5] == pytest.approx(1.0)  # 40 examples / expected batch 8: 5 steps an epoch
+    got = {step: epoch for step, epoch in epochs(resumed).items() if step > 3}
+    assert sorted(got) == [4, 5, 6, 7, 8]
+    for step, epoch in got.items():
+        assert epoch == pytest.approx(want[step]), step
+    assert resumed.state.epoch == pytest.approx(full.state.epoch)
+
+
 def test_resume_from_a_checkpoint_without_dp_state_is_refused(tmp_path):
     first = _trainer(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
     first.train()

@@ -108,3 +108,61 @@ def test_first_sigint_is_deferred_to_the_step_boundary_the_second_stops_at_once(
         with pytest.raises(KeyboardInterrupt):
             boundary.check()  # at the boundary: stop
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def _raise_interrupt(*args: object, **kwargs: object) -> None:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["_build_model", "_evaluate", "_lr_at"])
+def test_ctrl_c_before_the_first_step_says_so_and_leaves_no_directory(
+    tiny_args, tmp_path, monkeypatch, capsys, where
+):
+    # Ctrl-C while the model is built, while the start is evaluated, or at the first step
+    # boundary (issue 29, item 6): exit 130 with a message, and no --out left behind
+    monkeypatch.setattr(f"opake.cli._trainer.{where}", _raise_interrupt)
+    out = tmp_path / "new" / "run"
+    assert main(tiny_args(out=out)) == 130
+    err = capsys.readouterr().err
+    said = "opake train: interrupted before the first step: nothing was trained and no privacy "
+    assert said + "was spent" in err
+    assert "Traceback" not in err
+    assert not out.exists()
+
+
+def test_ctrl_c_before_the_first_step_keeps_a_directory_the_user_made(
+    tiny_args, tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's own file")
+    monkeypatch.setattr("opake.cli._trainer._lr_at", _raise_interrupt)
+    assert main(tiny_args(out=out)) == 130
+    assert f"{out} holds what it held before the run" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_a_resumed_run_says_where_it_continues_and_what_was_spent(
+    tiny_args, tmp_path, monkeypatch, capsys
+):
+    from opake.cli import _trainer
+
+    out = tmp_path / "run"
+    real = _trainer._lr_at
+
+    def stop_at_two(step: int, **kwargs: object) -> float:
+        if step == 2:
+            raise KeyboardInterrupt
+        return real(step, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_trainer, "_lr_at", stop_at_two)
+    assert main(tiny_args(out=out)) == 130
+    assert "interrupted after step 2" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert main(tiny_args("--resume", out=out)) == 0
+    err = capsys.readouterr().err
+    found = re.search(r"resume    after step 2 of 4: ε = ([0-9.]+) spent so far at δ = ", err)
+    assert found, err
+    rows = _rows(out)
+    assert rows[1]["step"] == "2"
+    assert float(found.group(1)) == pytest.approx(float(rows[1]["epsilon"]), abs=1e-3)

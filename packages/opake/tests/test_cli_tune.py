@@ -17,7 +17,8 @@ def test_tune_prints_the_table(capsys):
     assert rc == 0
     lines = out.splitlines()
     assert lines[0].startswith("opake tune: llama-tiny (")
-    assert "batch 4 x 8 tokens on cpu, 1 smoke steps per candidate" in lines[0]
+    # what the header announces is what the steps column counts (issue 29: "3 smoke steps" and 4)
+    assert "batch 4 x 8 tokens on cpu, 1 warm-up + 1 timed step(s) per candidate" in lines[0]
     assert lines[1].split()[:2] == ["microbatch", "status"]
     assert lines[3].split()[:3] == ["4", "fits", "2"]
     assert lines[3].endswith("<- chosen")

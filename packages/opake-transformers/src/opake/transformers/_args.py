@@ -38,7 +38,11 @@ class DPTrainingArguments(TrainingArguments):
             batch order is accounted: anything else is refused, and so is a training loader
             other than the one ``DPTrainer.get_train_dataloader`` builds.
         engine: per-example engine, ``"auto"`` (default), ``"vmap"`` or ``"bookkeeping"``.
-        microbatch_size: examples per chunk inside each physical batch (memory), default one.
+        microbatch_size: examples per chunk inside each physical batch (memory). Default: chosen
+            when training starts — the whole physical batch when it is estimated to fit the
+            memory, else the largest power of two that does (logged; privacy-neutral).
+        memory_budget_gb: the memory (GiB) a physical batch may peak at when the microbatch is
+            chosen automatically. Default: half of the memory available.
         reproducible: draw Poisson batches and noise from ``seed`` (bitwise-reproducible runs,
             for tests and debugging). Default ``False``: both come from OS entropy.
 
@@ -71,6 +75,10 @@ class DPTrainingArguments(TrainingArguments):
     engine: str = field(default="auto", metadata={"help": "auto, vmap or bookkeeping."})
     microbatch_size: int | None = field(
         default=None, metadata={"help": "Examples per chunk of a physical batch."}
+    )
+    memory_budget_gb: float | None = field(
+        default=None,
+        metadata={"help": "Peak memory (GiB) the automatic microbatch is held to."},
     )
     reproducible: bool = field(
         default=False,
@@ -119,5 +127,13 @@ class DPTrainingArguments(TrainingArguments):
                 raise ConfigurationError(
                     f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}"
                 )
+        budget = self.memory_budget_gb
+        if budget is not None and not (
+            isinstance(budget, int | float) and not isinstance(budget, bool) and budget > 0
+        ):
+            raise ConfigurationError(
+                f"memory_budget_gb={budget!r}: expected a number of GiB > 0 (or None: half of "
+                "the memory available)"
+            )
         if self.microbatch_size is not None and self.microbatch_size < 1:
             raise ConfigurationError(f"microbatch_size={self.microbatch_size!r}: expected ≥ 1")

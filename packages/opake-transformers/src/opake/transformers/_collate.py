@@ -81,6 +81,8 @@ class DPDataCollator:
             happens in the loss.
         base: an optional collator run first (e.g. the Trainer's ``data_collator``); its output
             is then made DP-safe (labels -100 on padding, the engine mask).
+        engine_mask: replace a 2-D ``attention_mask`` by the mask the per-example engines
+            accept (default); ``False`` keeps it as it is (evaluation: a plain forward).
 
     Example:
         >>> collate = DPDataCollator(pad_token_id=0, causal=True)
@@ -95,12 +97,14 @@ class DPDataCollator:
         pad_token_id: int = 0,
         causal: bool,
         base: Callable[[list[Any]], Any] | None = None,
+        engine_mask: bool = True,
     ) -> None:
         if base is not None and not callable(base):
             raise InputTypeError(f"base={base!r}: expected a collator (a callable)")
         self.pad_token_id = int(pad_token_id)
         self.causal = bool(causal)
         self.base = base
+        self.engine_mask = bool(engine_mask)
 
     def _collate(self, features: list[Any]) -> dict[str, Any]:
         if self.base is not None:
@@ -153,7 +157,9 @@ class DPDataCollator:
             if mask is not None and mask.dim() == 2:
                 labels = labels.masked_fill(~mask.bool(), -100)  # padding is never a target
             batch["labels"] = labels
-        if mask is not None:
+        if mask is not None and not self.engine_mask:
+            batch["attention_mask"] = mask
+        elif mask is not None:
             converted = engine_mask(torch.as_tensor(mask), causal=self.causal)
             if converted is not None:
                 batch["attention_mask"] = converted

@@ -1,5 +1,9 @@
 """What ``DPTrainer`` refuses at construction: Trainer features that would break DP without
-saying so (each with the reason and what to do instead)."""
+saying so (each with the reason and what to do instead).
+
+The list is checked against the installed ``TrainingArguments``: a setting that this version of
+transformers does not have (``group_by_length`` is gone from 5.25) is neither checked nor
+listed by :func:`refused_settings`."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from typing import Any
 
 from opake.core.errors import ConfigurationError
 
-__all__ = ["check_arguments", "check_model"]
+__all__ = ["check_arguments", "check_model", "refused_settings"]
 
 
 _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
@@ -53,6 +57,22 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
+def _installed() -> tuple[tuple[str, Callable[[Any], bool], str], ...]:
+    """The entries of :data:`_REFUSED` whose setting the installed ``TrainingArguments`` has."""
+    from transformers import TrainingArguments
+
+    return tuple(entry for entry in _REFUSED if hasattr(TrainingArguments, entry[0]))
+
+
+def refused_settings() -> tuple[str, ...]:
+    """The ``TrainingArguments`` settings ``DPTrainer`` refuses (those this transformers has).
+
+    >>> "fp16" in refused_settings(), "max_grad_norm" in refused_settings()
+    (True, True)
+    """
+    return tuple(name for name, _, _ in _installed())
+
+
 def check_model(model: Any) -> None:
     """Trainable float16 weights: their per-example gradients would need a loss scale that the
     DP step does not apply (underflow to zero, overflow to inf), so they are refused."""
@@ -89,7 +109,7 @@ def _checkpointing_kwargs(args: Any) -> None:
 
 def check_arguments(args: Any) -> None:
     """Refuse the arguments in :data:`_REFUSED`; make activation checkpointing non-reentrant."""
-    for name, refused, why in _REFUSED:
+    for name, refused, why in _installed():
         if refused(args):
             raise ConfigurationError(f"DPTrainer: {name}={getattr(args, name)!r}: {why}")
     _checkpointing_kwargs(args)

@@ -25,14 +25,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 
 from opake.core.choices import TRAINING_PLD_OPTIONS
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.transformers._args import DPTrainingArguments
 from opake.transformers._collate import DPDataCollator, PoissonBatches
-from opake.transformers._losses import detect_task, has_dropout, per_example_losses
+from opake.transformers._hf_checks import make_checks_transform_safe
+from opake.transformers._losses import base_model, detect_task, has_dropout, per_example_losses
+from opake.transformers._microbatch import (
+    MicrobatchChoice,
+    default_microbatch,
+    largest_batch,
+    longest_example,
+)
 from opake.transformers._refusals import check_arguments, check_model
+from opake.transformers._step import DPStep, PrivacyBudget
 from opake.transformers._train_loader import (
     BATCH_INDICES_KEY,
     EXAMPLE_MASK_KEY,
@@ -54,62 +62,6 @@ DP_STATE_FILE = "opake_dp_state.pt"
 _PLD_OPTIONS = dict(TRAINING_PLD_OPTIONS)
 
 
-class _DPStep(torch.optim.Optimizer):
-    """What the Trainer steps: the DP step around the optimizer the Trainer built.
-
-    It shares the inner optimizer's parameter groups (the Trainer's LR scheduler sets their
-    ``lr``) and state; ``step()`` runs :meth:`DPTraining.finish_step`, which noises the
-    accumulated clipped sum once and steps the inner optimizer.
-    """
-
-    def __init__(self, inner: torch.optim.Optimizer, trainer: DPTrainer) -> None:
-        super().__init__(inner.param_groups, inner.defaults)
-        self.state = inner.state
-        self.inner = inner
-        self._trainer = trainer
-
-    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
-        if closure is not None:
-            raise ConfigurationError("DPTrainer's optimizer step takes no closure")
-        self._trainer._finish_step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state_dict)
-
-
-class _PrivacyBudget(TrainerCallback):
-    """Binds the DP step to the prepared model; stops training when the next step would
-    exceed ``target_epsilon``."""
-
-    def __init__(self, trainer: DPTrainer) -> None:
-        self._trainer = trainer
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self._trainer._check_train_loader(kwargs.get("train_dataloader"))
-        self._trainer._bind_params()
-        return control
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        dp = self._trainer._dp
-        if dp is not None and dp.exhausted and state.global_step < state.max_steps:
-            message = (
-                f"privacy budget spent: ε = {dp.epsilon():.4g} (δ = {dp.delta:.3g}) after "
-                f"{dp.steps} DP steps; one more would exceed target_epsilon = "
-                f"{dp.target_epsilon:g}. Training stops at step {state.global_step} of "
-                f"{state.max_steps}"
-            )
-            logger.warning(message)
-            self._trainer.privacy_stop_message = message
-            control.should_training_stop = True
-        return control
-
-
 class DPTrainer(Trainer):
     """``transformers.Trainer`` that trains with DP-SGD (see :mod:`opake.transformers`).
 
@@ -125,16 +77,24 @@ class DPTrainer(Trainer):
     (``ConfigurationError``): fp16 (and trainable float16 weights; ``bf16=True`` works: bf16
     autocast for the forward, clipping, sum and noise in fp32), ``max_grad_norm``,
     ``auto_find_batch_size``, ``dataloader_drop_last``, non-random
-    ``train_sampling_strategy``/``group_by_length``, DeepSpeed, FSDP, ``torch_compile``,
-    NEFTune, DataParallel, reentrant activation checkpointing, ``compute_loss_func`` and an
-    iterable training set. When training begins, a training loader other than the one
-    :meth:`get_train_dataloader` builds (e.g. a subclass returning a shuffled ``DataLoader``)
-    is refused, and so is any physical batch that is not the Poisson sampler's draw.
-    ``label_smoothing_factor`` is applied within each example; the Trainer's token-count
-    normalisation across the batch (``num_items_in_batch``) is never used.
+    ``train_sampling_strategy`` (and ``group_by_length`` where transformers has it),
+    DeepSpeed, FSDP, ``torch_compile``, NEFTune, DataParallel, reentrant activation
+    checkpointing, ``compute_loss_func`` and an iterable training set. When training begins,
+    a training loader other than the one :meth:`get_train_dataloader` builds (e.g. a subclass
+    returning a shuffled ``DataLoader``) is refused, and so is any physical batch that is not
+    the Poisson sampler's draw. ``label_smoothing_factor`` is applied within each example; the
+    Trainer's token-count normalisation across the batch (``num_items_in_batch``) is never used.
+
+    Without ``microbatch_size``, the per-device microbatch is chosen when training starts: the
+    whole physical batch at once when its estimated peak fits the memory (``memory_budget_gb``,
+    else half of what is available), else the largest power of two that does (measured with
+    ``opake.profiling``'s tuner on random tokens; privacy-neutral). The choice and why are
+    logged on the ``opake.transformers`` logger and kept in ``microbatch_choice``.
 
     Attributes:
         privacy_stop_message: why training stopped early (the budget), or ``None``.
+        microbatch_choice: the automatic microbatch and its reason (``None`` until training
+            starts, and when ``microbatch_size`` was given).
     """
 
     args: DPTrainingArguments  # checked in __init__
@@ -175,6 +135,7 @@ class DPTrainer(Trainer):
                 "draws each example independently, which an iterable dataset cannot do"
             )
         check_model(self.model)
+        make_checks_transform_safe(self.model)
         self._per_example_loss = per_example_loss
         self._task = "custom" if per_example_loss is not None else detect_task(self.model)
         self._dp: DPTraining | None = None
@@ -184,7 +145,15 @@ class DPTrainer(Trainer):
         self._train_batches: PoissonBatches | None = None
         self._drawn = DrawnBatches(self.args.gradient_accumulation_steps, self.args.dp_sampler)
         self.privacy_stop_message: str | None = None
-        self.add_callback(_PrivacyBudget(self))
+        self.microbatch_choice: MicrobatchChoice | None = None
+        self.add_callback(PrivacyBudget(self))
+        if self._task == "causal_lm":
+            # evaluation builds labels from input_ids as training does (the stock eval collator
+            # would give a causal LM no labels, hence no eval_loss); a plain forward there, so
+            # the 2-D attention mask is kept
+            self.data_collator = self._dp_collator(engine_mask=False)
+        elif self._user_collator is not None:
+            self.data_collator = self._user_collator
 
     # -- the privacy parameters ---------------------------------------------------------------
 
@@ -241,12 +210,7 @@ class DPTrainer(Trainer):
                 dataset = self._remove_unused_columns(dataset, description="training")
         except ImportError:
             pass
-        pad = getattr(self.processing_class, "pad_token_id", None)
-        collator = DPDataCollator(
-            pad_token_id=pad if pad is not None else 0,
-            causal=self._task == "causal_lm",
-            base=self._user_collator,
-        )
+        collator = self._dp_collator()
         batches = PoissonBatches(
             lambda: self.dp_training.sampler,
             chunks=self.args.gradient_accumulation_steps,
@@ -263,6 +227,17 @@ class DPTrainer(Trainer):
         self._train_loader, self._train_batches = loader, batches
         return loader
 
+    def _dp_collator(self, *, engine_mask: bool = True) -> DPDataCollator:
+        """The user's collator (if any) made DP-safe: padding never mixes examples, causal-LM
+        labels from ``input_ids`` with padding ignored (``engine_mask``: see DPDataCollator)."""
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        return DPDataCollator(
+            pad_token_id=pad if pad is not None else 0,
+            causal=self._task == "causal_lm",
+            base=self._user_collator,
+            engine_mask=engine_mask,
+        )
+
     def _check_train_loader(self, loader: object) -> None:
         """Refuse (``ConfigurationError``) a training loader that is not the one
         :meth:`get_train_dataloader` built; start the per-batch check afresh."""
@@ -275,11 +250,11 @@ class DPTrainer(Trainer):
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         """Build the Trainer's optimizer, then the DP step around it."""
-        if isinstance(self.optimizer, _DPStep):
+        if isinstance(self.optimizer, DPStep):
             return self.optimizer
         inner = super().create_optimizer(model) if model is not None else super().create_optimizer()
         self._dp = self._build_training(inner)
-        self.optimizer = _DPStep(inner, self)
+        self.optimizer = DPStep(inner, self)
         return self.optimizer
 
     def _autocast(self) -> Callable[[], Any] | None:
@@ -310,24 +285,19 @@ class DPTrainer(Trainer):
         clip: Any = a.per_sample_max_grad_norm
         if a.clipping == "automatic":
             clip = AutoSClipping(clipping_norm=a.per_sample_max_grad_norm)
+        loss = BatchedLoss(losses, fmodel)
+        # dropout draws per-example masks under vmap; without it book-keeping can be exact
+        randomness = "different" if has_dropout(model) else "error"
         delta = a.target_delta if a.target_delta is not None else 1.0 / n**2
-        max_batch = None
-        if a.dp_sampler == "fixed":
-            from opake.accounting import max_batch_size_for, truncation_budget_for
-
-            # the slots: truncation charge ≤ δ/1000 at the target ε, rounded up to a multiple of
-            # the physical batches of all ranks (one static shape everywhere; more slots only
-            # lower the truncation probability)
-            chunks = a.gradient_accumulation_steps * a.world_size
-            needed = max_batch_size_for(
-                dataset_size=n,
-                sample_rate=self._expected_batch_size() / n,
-                steps=self._planned_steps(),
-                truncation_budget=truncation_budget_for(delta, a.target_epsilon),
+        max_batch = self._fixed_slots(n, delta) if a.dp_sampler == "fixed" else None
+        microbatch = a.microbatch_size
+        if microbatch is None:
+            self.microbatch_choice = self._default_microbatch(
+                loss, (trainable, frozen), randomness, max_batch
             )
-            max_batch = min(n, -(-needed // chunks) * chunks)
+            microbatch = self.microbatch_choice.microbatch
         training = DPTraining(
-            BatchedLoss(losses, fmodel),
+            loss,
             inner,
             trainable,
             args=(frozen,),
@@ -340,9 +310,8 @@ class DPTrainer(Trainer):
             delta=delta,
             clipping_norm=clip,
             engine=a.engine,
-            microbatch_size=a.microbatch_size,
-            # dropout draws per-example masks under vmap; without it book-keeping can be exact
-            randomness="different" if has_dropout(model) else "error",
+            microbatch_size=microbatch,
+            randomness=randomness,
             accountant=a.accountant,
             accountant_options=dict(_PLD_OPTIONS) if a.accountant == "pld" else None,
             sampler=a.dp_sampler,
@@ -361,6 +330,69 @@ class DPTrainer(Trainer):
             "seeded (reproducible)" if a.reproducible else "secure randomness",
         )
         return training
+
+    def _fixed_slots(self, n: int, delta: float) -> int:
+        """The fixed-shape sampler's slots: truncation charge ≤ δ/1000 at the target ε, rounded
+        up to a multiple of the physical batches of all ranks (one static shape everywhere;
+        more slots only lower the truncation probability)."""
+        from opake.accounting import max_batch_size_for, truncation_budget_for
+
+        a = self.args
+        chunks = int(a.gradient_accumulation_steps * a.world_size)
+        needed = max_batch_size_for(
+            dataset_size=n,
+            sample_rate=self._expected_batch_size() / n,
+            steps=self._planned_steps(),
+            truncation_budget=truncation_budget_for(delta, a.target_epsilon),
+        )
+        return min(n, -(-needed // chunks) * chunks)
+
+    def _default_microbatch(
+        self, loss: Any, params: tuple[Any, ...], randomness: str, max_batch: int | None
+    ) -> MicrobatchChoice:
+        """The per-device microbatch when ``microbatch_size`` is not set (memory-aware, from
+        the profiling tuner's measurements; privacy-neutral)."""
+        from opake.dpsgd.clipping import AutoSClipping, clipped_grad
+
+        a = self.args
+        n = self._dataset_size()
+        chunks = a.gradient_accumulation_steps * a.world_size
+        if max_batch is not None:  # fixed shapes: every physical batch has this many slots
+            expected = largest = -(-max_batch // chunks)
+        else:
+            expected = int(a.per_device_train_batch_size)
+            logical = largest_batch(self._expected_batch_size(), self._expected_batch_size() / n, n)
+            largest = -(-logical // chunks)
+
+        def make_grad_fn(m: int) -> Any:
+            clip: Any = a.per_sample_max_grad_norm
+            if a.clipping == "automatic":
+                clip = AutoSClipping(clipping_norm=a.per_sample_max_grad_norm)
+            return clipped_grad(
+                loss,
+                argnums=0,
+                clipping_norm=clip,
+                batch_argnums=(2,),
+                microbatch_size=m,
+                randomness=randomness,
+                method=a.engine,
+                check_unused=False,
+            )
+
+        model: Any = self.model
+        embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+        return default_microbatch(
+            make_grad_fn,
+            params,
+            task=self._task,
+            model_config=getattr(base_model(model), "config", None),
+            vocab=getattr(embeddings, "num_embeddings", None),
+            length=longest_example(self.train_dataset),
+            expected=expected,
+            largest=largest,
+            device=a.device,
+            budget_gb=a.memory_budget_gb,
+        )
 
     def _bind_params(self) -> None:
         """Re-take the functional view of the parameters once the Trainer prepared the model:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -60,10 +61,35 @@ def _join_dashed_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> NoReturn:
+    """Refuse arguments the subcommand does not know, in the subcommand's name (``opake train:
+    error: ... (see opake train --help)``), suggesting the nearest option of that command."""
+    sub = next(
+        action.choices[command]
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    options = [o for action in sub._actions for o in action.option_strings if o.startswith("--")]
+    first = extra[0].split("=", 1)[0]
+    if first.startswith("--"):
+        close = difflib.get_close_matches(first, options, n=1, cutoff=0.5)
+        near = [o for o in options if first[2:] and first[2:] in o]
+        guess = close or near[:1]
+        if guess:
+            message += f"; did you mean {guess[0]}?"
+    sub.error(message)  # exits
+    raise AssertionError("unreachable")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``opake`` command; returns the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(_join_dashed_values(sys.argv[1:] if argv is None else argv))
+    args, extra = parser.parse_known_args(
+        _join_dashed_values(sys.argv[1:] if argv is None else argv)
+    )
+    if extra:
+        _unrecognized(parser, args.command, extra)
     from opake.core.errors import OpakeError
 
     try:

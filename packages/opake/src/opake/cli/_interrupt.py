@@ -18,10 +18,12 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Iterable
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["StepBoundary"]
+__all__ = ["StepBoundary", "discard_unstarted"]
 
 
 class StepBoundary:
@@ -66,3 +68,25 @@ class StepBoundary:
         """Raise ``KeyboardInterrupt`` if an interrupt was requested (call between steps)."""
         if self.requested:
             raise KeyboardInterrupt
+
+
+def discard_unstarted(out: Path, *, created: bool, written: Iterable[str]) -> str:
+    """Undo what a run wrote into *out* before its first step (the files named *written*), and
+    remove *out* itself when the run *created* it and it is now empty; say what is left.
+
+    >>> import tempfile
+    >>> out = Path(tempfile.mkdtemp()) / "run"
+    >>> out.mkdir(); _ = (out / "settings.json").write_text("{}")
+    >>> discard_unstarted(out, created=True, written=["settings.json"]).endswith("removed")
+    True
+    >>> out.exists()
+    False
+    """
+    for name in written:
+        (out / name).unlink(missing_ok=True)
+    if not out.is_dir():
+        return f"{out} was not created"
+    if created and not any(out.iterdir()):
+        out.rmdir()
+        return f"{out}, created for this run, was removed"
+    return f"{out} holds what it held before the run"

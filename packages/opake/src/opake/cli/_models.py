@@ -147,6 +147,9 @@ def load_model(
             tie_word_embeddings=True,
             attention_dropout=0.0,
             use_cache=False,
+            # the byte tokenizer's end-of-document id (generation stops there), no BOS
+            bos_token_id=None,
+            eos_token_id=ByteTokenizer.eos_token_id,
             **NAMED_MODELS[source],
         )
         with torch.random.fork_rng(devices=[]):

@@ -207,8 +207,9 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     if settings.batch_size > n:
         raise ConfigurationError(
             f"--batch-size {settings.batch_size} exceeds the {n} training blocks; the expected "
-            f"Poisson batch must be at most the dataset: use --batch-size {max(1, n // 10)} or "
-            "more data"
+            f"Poisson batch must be at most the dataset: pass a --batch-size of at most {n} "
+            f"(e.g. --batch-size {max(1, n // 10)}, a tenth of the blocks: each step then samples "
+            "about 10% of the data), or give more data"
         )
     q = settings.batch_size / n
     if settings.steps is not None:

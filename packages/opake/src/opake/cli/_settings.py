@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from opake.cli._sources import model_help
 from opake.core.choices import ACCOUNTANTS, ENGINES, SAMPLERS
 from opake.core.errors import ConfigurationError
 
@@ -85,6 +86,7 @@ class TrainSettings:
     clip: float = 1.0
     batch_size: int = 128
     microbatch: int | str | None = None
+    memory_budget: float | None = None
     sampler: str = "poisson"
     steps: int | None = None
     epochs: float | None = None
@@ -161,7 +163,15 @@ class TrainSettings:
                 raise ConfigurationError(f"--{_flag(name)} {value}: expected an integer >= 1")
         if self.warmup is not None and self.warmup < 0:
             raise ConfigurationError(f"--warmup {self.warmup}: expected an integer >= 0")
-        for name in ("clip", "lr", "target_epsilon", "noise_multiplier", "epochs", "lora_alpha"):
+        for name in (
+            "clip",
+            "lr",
+            "target_epsilon",
+            "noise_multiplier",
+            "epochs",
+            "lora_alpha",
+            "memory_budget",
+        ):
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ConfigurationError(f"--{_flag(name)} {value}: expected a finite number > 0")
@@ -229,12 +239,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """Add every ``opake train`` option to *p* (defaults from :class:`TrainSettings`)."""
     d = TrainSettings()
     g = p.add_argument_group("model and data")
-    g.add_argument(
-        "--model",
-        default=d.model,
-        help="local Hugging Face model directory, or a named config: llama-small (default), "
-        "llama-tiny; nothing is downloaded",
-    )
+    g.add_argument("--model", default=d.model, help=model_help(d.model))
     g.add_argument(
         "--data",
         default=d.data,
@@ -329,8 +334,18 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--microbatch",
         type=_int_or_auto,
         default=d.microbatch,
-        help="examples per vmap chunk: an integer, or 'auto' (tuned); default: the whole batch "
-        "at once; privacy-neutral",
+        help="examples computed at once: an integer, or 'auto' (the tuner measures sizes that "
+        "fit); default: the whole batch when its estimated peak fits in the memory limit, else "
+        "microbatches of a power of two sized from the estimate (the plan's memory line says "
+        "which, and why); privacy-neutral",
+    )
+    g.add_argument(
+        "--memory-budget",
+        type=float,
+        default=d.memory_budget,
+        metavar="GB",
+        help="memory limit in GB for a step's peak, used to choose --microbatch (CPU: the whole "
+        "process); default: half of the available memory, or 80%% of it with --microbatch auto",
     )
     x = g.add_mutually_exclusive_group()
     x.add_argument(

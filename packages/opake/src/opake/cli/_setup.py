@@ -16,6 +16,7 @@ from opake.core.errors import OpakePrivacyWarning
 if TYPE_CHECKING:
     import torch
 
+    from opake.cli._memory import MemoryLine, MicrobatchChoice
     from opake.cli._plan import RunPlan
 
 _EVAL_BATCH = 64
@@ -93,15 +94,28 @@ def _tune_microbatch(
     make: Callable[[int], Any],
     args: tuple[Any, ...],
     plan: RunPlan,
+    *,
     device: torch.device,
     world_size: int,
-) -> tuple[int, str]:
+    line: MemoryLine,
+    available_gb: float | None,
+) -> MicrobatchChoice:
+    """``--microbatch auto``: the tuner over the sizes *line* puts within the limit
+    (``--memory-budget``, else 80% of the available memory), largest first."""
     import torch
 
-    from opake.profiling import tune_microbatch
+    from opake.cli._memory import TUNE_FRACTION, MicrobatchChoice
+    from opake.profiling import default_candidates, tune_microbatch
 
+    budget = plan.settings.memory_budget
     # this rank's expected share of the global Poisson batch
     batch = max(1, math.ceil(plan.sample_rate * plan.dataset_size / world_size))
+    # sizes whose estimated peak is beyond the budget are not tried: their step could exhaust
+    # the machine's memory before the tuner measures it
+    limit = budget
+    if limit is None and available_gb is not None:
+        limit = TUNE_FRACTION * available_gb
+    sizes = [m for m in default_candidates(batch) if limit is None or line.peak_gb(m) <= limit]
     # random tokens of the real shape: memory and time do not depend on the values, and the
     # tuner never touches the private data
     probe = torch.randint(
@@ -110,17 +124,31 @@ def _tune_microbatch(
         (batch, plan.settings.block_size),
         generator=torch.Generator().manual_seed(0),
     ).to(device)
-    result = tune_microbatch(
-        make,
-        (*args, probe),
-        batch_size=batch,
-        device=device,
-        steps=1,
-        warmup_steps=1,
-        compare_smaller=0,
-    )
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        result = tune_microbatch(
+            make,
+            (*args, probe),
+            batch_size=batch,
+            device=device,
+            memory_budget_gb=limit,
+            candidates=sizes or [1],
+            steps=1,
+            warmup_steps=1,
+            compare_smaller=0,
+        )
     assert result.microbatch_size is not None
-    return result.microbatch_size, result.table()
+    m = result.microbatch_size
+    skipped = (
+        f"; sizes above {sizes[0]} skipped (estimated over {limit:.2f} GB)"
+        if (sizes and sizes[0] < batch and limit is not None)
+        else ""
+    )
+    reason = (
+        f"--microbatch auto → {m}: the largest size the tuner measured within memory "
+        f"({result.candidate(m).memory_peak_gb or 0.0:.2f} GB peak){skipped}; table in "
+        "microbatch_tuning.txt"
+    )
+    return MicrobatchChoice(m, reason, line, limit, result.table())
 
 
 def _zero_partner_lora_a(trainable: dict[str, torch.Tensor]) -> frozenset[str]:

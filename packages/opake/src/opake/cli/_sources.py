@@ -38,7 +38,7 @@ from pathlib import Path
 
 from opake.core.errors import ConfigurationError
 
-__all__ = ["ModelSource", "gguf_cache_dir", "locate_model", "looks_like_hub_id"]
+__all__ = ["ModelSource", "gguf_cache_dir", "locate_model", "looks_like_hub_id", "model_help"]
 
 _LOG = logging.getLogger("opake.cli")
 
@@ -65,6 +65,27 @@ class ModelSource:
     def pretrained(self) -> bool:
         """Weights come from the source (not a random initialisation)."""
         return self.directory is not None
+
+
+def model_help(default: str, why: str = "") -> str:
+    """The ``--model`` help of every command that takes one (``train``, ``audit``, ``tune``):
+    the kinds of source :func:`locate_model` accepts, and the command's *default* (*why* it
+    differs from another command's, when it does).
+
+    >>> model_help("llama-small")[:60]
+    'a named config built locally: llama-small (default), llama-t'
+    """
+    from opake.cli._models import NAMED_MODELS
+
+    names = ", ".join(
+        [f"{default} (default{why})", *(n for n in sorted(NAMED_MODELS) if n != default)]
+    )
+    return (
+        f"a named config built locally: {names}; or a pretrained model: a local Hugging Face "
+        "model directory (also an opake train --out directory), a .gguf file (de-quantised once, "
+        "needs opake[gguf]), or a Hugging Face Hub id org/name (through the Hugging Face cache; "
+        "offline only if cached)"
+    )
 
 
 def looks_like_hub_id(spec: str) -> bool:

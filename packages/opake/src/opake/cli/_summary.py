@@ -12,6 +12,7 @@ from opake.core import ops
 if TYPE_CHECKING:
     import torch
 
+    from opake.cli._memory import MicrobatchChoice
     from opake.cli._plan import RunPlan
 
 
@@ -39,7 +40,7 @@ def _summary(
     peak_gb: float | None,
     memory_process_level: bool,
     loaded: Any,
-    microbatch: int | None,
+    microbatch: MicrobatchChoice,
     resumed_from: int | None,
     wall: float,
     saved: dict[str, str],
@@ -86,7 +87,8 @@ def _summary(
         "val_blocks": int(plan.val.shape[0]),
         "expected_batch_size": plan.sample_rate * plan.dataset_size,
         "max_batch_size": plan.max_batch_size,
-        "microbatch_size": microbatch,
+        "microbatch_size": microbatch.microbatch,
+        "microbatch_choice": microbatch.to_dict(),
         "corpus": plan.corpus.name,
         "corpus_characters": plan.corpus.num_chars,
         "model_source": loaded.source,

@@ -48,12 +48,18 @@ def _run(args: argparse.Namespace) -> int:
     from opake.cli._trainer import plan_run, run
 
     settings = settings_from_args(args)
-    plan = plan_run(settings)
+    try:
+        plan = plan_run(settings)
+    except KeyboardInterrupt:
+        print(
+            "opake train: interrupted while planning the run; nothing was written", file=sys.stderr
+        )
+        return 130
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for all
         _print_plan(plan)
     try:
         summary = run(plan)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # reported where it was caught (before or during the steps)
         return 130
     if summary is None:  # another rank than 0: rank 0 reports
         return 0

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opake.cli._checks import DivergenceWatch, disable_dropout
-from opake.cli._interrupt import StepBoundary
+from opake.cli._interrupt import StepBoundary, discard_unstarted
+from opake.cli._memory import MicrobatchChoice, microbatch_for_run
 from opake.cli._outputs import plot_metrics, write_json, write_metrics
 from opake.cli._plan import (
     CHECKPOINT_FILE,
@@ -40,7 +41,6 @@ from opake.cli._setup import (
     _build_model,
     _evaluate,
     _reemit,
-    _tune_microbatch,
     _zero_partner_lora_a,
     forward_options,
     inner_optimizer,
@@ -83,10 +83,11 @@ class _Run:
     training: Any
     inner: Any
     expected_zero: frozenset[str]
-    microbatch: int | None
-    tune_report: str
+    microbatch: MicrobatchChoice
     rows: list[dict[str, Any]] = field(default_factory=list)
     start_step: int = 0
+    #: --out did not exist before this run
+    created_out: bool = False
     initial_val: float | None = None
 
     @property
@@ -125,8 +126,15 @@ def run(plan: RunPlan) -> dict[str, Any] | None:
 
 def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
     started = time.perf_counter()
-    r = _prepare(plan, ctx)
-    _start(r)
+    created = not plan.out.exists()
+    try:
+        r = _prepare(plan, ctx)
+        _start(r)
+    except KeyboardInterrupt:
+        if ctx.is_main:
+            _interrupted_before_training(plan, created=created)
+        raise
+    r.created_out = created
     val_loss = _loop(r)
     r.save()
     if not ctx.is_main:
@@ -145,8 +153,6 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
 
     s = plan.settings
     device = ctx.device if ctx.is_distributed else plan.device
-    if ctx.is_main:
-        plan.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(s.seed)
     loaded, model, patch_report = _build_model(plan, device)
     if not s.dropout:
@@ -157,7 +163,7 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
     loss = per_example_loss(plan, fmodel, forward_kwargs, autocast)
     # dropout: an independent mask per example under vmap
     randomness = "different" if plan.dropout else "error"
-    microbatch, tune_report = _microbatch(
+    choice = microbatch_for_run(
         plan,
         loss,
         (trainable, frozen),
@@ -165,6 +171,8 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
         world_size=ctx.world_size,
         randomness=randomness,
     )
+    if ctx.is_main and choice.line is not None:
+        print(f"memory    {choice.reason}", file=sys.stderr, flush=True)
     expected_zero = _zero_partner_lora_a(trainable)
     if expected_zero:
         plan.notes.append(
@@ -190,7 +198,7 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
         delta=plan.delta,
         clipping_norm=s.clip,
         engine=plan.engine,
-        microbatch_size=microbatch,
+        microbatch_size=choice.microbatch,
         randomness=randomness,
         accountant=s.accountant,
         accountant_options=plan.accountant_options,
@@ -212,8 +220,7 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
         training=training,
         inner=inner,
         expected_zero=expected_zero,
-        microbatch=microbatch,
-        tune_report=tune_report,
+        microbatch=choice,
     )
 
 
@@ -226,33 +233,17 @@ def _microbatch(
     world_size: int,
     randomness: str,
 ) -> tuple[int | None, str]:
-    """``--microbatch``: the number given, none, or the tuned one (on random tokens)."""
-    s = plan.settings
-    if s.microbatch != "auto":
-        return (s.microbatch if isinstance(s.microbatch, int) else None), ""
-    from opake.dpsgd.clipping import clipped_grad
-
-    def make(microbatch: int | None) -> Any:
-        # the same gradient function as the run's, on a probe that is not the private data
-        return clipped_grad(
-            loss,
-            argnums=0,
-            clipping_norm=s.clip,
-            batch_argnums=2,
-            microbatch_size=microbatch,
-            return_aux=True,
-            method=plan.engine,
-            randomness=randomness,
-        )
-
-    return _tune_microbatch(make, params, plan, device, world_size)
+    """``--microbatch``: the number given, the tuned one, or the memory-aware default; and the
+    tuner's table (``--microbatch auto``, else empty). See :func:`microbatch_for_run`."""
+    choice = microbatch_for_run(
+        plan, loss, params, device=device, world_size=world_size, randomness=randomness
+    )
+    return choice.microbatch, choice.table
 
 
 def _start(r: _Run) -> None:
     """Write the settings of a new run and evaluate the start, or restore a checkpoint."""
     s = r.plan.settings
-    if r.ctx.is_main and not s.resume:
-        write_json(r.plan.out / SETTINGS_FILE, s.to_dict())
     if s.resume:
         # a checkpoint written before DPTraining (the same parts) loads too
         extra = r.training.load(r.checkpoint, model=r.trainable)
@@ -260,8 +251,20 @@ def _start(r: _Run) -> None:
         r.start_step = r.training.steps
         r.rows = [dict(row) for row in extra.get("metrics", [])]
         r.initial_val = extra.get("initial_val_loss")
+        if r.ctx.is_main:
+            print(
+                f"resume    after step {r.start_step} of {r.plan.steps}: ε = "
+                f"{r.training.epsilon():.3f} spent so far at δ = {r.plan.delta:.3g} (the "
+                "accountant's saved history; the remaining steps add to it)",
+                file=sys.stderr,
+                flush=True,
+            )
     elif r.ctx.is_main:
         r.initial_val = r.evaluate()
+        # --out is created only now, just before the first step: an interrupt while the
+        # model is built or the start evaluated leaves nothing behind
+        r.plan.out.mkdir(parents=True, exist_ok=True)
+        write_json(r.plan.out / SETTINGS_FILE, s.to_dict())
 
 
 def _loop(r: _Run) -> float | None:
@@ -398,6 +401,9 @@ def _postfix(row: dict[str, Any], peak_seen: float | None) -> str:
 def _interrupted(r: _Run, at_boundary: bool) -> None:
     """Ctrl-C: checkpoint the completed steps at a boundary, and say how to continue."""
     completed = int(r.rows[-1]["step"]) if r.rows else r.start_step
+    if completed == 0 and at_boundary and r.ctx.is_main:
+        _interrupted_before_training(r.plan, created=r.created_out)
+        return
     if at_boundary and not r.ctx.is_distributed:
         if completed > r.start_step:
             r.save()
@@ -412,6 +418,20 @@ def _interrupted(r: _Run, at_boundary: bool) -> None:
             "continue from the last checkpoint with the same command and --resume",
             file=sys.stderr,
         )
+
+
+def _interrupted_before_training(plan: RunPlan, *, created: bool) -> None:
+    """Ctrl-C before the first step: say so, and leave no trace of a new run in ``--out``."""
+    if plan.settings.resume:
+        left = f"the run in {plan.out} is unchanged (its last checkpoint stands)"
+    else:
+        left = discard_unstarted(plan.out, created=created, written=[SETTINGS_FILE])
+    print(
+        f"opake train: interrupted before the first step: nothing was trained and no privacy "
+        f"was spent; {left}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _finish(r: _Run, val_loss: float, *, wall: float) -> dict[str, Any]:
@@ -445,6 +465,6 @@ def _finish(r: _Run, val_loss: float, *, wall: float) -> dict[str, Any]:
         plots = plot_metrics(plan.out, r.rows, baseline=plan.baseline, delta=plan.delta)
         summary["plots"] = [p.name for p in plots]
     write_json(plan.out / "summary.json", summary)
-    if r.tune_report:
-        (plan.out / "microbatch_tuning.txt").write_text(r.tune_report + "\n", encoding="utf-8")
+    if r.microbatch.table:
+        (plan.out / "microbatch_tuning.txt").write_text(r.microbatch.table + "\n", encoding="utf-8")
     return summary

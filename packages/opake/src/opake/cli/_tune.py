@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from opake.cli._settings import TrainSettings
+from opake.cli._sources import model_help
 from opake.core.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -30,15 +32,23 @@ if TYPE_CHECKING:
 
 __all__ = ["build_parser", "register", "run_tune"]
 
+#: the default model of ``opake tune``: smaller than ``opake train``'s, so that a first sweep of
+#: several sizes takes seconds
 DEFAULT_MODEL = "llama-tiny"
+TRAIN_DEFAULT_MODEL = TrainSettings.model
+#: untimed steps per candidate before the timed ones
+_WARMUP = 1
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"a named config built locally (default {DEFAULT_MODEL}; llama-small), a local "
-        "Hugging Face model directory, a .gguf file, or a Hub id (org/name)",
+        help=model_help(
+            DEFAULT_MODEL,
+            f"; opake train's default is {TRAIN_DEFAULT_MODEL}: pass --model "
+            f"{TRAIN_DEFAULT_MODEL} to tune the model a default run trains",
+        ),
     )
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq-len", type=int, default=16, help="tokens per sequence (default 16)")
@@ -59,7 +69,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated microbatch sizes to try (default: the batch size halved down to 1)",
     )
-    p.add_argument("--steps", type=int, default=20, help="smoke steps per candidate (default 20)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=20,
+        help=f"timed steps per candidate, after {_WARMUP} warm-up step (default 20)",
+    )
     p.add_argument(
         "--compare-smaller",
         type=int,
@@ -143,7 +158,8 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"opake tune: {loaded.source} ({loaded.num_parameters:,} parameters, "
             f"{loaded.num_trainable:,} trainable), batch {args.batch_size} x {args.seq_len} "
-            f"tokens on {device}, {args.steps} smoke steps per candidate",
+            f"tokens on {device}, {_WARMUP} warm-up + {args.steps} timed step(s) per candidate "
+            "(the table's steps column counts both)",
             flush=True,
         )
     try:
@@ -155,6 +171,7 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
             memory_budget_gb=args.budget_gb,
             candidates=candidates,
             steps=args.steps,
+            warmup_steps=_WARMUP,
             compare_smaller=args.compare_smaller,
             plot=args.plot,
         )

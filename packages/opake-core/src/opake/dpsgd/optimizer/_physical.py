@@ -76,8 +76,35 @@ def _with_aux(report: StepReport, aux: tuple[Any, ...]) -> StepReport:
     return replace(report, aux=aux)
 
 
+def _expected_lora_a(zero: tuple[str, ...], skipped: tuple[str, ...]) -> tuple[str, ...]:
+    """The PEFT LoRA ``A`` matrices among ``zero`` whose ``B`` partner did get a gradient.
+
+    PEFT starts every ``B`` at zero, so ``A``'s gradient (``Bᵀ`` times the output's) is exactly
+    zero until ``B`` moves, while ``B``'s own gradient is not: such an ``A`` is used by the loss.
+    (An ``A`` whose ``B`` got no gradient either belongs to an unused layer: still reported.)
+    """
+    return tuple(
+        name
+        for name in zero
+        if ".lora_A." in name
+        and name.replace(".lora_A.", ".lora_B.") not in zero
+        and name.replace(".lora_A.", ".lora_B.") not in skipped
+    )
+
+
 def _unused_message(skipped: tuple[str, ...], zero: tuple[str, ...]) -> str | None:
-    """The first-step report of parameters without gradient (``None``: nothing to report)."""
+    """The first-step report of parameters without gradient (``None``: nothing to report).
+
+    LoRA ``A`` matrices whose ``B`` partners start at zero are reported as what they are:
+    expected, and moved by noise alone on that step, which costs no privacy (the same words as
+    ``opake train``'s note).
+
+    >>> note = _unused_message((), ("m.lora_A.default.weight",))
+    >>> note.startswith("1 LoRA A matrices get no gradient on the first step"), "Freeze" in note
+    (True, False)
+    """
+    lora = _expected_lora_a(zero, skipped)
+    zero = tuple(name for name in zero if name not in lora)
     parts = []
     if skipped:
         parts.append(f"{', '.join(skipped)} received no gradient entry and will not be updated")
@@ -87,12 +114,17 @@ def _unused_message(skipped: tuple[str, ...], zero: tuple[str, ...]) -> str | No
             "batch in which other parameters did not (probably unused by the loss); it "
             "would be updated by noise alone"
         )
+    note = (
+        f"{len(lora)} LoRA A matrices get no gradient on the first step (an all-zero gradient: "
+        "their B partners start at zero), so that step moves them by noise alone; this is "
+        f"expected and costs no privacy: {', '.join(lora[:4])}{', ...' if len(lora) > 4 else ''}"
+    )
     if not parts:
-        return None
+        return note if lora else None
     return (
         "trainable parameter(s) without gradient: "
         + "; ".join(parts)
         + ". Freeze them (requires_grad_(False)) and leave them out of the optimizer. "
         "This check looks at the data of the first step(s): it is a diagnostic, not "
-        "private."
+        "private." + (f" Also: {note}." if lora else "")
     )

@@ -1,4 +1,5 @@
-"""Keep Hugging Face's "inputs require grad" hook from breaking ``torch.func`` transforms.
+"""Keep Hugging Face's "inputs require grad" hook and input checks from breaking ``torch.func``
+transforms.
 
 ``gradient_checkpointing_enable()`` (and PEFT) call ``enable_input_require_grads()``, which
 registers a forward hook on the input embeddings doing ``output.requires_grad_(True)``. Inside
@@ -8,6 +9,12 @@ transformed"); there it is also pointless, since a transform tracks differentiab
 transform and call the original hook outside. :func:`patch_transformers` wraps
 ``PreTrainedModel.enable_input_require_grads`` so hooks registered from now on are safe; it is
 installed as soon as ``transformers.modeling_utils`` is imported (now or later).
+
+The same patch wraps ``PreTrainedModel.warn_if_padding_and_no_attention_mask``: it asks whether
+``pad_token_id`` is among the first or last input ids when no attention mask is given (GPT-2 and
+other families call it at the top of ``forward``), a question about the *values* of the inputs
+that ``vmap`` cannot answer (``RuntimeError: vmap: ... .item()``). The check only warns, so
+inside a transform it is skipped; outside, the stock check runs.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "install_transformers_patch",
@@ -80,29 +87,55 @@ def restore_hooks(changed: list[tuple[dict[int, Any], int, Any]]) -> None:
             hooks[hook_id] = stock
 
 
+def _outside_transforms(check: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(check)
+    def check_outside_transforms(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if torch._C._functorch.maybe_current_level() is not None:
+            return None
+        return check(*args, **kwargs)
+
+    return check_outside_transforms
+
+
+def _safe_require_grads(stock: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(stock)
+    def enable_input_require_grads(self: Any) -> None:
+        stock(self)
+        make_hooks_transform_safe(self)
+
+    return enable_input_require_grads
+
+
+#: the ``PreTrainedModel`` methods wrapped, and how
+_WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "enable_input_require_grads": _safe_require_grads,
+    "warn_if_padding_and_no_attention_mask": _outside_transforms,
+}
+
+
 class _State:
-    stock: Callable[..., Any] | None = None
     cls: type | None = None
+    stock: ClassVar[dict[str, Callable[..., Any]]] = {}
     finder: _PatchOnImport | None = None
 
 
 def patch_transformers(module: ModuleType) -> None:
-    """Wrap ``PreTrainedModel.enable_input_require_grads`` in *module* (idempotent)."""
+    """Wrap the methods of ``PreTrainedModel`` in :data:`_WRAPPERS` in *module* (idempotent)."""
     with _lock:
         cls = getattr(module, "PreTrainedModel", None)
-        stock = getattr(cls, "enable_input_require_grads", None)
-        if cls is None or stock is None or getattr(stock, "_opake_patch", None):
+        if cls is None:
             return
-
-        @functools.wraps(stock)
-        def enable_input_require_grads(self: Any) -> None:
-            stock(self)
-            make_hooks_transform_safe(self)
-
-        enable_input_require_grads._opake_patch = "vmap_checkpointing"  # type: ignore[attr-defined]
-        _State.stock = stock
-        _State.cls = cls
-        cls.enable_input_require_grads = enable_input_require_grads
+        for name, wrap in _WRAPPERS.items():
+            stock = getattr(cls, name, None)
+            if stock is None or getattr(stock, "_opake_patch", None):
+                continue
+            patched = wrap(stock)
+            patched._opake_patch = "vmap_checkpointing"  # type: ignore[attr-defined]
+            _State.stock = {**_State.stock, name: stock}
+            _State.cls = cls
+            setattr(cls, name, patched)
 
 
 class _Loader(importlib.abc.Loader):
@@ -149,13 +182,14 @@ def install_transformers_patch() -> None:
 
 
 def uninstall_transformers_patch() -> None:
-    """Restore the stock ``enable_input_require_grads`` and drop the import hook."""
+    """Restore the stock ``PreTrainedModel`` methods and drop the import hook."""
     with _lock:
         if _State.finder is not None:
             with contextlib.suppress(ValueError):
                 sys.meta_path.remove(_State.finder)
             _State.finder = None
-        if _State.cls is not None and _State.stock is not None:
-            _State.cls.enable_input_require_grads = _State.stock  # type: ignore[attr-defined]
+        if _State.cls is not None:
+            for name, stock in _State.stock.items():
+                setattr(_State.cls, name, stock)
         _State.cls = None
-        _State.stock = None
+        _State.stock = {}

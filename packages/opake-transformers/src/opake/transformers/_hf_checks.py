@@ -1,0 +1,74 @@
+"""transformers' data-dependent input checks, made safe inside the per-example forward.
+
+Some transformers models inspect the *values* of their inputs before running, to warn about a
+likely mistake: ``PreTrainedModel.warn_if_padding_and_no_attention_mask`` (GPT-2 and others)
+asks whether ``pad_token_id`` is among the first or last tokens when no attention mask is given.
+Under ``vmap`` (the per-example engine, chosen when dropout is active) such a question cannot be
+answered — each example holds a different value — and torch raises ("vmap: ... .item()").
+
+The check is a warning only, and ``DPTrainer``'s collator already handles padding (labels -100 on
+padding, no mask needed after right padding in a causal LM, a float additive mask otherwise), so
+inside a ``torch.func`` transform it is skipped; outside one it runs unchanged. Only the model
+instance given to ``DPTrainer`` (and its submodules) is changed, never a class.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["DATA_DEPENDENT_CHECKS", "make_checks_transform_safe"]
+
+logger = logging.getLogger("opake.transformers")
+
+#: the transformers methods that branch on input values and only warn (model instance level)
+DATA_DEPENDENT_CHECKS = ("warn_if_padding_and_no_attention_mask",)
+
+
+def _outside_transforms(check: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(check)
+    def check_outside_transforms(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if torch._C._functorch.maybe_current_level() is not None:
+            return None
+        return check(*args, **kwargs)
+
+    check_outside_transforms._opake_transform_safe = True  # type: ignore[attr-defined]
+    return check_outside_transforms
+
+
+def make_checks_transform_safe(model: Any) -> int:
+    """Make each of :data:`DATA_DEPENDENT_CHECKS` a no-op inside ``torch.func`` transforms on
+    every submodule of ``model`` that has it (idempotent); return how many were changed.
+
+    >>> import torch
+    >>> class Model(torch.nn.Module):
+    ...     def warn_if_padding_and_no_attention_mask(self, input_ids, attention_mask):
+    ...         return bool(0 in input_ids)
+    >>> model = Model()
+    >>> make_checks_transform_safe(model), make_checks_transform_safe(model)
+    (1, 0)
+    >>> model.warn_if_padding_and_no_attention_mask(torch.tensor([[0, 1]]), None)
+    True
+    >>> torch.func.vmap(lambda x: (model.warn_if_padding_and_no_attention_mask(x, None), x)[1])(
+    ...     torch.tensor([[0, 1]])).tolist()
+    [[0, 1]]
+    """
+    changed = 0
+    for module in model.modules():
+        for name in DATA_DEPENDENT_CHECKS:
+            check = getattr(module, name, None)
+            if check is None or getattr(check, "_opake_transform_safe", False):
+                continue
+            setattr(module, name, _outside_transforms(check))
+            changed += 1
+    if changed:
+        logger.debug(
+            "transformers' padding check skipped inside the per-example forward (%d module(s)): "
+            "it branches on token values, and DPTrainer's collator handles padding itself",
+            changed,
+        )
+    return changed
