@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from opake import accounting
-from opake.core.errors import ConfigurationError, InputTypeError, OpakePrivacyWarning
-from opake.dpsgd import _gaussian, _randomness
+from opake.core.errors import ConfigurationError, OpakePrivacyWarning
+from opake.dpsgd import _randomness
 from opake.dpsgd.clipping import AdaptiveClipping, clipped_grad
 from opake.dpsgd.noise import GaussianNoise, add_noise, noise_grid
 from opake.dpsgd.optimizer import DPOptimizer
@@ -138,9 +138,9 @@ def _reference_inputs(raw: bytes, pairs: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_gaussian_pieces_address_the_one_shot_keystream(monkeypatch) -> None:
-    # bounded pieces (small here, 2^16 pairs in use) must give exactly the layout of one shot:
+    # bounded pieces (small here, 2^17 pairs in use) must give exactly the layout of one shot:
     # radius words of all pairs first, then their angle words; cosines, then sines
-    monkeypatch.setattr(_gaussian, "TASK_PAIRS", 40)
+    monkeypatch.setattr(_randomness, "_CHUNK_PAIRS", 40)
     source = Randomness.seeded(11)
     count = 2 * 40 * 3 + 17  # several pieces, a short last one, an odd count
     pairs = (count + 1) // 2
@@ -176,15 +176,15 @@ def test_gaussian_pieces_address_the_one_shot_keystream(monkeypatch) -> None:
 def test_gaussian_pieces_convert_the_keystream_bit_for_bit(monkeypatch, dtype) -> None:
     # the pieces read the keystream through one reused scratch buffer and convert it in place;
     # the floats Box–Muller receives must be exactly the plain route's: fresh bytes, astype
-    monkeypatch.setattr(_gaussian, "TASK_PAIRS", 20)  # 160 bytes: radius words too
+    monkeypatch.setattr(_randomness, "_CHUNK_PAIRS", 20)  # 160 bytes: radius words too
     seen: list[tuple[np.ndarray, np.ndarray]] = []
-    box_muller = _gaussian.box_muller
+    box_muller = _randomness._box_muller
 
-    def recording(k: np.ndarray, j: np.ndarray, c: np.ndarray, n: int, scale: float):
-        seen.append((k[:n].copy(), j[:n].copy()))
-        return box_muller(k, j, c, n, scale)
+    def recording(k: np.ndarray, j: np.ndarray, scale: float):
+        seen.append((k.copy(), j.copy()))
+        return box_muller(k, j, scale)
 
-    monkeypatch.setattr(_gaussian, "box_muller", recording)
+    monkeypatch.setattr(_randomness, "_box_muller", recording)
     source = Randomness.seeded(17)
     count = 2 * 20 * 4 + 9  # pieces whose words start mid-block, a short last one
     pairs = (count + 1) // 2
@@ -213,27 +213,17 @@ def test_gaussian_pieces_convert_every_layout_bit_for_bit(
     # conversion of the reference keystream, and the pieces must cover every position once
     dtype = torch.float64 if wide else torch.float32
     seen: list[tuple[np.ndarray, np.ndarray]] = []
-    box_muller = _gaussian.box_muller
+    box_muller = _randomness._box_muller
 
-    def recording(k: np.ndarray, j: np.ndarray, c: np.ndarray, n: int, scale: float):  # type: ignore[no-untyped-def]
-        seen.append((k[:n].copy(), j[:n].copy()))
-        return box_muller(k, j, c, n, scale)
+    def recording(k: np.ndarray, j: np.ndarray, scale: float):  # type: ignore[no-untyped-def]
+        seen.append((k.copy(), j.copy()))
+        return box_muller(k, j, scale)
 
     source = Randomness.seeded(23)
-    applied = torch.full((count,), float("nan"), dtype=torch.float64)
-
-    def put(start: int, values: torch.Tensor) -> None:
-        assert torch.isnan(applied[start : start + values.numel()]).all()  # each position once
-        applied[start : start + values.numel()] = values
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_gaussian, "TASK_PAIRS", chunk)
-        patch.setattr(_gaussian, "box_muller", recording)
+        patch.setattr(_randomness, "_CHUNK_PAIRS", chunk)
+        patch.setattr(_randomness, "_box_muller", recording)
         pieces = list(source.normal_pieces("noise", index, count, dtype=dtype))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_gaussian, "TASK_PAIRS", chunk)
-        # the threaded route draws exactly the same values, whatever the number of threads
-        source.normal_apply("noise", index, count, put, workers=1 + index % 3 + int(wide))
     pairs = (count + 1) // 2
     raw = reference_keystream(source.export_key(), "noise", index, 16 * pairs)
     k, j = _reference_inputs(raw, pairs)
@@ -244,7 +234,6 @@ def test_gaussian_pieces_convert_every_layout_bit_for_bit(
     assert all(v.dtype == dtype and v.numel() <= chunk for _, v in pieces)
     covered = sorted(i for start, v in pieces for i in range(start, start + v.numel()))
     assert covered == list(range(count))
-    assert torch.equal(applied, source.normal("noise", index, count, dtype=torch.float64))
 
 
 def test_gaussian_tail_reaches_past_nine_sigma_and_never_overflows() -> None:
@@ -505,21 +494,3 @@ def test_shuffle_sampler_with_sample_rate_is_refused_with_the_reason() -> None:
     assert "sample_rate=0.1" in message
     assert "amplification by subsampling" in message
     assert "without sampler" not in message  # no hint to bypass the check
-
-
-def test_normal_apply_raises_a_helper_threads_error_and_refuses_bad_workers(monkeypatch) -> None:
-    monkeypatch.setattr(_gaussian, "TASK_PAIRS", 8)
-    source = Randomness.seeded(5)
-    seen: list[int] = []
-
-    def fail_late(start: int, values: torch.Tensor) -> None:
-        seen.append(start)
-        if start >= 40:
-            raise ValueError(f"piece at {start}")
-
-    with pytest.raises(ValueError, match="piece at"):
-        source.normal_apply("noise", 0, 200, fail_late, workers=3)
-    assert len(seen) < 200 // 8 + 1  # the draw stopped instead of running to the end
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(InputTypeError, match="workers="):
-            source.normal_apply("noise", 0, 10, fail_late, workers=bad)  # type: ignore[arg-type]

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
-from opake.dpsgd._gaussian import SLICE
 from opake.dpsgd._noisy import NoisyGrads
 from opake.dpsgd._randomness import Randomness, check_seed, resolve_randomness
 
@@ -162,9 +161,9 @@ def _draw(
 ) -> dict[str, torch.Tensor]:
     """Noise every entry from one keystream of ``source`` at ``index``, in sorted key order
     (so every rank with the same key draws the same), generated on the CPU in bounded pieces
-    (no model-sized keystream or flat copy) on torch's thread count, and snapped onto the
-    lattice of ``std`` (:func:`_snap_add_`). The result is each entry itself (``in_place``) or
-    a fresh copy of it in its noise dtype: the same values either way."""
+    (no model-sized keystream or flat copy), and snapped onto the lattice of ``std``
+    (:func:`_snap_add_`). The result is each entry itself (``in_place``) or a fresh copy of it
+    in its noise dtype: the same values either way."""
     import torch
 
     names = sorted(grads)
@@ -176,13 +175,10 @@ def _draw(
     ends = list(itertools.accumulate(t.numel() for t in targets))
     total = ends[-1] if ends else 0
     grid = noise_grid(std)
-
-    def scatter(start: int, units: torch.Tensor) -> None:
-        _scatter(units, start, targets, ends, grid)
-
     # the noise in units of the lattice: std/grid is exact (a power-of-two ratio)
-    workers = max(1, torch.get_num_threads())
-    source.normal_apply("noise", index, total, scatter, scale=std / grid, workers=workers)
+    pieces = source.normal_pieces("noise", index, total, dtype=torch.float64, scale=std / grid)
+    for start, units in pieces:
+        _scatter(units, start, targets, ends, grid)
     return {name: results[name] for name in grads}
 
 
@@ -201,18 +197,14 @@ def _snap_add_(dest: torch.Tensor, units: torch.Tensor, grid: float) -> None:
     ``dest/Λ`` is exact (Λ a power of two) and IEEE addition rounds the exact sum, so the
     result is a fixed function of the exact real ``x + Λ·units``: its possible values (and the
     grid they lie on) do not depend on ``x``. Separate kernels, so no fused multiply-add can
-    change a rounding between devices. On the CPU in slices below torch's parallel grain (the
-    draw's own threads run this; see :mod:`opake.dpsgd._gaussian`)."""
+    change a rounding between devices."""
     import torch
 
     if units.device != dest.device:
         units = units.to(dest.device)
-    step = SLICE if dest.device.type == "cpu" else max(1, dest.numel())
-    for at in range(0, dest.numel(), step):
-        u, d = units[at : at + step], dest[at : at + step]
-        u.add_(d, alpha=1.0 / grid)  # x/Λ exactly, then one rounding of the sum
-        u.round_()  # to an integer, half to even
-        torch.mul(u, grid, out=d)  # exact, then one rounding to dest's dtype
+    units.add_(dest, alpha=1.0 / grid)  # x/Λ exactly, then one rounding of the sum
+    units.round_()  # to an integer, half to even
+    torch.mul(units, grid, out=dest)  # exact, then one rounding to dest's dtype
 
 
 def _scatter(
