@@ -257,3 +257,24 @@ def test_audit_catches_an_engine_that_trusts_its_gram_norm(tiny_args, tmp_path, 
     assert data["group"] in {"cancellation", "underflow", "absorption"}
     assert not data["consistent"]
     assert data["epsilon_lower_bound"] > 2.0 * data["claimed_epsilon"]
+
+
+def test_the_audit_says_how_it_chose_its_microbatch(tiny_args, tmp_path, monkeypatch, capsys):
+    # the audit's run takes the same memory-aware default as `opake train`, and says so
+    from opake.profiling import get_memory_stats
+
+    def scarce(device):  # a few MB beyond what the process holds: half of it is the limit
+        held = get_memory_stats("cpu").allocated_gb
+        assert held is not None
+        return 2 * (held + 0.02)
+
+    monkeypatch.setattr("opake.cli._memory.available_memory_gb", scarce)
+    out = tmp_path / "audit"
+    args = _audit_args(tiny_args, out)
+    args[args.index("--steps") + 1] = "2"
+    assert main(args) == 0
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("memory ")]
+    # what it chose (the whole batch, or a microbatch) and why: the estimate against the limit
+    assert line.split("memory", 1)[1].strip().startswith(("whole batch at once", "--microbatch"))
+    assert "estimated to peak at" in line
+    assert "GB available" in line

@@ -12,6 +12,7 @@ audit could show for the run's σ, q and T. The command (options, ``--out``, the
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -133,6 +134,7 @@ def _dp_training(
     (noised and stepped with the rest) but not in the gradient function: its clipped sum is
     accumulated into ``training.optimizer`` next to the data's."""
     from opake.auditing import CANARY_PARAMETER
+    from opake.cli._memory import microbatch_for_run
     from opake.cli._setup import (
         _autocast_factory,
         _zero_partner_lora_a,
@@ -140,7 +142,6 @@ def _dp_training(
         inner_optimizer,
         per_example_loss,
     )
-    from opake.cli._trainer import _microbatch
     from opake.dpsgd.training import DPTraining
     from opake.functional import make_functional
 
@@ -149,9 +150,12 @@ def _dp_training(
     autocast = _autocast_factory(s.precision, plan.device)
     loss = per_example_loss(plan, fmodel, forward_options(patch_report), autocast)
     randomness = "different" if plan.dropout else "error"
-    microbatch, _ = _microbatch(
+    choice = microbatch_for_run(
         plan, loss, (trainable, frozen), device=plan.device, world_size=1, randomness=randomness
     )
+    if choice.line is not None:  # the memory-aware default decided: say what and why
+        print(f"memory    {choice.reason}", file=sys.stderr, flush=True)
+    microbatch = choice.microbatch
     inner = inner_optimizer(plan, model)
     extra = canaried.extra_params
     if extra:  # the audit parameter: same optimizer settings, stepped with the model

@@ -224,23 +224,6 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
     )
 
 
-def _microbatch(
-    plan: RunPlan,
-    loss: Any,
-    params: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
-    *,
-    device: torch.device,
-    world_size: int,
-    randomness: str,
-) -> tuple[int | None, str]:
-    """``--microbatch``: the number given, the tuned one, or the memory-aware default; and the
-    tuner's table (``--microbatch auto``, else empty). See :func:`microbatch_for_run`."""
-    choice = microbatch_for_run(
-        plan, loss, params, device=device, world_size=world_size, randomness=randomness
-    )
-    return choice.microbatch, choice.table
-
-
 def _start(r: _Run) -> None:
     """Write the settings of a new run and evaluate the start, or restore a checkpoint."""
     s = r.plan.settings
