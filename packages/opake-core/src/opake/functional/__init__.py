@@ -5,7 +5,8 @@ parameter dict(s), the form :func:`opake.dpsgd.clipping.clipped_grad` differenti
 ``partition_trainable=True`` only the trainable parameters (e.g. LoRA adapters) are exposed to
 ``vmap``, so per-example gradients are materialised for them alone. :func:`cached_signature` makes
 ``apply`` of a ``torch.autograd.Function`` with ``setup_context`` cheaper (every Opake Function
-uses it).
+uses it). :func:`outside_transforms` skips a value-inspecting check inside ``torch.func``
+transforms (:func:`in_transform` says whether the caller is inside one).
 
 >>> import torch
 >>> from opake.functional import make_functional
@@ -20,5 +21,12 @@ from __future__ import annotations
 
 from opake.functional._autograd import cached_signature
 from opake.functional._make_functional import FunctionalModel, make_functional
+from opake.functional._transforms import in_transform, outside_transforms
 
-__all__ = ["FunctionalModel", "cached_signature", "make_functional"]
+__all__ = [
+    "FunctionalModel",
+    "cached_signature",
+    "in_transform",
+    "make_functional",
+    "outside_transforms",
+]

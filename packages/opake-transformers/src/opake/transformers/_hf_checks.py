@@ -14,10 +14,10 @@ instance given to ``DPTrainer`` (and its submodules) is changed, never a class.
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
 from typing import Any
+
+from opake.functional import outside_transforms
 
 __all__ = ["DATA_DEPENDENT_CHECKS", "make_checks_transform_safe"]
 
@@ -25,19 +25,6 @@ logger = logging.getLogger("opake.transformers")
 
 #: the transformers methods that branch on input values and only warn (model instance level)
 DATA_DEPENDENT_CHECKS = ("warn_if_padding_and_no_attention_mask",)
-
-
-def _outside_transforms(check: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(check)
-    def check_outside_transforms(*args: Any, **kwargs: Any) -> Any:
-        import torch
-
-        if torch._C._functorch.maybe_current_level() is not None:
-            return None
-        return check(*args, **kwargs)
-
-    check_outside_transforms._opake_transform_safe = True  # type: ignore[attr-defined]
-    return check_outside_transforms
 
 
 def make_checks_transform_safe(model: Any) -> int:
@@ -61,10 +48,12 @@ def make_checks_transform_safe(model: Any) -> int:
     for module in model.modules():
         for name in DATA_DEPENDENT_CHECKS:
             check = getattr(module, name, None)
-            if check is None or getattr(check, "_opake_transform_safe", False):
+            if check is None:
                 continue
-            setattr(module, name, _outside_transforms(check))
-            changed += 1
+            safe = outside_transforms(check)
+            if safe is not check:
+                setattr(module, name, safe)
+                changed += 1
     if changed:
         logger.debug(
             "transformers' padding check skipped inside the per-example forward (%d module(s)): "

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, ClassVar
 
+from opake.functional import in_transform, outside_transforms
+
 __all__ = [
     "install_transformers_patch",
     "make_hooks_transform_safe",
@@ -43,9 +45,7 @@ _lock = threading.RLock()
 def _transform_safe(hook: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(hook)
     def hook_outside_transforms(module: Any, args: Any, output: Any) -> Any:
-        import torch
-
-        if torch._C._functorch.maybe_current_level() is not None:
+        if in_transform():
             return None
         return hook(module, args, output)
 
@@ -87,18 +87,6 @@ def restore_hooks(changed: list[tuple[dict[int, Any], int, Any]]) -> None:
             hooks[hook_id] = stock
 
 
-def _outside_transforms(check: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(check)
-    def check_outside_transforms(*args: Any, **kwargs: Any) -> Any:
-        import torch
-
-        if torch._C._functorch.maybe_current_level() is not None:
-            return None
-        return check(*args, **kwargs)
-
-    return check_outside_transforms
-
-
 def _safe_require_grads(stock: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(stock)
     def enable_input_require_grads(self: Any) -> None:
@@ -111,7 +99,7 @@ def _safe_require_grads(stock: Callable[..., Any]) -> Callable[..., Any]:
 #: the ``PreTrainedModel`` methods wrapped, and how
 _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "enable_input_require_grads": _safe_require_grads,
-    "warn_if_padding_and_no_attention_mask": _outside_transforms,
+    "warn_if_padding_and_no_attention_mask": outside_transforms,
 }
 
 
