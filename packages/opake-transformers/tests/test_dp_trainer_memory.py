@@ -34,20 +34,23 @@ def _trainer(tmp_path, **options):
 def test_a_batch_that_would_not_fit_is_computed_in_microbatches(tmp_path, monkeypatch, caplog):
     """The estimate (1 GB + 1 GB per example) puts a whole physical batch (up to 11 examples)
     over the 3.5 GB budget and 2 examples at a time within it; the step is the same."""
+    from opake.profiling import MemoryLine
     from opake.transformers import _microbatch
 
     measured = []
 
-    def line(make_grad_fn, params, batch, *, device):
-        measured.append({k: tuple(v.shape) for k, v in batch.items()})
-        return _microbatch.MemoryLine(base_gb=1.0, per_example_gb=1.0)
+    def line(make_grad_fn, params, *, length, vocab, device, examples, batch):
+        probe = batch(torch.randint(0, vocab, (examples, length)))
+        measured.append({k: tuple(v.shape) for k, v in probe.items()})
+        return MemoryLine(base_gb=1.0, per_example_gb=1.0)
 
-    monkeypatch.setattr(_microbatch, "measure_line", line)
+    monkeypatch.setattr(_microbatch, "measure_memory_line", line)
     chunked = _trainer(tmp_path / "chunked", memory_budget_gb=3.5)
     with caplog.at_level("INFO", logger="opake.transformers"):
         chunked.train()
-    # probes: random tokens of the longest example's length (10 tokens), labels for the loss
-    assert measured == [{"input_ids": (4, 10), "labels": (4, 10)}]
+    # probes: random tokens of the longest example's length (10 tokens), labels for the loss;
+    # the larger probe is at most the largest physical batch (11 examples)
+    assert measured == [{"input_ids": (11, 10), "labels": (11, 10)}]
     assert chunked.microbatch_choice is not None
     assert chunked.microbatch_choice.microbatch == 2
     assert chunked.dp_training.grad_fn.microbatch_size == 2
@@ -79,20 +82,48 @@ def test_a_batch_that_fits_runs_whole_measured_by_the_tuner(tmp_path, caplog):
     assert "per-device microbatch" in caplog.text
 
 
-def test_the_line_is_fitted_through_the_tuner_measurements():
-    from opake.transformers._microbatch import MemoryLine, choose_microbatch, measure_line
+def test_one_example_that_does_not_fit_is_a_configuration_error(monkeypatch):
+    from opake.profiling import NoMicrobatchFitsError
+    from opake.transformers import _microbatch
 
-    weight = torch.randn(64, 64)
+    def no_room(*args, **kwargs):
+        raise NoMicrobatchFitsError("no microbatch size fits on cpu: even 1 gave oom", None)
 
-    def make_grad_fn(m):
-        return lambda batch: [torch.relu(c @ weight).sum() for c in batch["input_ids"].split(m)]
+    monkeypatch.setattr(_microbatch, "measure_memory_line", no_room)
+    with pytest.raises(ConfigurationError, match="DPTrainer: one training example at a time"):
+        _microbatch.measure_line(
+            lambda m: None,
+            (),
+            task="causal_lm",
+            model_config=None,
+            length=8,
+            vocab=16,
+            largest=4,
+            device=torch.device("cpu"),
+        )
 
-    batch = {"input_ids": torch.randn(4, 64)}
-    line = measure_line(make_grad_fn, (), batch, device=torch.device("cpu"))
-    assert isinstance(line, MemoryLine)
-    assert line.base_gb > 0
-    assert line.per_example_gb >= 0
-    assert choose_microbatch(line, limit_gb=line.peak_gb(8) + 1, largest=8, expected=4) is None
+
+@pytest.mark.parametrize(
+    ("problem", "num_labels", "shape", "dtype"),
+    [
+        (None, 3, (2,), torch.long),
+        ("regression", 1, (2, 1), torch.float32),
+        ("multi_label_classification", 4, (2, 4), torch.float32),
+    ],
+)
+def test_classification_probes_have_the_heads_labels(problem, num_labels, shape, dtype):
+    from types import SimpleNamespace
+
+    from opake.transformers._microbatch import probe_batch
+
+    config = SimpleNamespace(num_labels=num_labels, problem_type=problem)
+    ids = torch.randint(0, 50, (2, 7))
+    probe = probe_batch("sequence_classification", config)(ids)
+    assert probe["input_ids"] is ids
+    assert tuple(probe["labels"].shape) == shape
+    assert probe["labels"].dtype == dtype
+    if dtype == torch.long:
+        assert int(probe["labels"].max()) < num_labels
 
 
 @pytest.mark.parametrize("budget", [0, -1.0, "2", True])

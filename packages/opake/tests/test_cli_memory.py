@@ -9,8 +9,14 @@ import json
 import pytest
 
 from opake.cli import main
-from opake.cli._memory import MemoryLine, choose_microbatch, largest_batch
-from opake.profiling import get_memory_stats
+from opake.cli._memory import default_choice, measure_line
+from opake.core.errors import ConfigurationError
+from opake.profiling import (
+    MemoryLine,
+    NoMicrobatchFitsError,
+    get_memory_stats,
+    largest_poisson_batch,
+)
 
 
 def _argv(small_corpus, out, *extra: str) -> list[str]:
@@ -62,7 +68,9 @@ def test_a_batch_over_the_available_memory_is_microbatched(
     assert choice["limit_gb"] == pytest.approx(mocked[0] / 2)
     estimate = choice["estimate"]
     assert estimate["per_example_gb"] > 0
-    whole = estimate["base_gb"] + estimate["per_example_gb"] * largest_batch(32, 32 / 85, 85)
+    whole = estimate["base_gb"] + estimate["per_example_gb"] * largest_poisson_batch(
+        32, 32 / 85, 85
+    )
     assert whole > choice["limit_gb"]
     # the plan says what it chose and why
     (line,) = [ln for ln in err.splitlines() if ln.startswith("memory ")]
@@ -114,13 +122,51 @@ def test_auto_tunes_only_sizes_the_estimate_fits(small_corpus, tmp_path, monkeyp
     assert "skipped" in err
 
 
+LINE = MemoryLine(base_gb=1.0, per_example_gb=0.125, probes=((1, 1.125), (16, 3.0)))
+
+
 @pytest.mark.parametrize(
-    ("limit", "expected"),
-    [(100.0, None), (3.0, 16), (2.0, 8), (1.5, 4), (1.1, 1), (0.5, 1)],
+    ("budget", "expected", "sized"),
+    [(100.0, None, None), (3.0, 16, "within the budget"), (1.5, 4, "within the budget")],
 )
-def test_choice_from_the_line(limit, expected):
-    line = MemoryLine(base_gb=1.0, per_example_gb=0.125, probes=((1, 1.125), (4, 1.5)))
-    assert choose_microbatch(line, limit_gb=limit, largest_batch=40, expected_batch=16) == expected
+def test_a_stated_budget_sizes_the_chunks(budget, expected, sized):
+    choice = default_choice(
+        LINE, budget_gb=budget, available_gb=None, expected_batch=16, largest=40
+    )
+    assert choice.microbatch == expected
+    assert choice.limit_gb == budget
+    assert choice.line is LINE
+    if sized is None:
+        assert choice.reason.startswith("whole batch at once: a Poisson batch of up to 40")
+    else:
+        assert choice.reason.startswith(f"--microbatch auto → {expected}: ")
+        assert f"more than --memory-budget {budget:g} GB" in choice.reason
+        assert sized in choice.reason
+
+
+def test_without_a_budget_chunks_use_half_of_the_room_above_the_model():
+    # limit: half of 8 GB = 4 GB; chunks: 1 + (4 - 1) / 2 = 2.5 GB -> 12 examples -> 8
+    choice = default_choice(LINE, budget_gb=None, available_gb=8.0, expected_batch=16, largest=40)
+    assert choice.microbatch == 8
+    assert choice.limit_gb == 4.0
+    assert "more than half of the 8.0 GB available (4.00 GB)" in choice.reason
+    assert "using half of the room above the model" in choice.reason
+    assert choice.to_dict()["estimate"] == LINE.to_dict()
+
+
+def test_a_device_without_free_memory_runs_the_whole_batch():
+    choice = default_choice(LINE, budget_gb=None, available_gb=None, expected_batch=16, largest=40)
+    assert choice.microbatch is None
+    assert "reports no free memory" in choice.reason
+
+
+def test_one_block_that_does_not_fit_names_the_options(monkeypatch):
+    def no_room(*args, **kwargs):
+        raise NoMicrobatchFitsError("no microbatch size fits on cpu: even 1 gave oom", None)
+
+    monkeypatch.setattr("opake.cli._memory.measure_memory_line", no_room)
+    with pytest.raises(ConfigurationError, match=r"one example of 64 tokens .* --block-size"):
+        measure_line(lambda m: None, (), block_size=64, vocab=10, largest=8, device="cpu")
 
 
 def test_bad_memory_budget_is_one_line(small_corpus, tmp_path, capsys):

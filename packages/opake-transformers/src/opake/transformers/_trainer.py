@@ -29,16 +29,12 @@ from transformers import Trainer
 
 from opake.core.choices import TRAINING_PLD_OPTIONS
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
+from opake.profiling import largest_poisson_batch
 from opake.transformers._args import DPTrainingArguments
 from opake.transformers._collate import DPDataCollator, PoissonBatches
 from opake.transformers._hf_checks import make_checks_transform_safe
 from opake.transformers._losses import base_model, detect_task, has_dropout, per_example_losses
-from opake.transformers._microbatch import (
-    MicrobatchChoice,
-    default_microbatch,
-    largest_batch,
-    longest_example,
-)
+from opake.transformers._microbatch import MicrobatchChoice, default_microbatch, longest_example
 from opake.transformers._refusals import check_arguments, check_model
 from opake.transformers._step import DPStep, PrivacyBudget
 from opake.transformers._train_loader import (
@@ -361,7 +357,9 @@ class DPTrainer(Trainer):
             expected = largest = -(-max_batch // chunks)
         else:
             expected = int(a.per_device_train_batch_size)
-            logical = largest_batch(self._expected_batch_size(), self._expected_batch_size() / n, n)
+            logical = largest_poisson_batch(
+                self._expected_batch_size(), self._expected_batch_size() / n, n
+            )
             largest = -(-logical // chunks)
 
         def make_grad_fn(m: int) -> Any:

@@ -1,27 +1,30 @@
 """How many examples ``opake train`` computes at once: a memory-aware default for ``--microbatch``.
 
-Without ``--microbatch`` the run estimates the peak of one step before training: it measures two
-small probe steps on random tokens of the real shape (1 and :data:`PROBE_EXAMPLES` examples at
-once, with :func:`opake.profiling.tune_microbatch` as the measuring device, never on the data)
-and draws a straight line through them, ``peak(m) = base + m × per example``. The whole Poisson
-batch runs at once when the line puts its largest likely size within the memory limit; otherwise
-the batch is computed in microbatches of the largest power of two the line puts within the limit.
-The limit is ``--memory-budget`` when given, else half of the available memory (the line is an
-estimate, and evaluation, checkpoints and the rest of the machine need room too); without a
-stated budget the microbatches use half of the room that limit leaves above the model (the line
-is extrapolated from a few examples, and larger chunks do not run faster once the device is
-busy). The choice is privacy-neutral: a microbatch only chunks the clipped per-example sum.
+Without ``--microbatch`` the run estimates the peak of one step before training with
+:func:`opake.profiling.measure_memory_line`: two small probe steps on random tokens of the real
+shape (1 and :data:`opake.profiling.PROBE_EXAMPLES` examples at once, never the data), and a
+straight line through them, ``peak(m) = base + m × per example``. The whole Poisson batch runs at
+once when the line puts its largest likely size within the memory limit; otherwise the batch is
+computed in microbatches of the largest power of two the line puts within the limit
+(:func:`opake.profiling.choose_microbatch`). The limit is ``--memory-budget`` when given, else
+half of the available memory (the line is an estimate, and evaluation, checkpoints and the rest
+of the machine need room too); without a stated budget the microbatches use half of the room
+that limit leaves above the model (the line is extrapolated from a few examples, and larger
+chunks do not run faster once the device is busy). The choice is privacy-neutral: a microbatch
+only chunks the clipped per-example sum.
 
-Not in ``opake.profiling`` because it needs the run's step (the CLI's clipped-gradient
-function) and its Poisson batch; it only calls that distribution's public API.
+What is the CLI's own: the run's step (its clipped-gradient function) and Poisson batch, the
+fractions of the available memory, the options named in the plan's ``memory`` line, and that
+line's wording.
 
->>> line = MemoryLine(base_gb=1.0, per_example_gb=0.25, probes=((1, 1.25), (4, 2.0)))
->>> line.peak_gb(8)
-3.0
->>> choose_microbatch(line, limit_gb=2.6, largest_batch=12, expected_batch=8)
-4
->>> choose_microbatch(line, limit_gb=10.0, largest_batch=12, expected_batch=8) is None
-True
+>>> from opake.profiling import MemoryLine
+>>> line = MemoryLine(base_gb=1.0, per_example_gb=0.25, probes=((1, 1.25), (16, 5.0)))
+>>> tight = default_choice(line, budget_gb=2.6, available_gb=None, expected_batch=8, largest=12)
+>>> tight.microbatch, tight.reason.split(":")[0]
+(4, '--microbatch auto → 4')
+>>> roomy = default_choice(line, budget_gb=None, available_gb=20.0, expected_batch=8, largest=12)
+>>> roomy.microbatch is None, roomy.reason.split(":")[0]
+(True, 'whole batch at once')
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError
+from opake.profiling import (
+    PROBE_EXAMPLES,
+    MemoryLine,
+    NoMicrobatchFitsError,
+    available_memory_gb,
+    choose_microbatch,
+    largest_poisson_batch,
+    measure_memory_line,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -42,23 +54,15 @@ if TYPE_CHECKING:
 __all__ = [
     "AUTO_FRACTION",
     "CHUNK_FRACTION",
-    "PROBE_EXAMPLES",
     "TUNE_FRACTION",
-    "MemoryLine",
     "MicrobatchChoice",
-    "available_memory_gb",
-    "choose_microbatch",
-    "largest_batch",
+    "default_choice",
     "measure_line",
     "microbatch_for_run",
 ]
 
 _log = logging.getLogger("opake.cli")
 
-#: examples of the larger probe step (the smaller one computes one example); large enough that
-#: the extrapolation to a whole batch stays short (a probe of 4 put SmolLM2's step at 128
-#: examples 26% below its measured peak)
-PROBE_EXAMPLES = 16
 #: share of the available memory a step may use when no --memory-budget is given
 AUTO_FRACTION = 0.5
 #: share of the room above the model (within that limit) the microbatches are sized to, when
@@ -67,35 +71,6 @@ CHUNK_FRACTION = 0.5
 #: share of the available memory ``--microbatch auto`` tunes within when no --memory-budget is
 #: given (the tuner measures each size, so it may go closer to the limit than an estimate)
 TUNE_FRACTION = 0.8
-#: standard deviations above the expected Poisson batch that a step's batch is sized for
-_POISSON_SIGMAS = 5.0
-
-
-@dataclass(frozen=True)
-class MemoryLine:
-    """The estimated step peak as a function of the examples computed at once (GiB).
-
-    Attributes:
-        base_gb: the peak with no example (model, optimizer, the rest of the process).
-        per_example_gb: what each example computed at once adds.
-        probes: the measured ``(examples at once, peak GiB)`` points.
-    """
-
-    base_gb: float
-    per_example_gb: float
-    probes: tuple[tuple[int, float], ...]
-
-    def peak_gb(self, examples: int) -> float:
-        """The estimated peak of a step that computes *examples* at once."""
-        return self.base_gb + self.per_example_gb * examples
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready form (for ``summary.json``)."""
-        return {
-            "base_gb": self.base_gb,
-            "per_example_gb": self.per_example_gb if math.isfinite(self.per_example_gb) else None,
-            "probes": [list(p) for p in self.probes],
-        }
 
 
 @dataclass(frozen=True)
@@ -126,120 +101,35 @@ class MicrobatchChoice:
         }
 
 
-def available_memory_gb(device: torch.device) -> float | None:
-    """Memory this process may grow to on *device*, in GiB: what it holds now plus what is free
-    (CPU: resident set size plus the machine's or the cgroup's available memory); ``None`` when
-    the device does not report it."""
-    from opake.profiling import get_memory_stats
-
-    stats = get_memory_stats(device)
-    if stats.free_gb is None:
-        return None
-    held = stats.reserved_gb if stats.reserved_gb is not None else stats.allocated_gb
-    return (held or 0.0) + stats.free_gb
-
-
-def largest_batch(expected: float, sample_rate: float, cap: int) -> int:
-    """The largest batch a step is sized for: the expected Poisson batch plus five standard
-    deviations (a larger one comes less than once in three million steps), at most *cap*.
-
-    >>> largest_batch(128, 0.1, 10_000)
-    182
-    """
-    spread = math.sqrt(max(0.0, expected * (1.0 - sample_rate)))
-    return max(1, min(cap, math.ceil(expected + _POISSON_SIGMAS * spread)))
-
-
 def measure_line(
     make: Callable[[int], Any],
     params: tuple[Any, ...],
     *,
     block_size: int,
     vocab: int,
+    largest: int,
     device: torch.device,
 ) -> MemoryLine:
-    """Measure the step peak with 1 and :data:`PROBE_EXAMPLES` examples at once (random tokens;
-    the global random state is left as it was) and fit :class:`MemoryLine` through them. When
-    the larger probe does not fit, a quarter of it is tried instead.
+    """The step's memory line (:func:`opake.profiling.measure_memory_line` on random blocks, at
+    most *largest* examples at once).
 
     Raises:
         ConfigurationError: not even one example at a time fits in memory.
     """
-    import torch
-
-    devices = [device] if device.type == "cuda" else []
-    points: list[tuple[int, float]] = []
-    with torch.random.fork_rng(devices=devices):
-        one = _probe(make, params, 1, block_size=block_size, vocab=vocab, device=device)
-        if one is None:
-            raise ConfigurationError(
-                f"one example of {block_size} tokens at a time does not fit in memory; use a "
-                "smaller --block-size, --lora-r, or --checkpointing"
-            )
-        points.append((1, one))
-        k = PROBE_EXAMPLES
-        while k > 1:
-            peak = _probe(make, params, k, block_size=block_size, vocab=vocab, device=device)
-            if peak is not None:
-                points.append((k, peak))
-                break
-            k //= 4
-    if len(points) < 2:  # no larger probe fitted: assume each example costs the rest
-        return MemoryLine(base_gb=one, per_example_gb=math.inf, probes=tuple(points))
-    (m1, p1), (m2, p2) = points
-    per_example = max(0.0, (p2 - p1) / (m2 - m1))
-    return MemoryLine(
-        base_gb=p1 - per_example * m1, per_example_gb=per_example, probes=tuple(points)
-    )
-
-
-def _probe(
-    make: Callable[[int], Any],
-    params: tuple[Any, ...],
-    examples: int,
-    *,
-    block_size: int,
-    vocab: int,
-    device: torch.device,
-) -> float | None:
-    """The peak (GiB) of a step computing *examples* random blocks at once, measured by the
-    tuner (a warm-up step, then a measured one); ``None`` when it runs out of memory."""
-    import torch
-
-    from opake.profiling import NoMicrobatchFitsError, tune_microbatch
-
-    tokens = torch.randint(
-        0, vocab, (examples, block_size), generator=torch.Generator().manual_seed(examples)
-    ).to(device)
     try:
-        result = tune_microbatch(
+        return measure_memory_line(
             make,
-            (*params, tokens),
-            batch_size=examples,
+            params,
+            length=block_size,
+            vocab=vocab,
             device=device,
-            memory_budget_gb=1e9,  # measure, do not judge: the choice is made from the line
-            candidates=[examples],
-            steps=1,
-            warmup_steps=1,
-            compare_smaller=0,
+            examples=min(PROBE_EXAMPLES, largest),
         )
     except NoMicrobatchFitsError:
-        return None
-    return result.candidates[0].memory_peak_gb
-
-
-def choose_microbatch(
-    line: MemoryLine, *, limit_gb: float, largest_batch: int, expected_batch: int
-) -> int | None:
-    """``None`` (the whole batch at once) when *line* puts *largest_batch* within *limit_gb*;
-    else the largest power of two, at most *expected_batch*, that it puts within the limit
-    (at least 1)."""
-    if line.peak_gb(largest_batch) <= limit_gb:
-        return None
-    room = limit_gb - line.base_gb
-    fits = int(room // line.per_example_gb) if line.per_example_gb > 0 else largest_batch
-    fits = max(1, min(fits, expected_batch))
-    return 1 << (fits.bit_length() - 1)
+        raise ConfigurationError(
+            f"one example of {block_size} tokens at a time does not fit in memory; use a "
+            "smaller --block-size, --lora-r, or --checkpointing"
+        ) from None
 
 
 def default_choice(
@@ -331,15 +221,16 @@ def microbatch_for_run(
     # this rank's share of the global Poisson batch: expected, and the largest sized for
     expected = plan.sample_rate * plan.dataset_size / world_size
     cap = plan.max_batch_size or plan.dataset_size
-    largest = largest_batch(expected, plan.sample_rate, math.ceil(cap / world_size))
+    largest = largest_poisson_batch(expected, plan.sample_rate, math.ceil(cap / world_size))
     line = measure_line(
         make,
         params,
         block_size=s.block_size,
         vocab=int(plan.train.max()) + 1,
+        largest=largest,
         device=device,
     )
-    available = available_memory_gb(device)
+    available = available_memory_gb(device)  # looked up here at call time: tests replace it
     if s.microbatch == "auto":
         from opake.cli._setup import _tune_microbatch
 

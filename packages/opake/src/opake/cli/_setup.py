@@ -16,8 +16,9 @@ from opake.core.errors import OpakePrivacyWarning
 if TYPE_CHECKING:
     import torch
 
-    from opake.cli._memory import MemoryLine, MicrobatchChoice
+    from opake.cli._memory import MicrobatchChoice
     from opake.cli._plan import RunPlan
+    from opake.profiling import MemoryLine
 
 _EVAL_BATCH = 64
 
