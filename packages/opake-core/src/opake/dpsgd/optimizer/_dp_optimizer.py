@@ -6,14 +6,12 @@ Implementation of :mod:`opake.dpsgd.optimizer` (the public façade).
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from opake.core.errors import (
     ConfigurationError,
     InputTypeError,
-    OpakePrivacyWarning,
     OperationError,
 )
 from opake.dpsgd.optimizer._options import (
@@ -30,18 +28,16 @@ from opake.dpsgd.optimizer._physical import (
     _accepts_keyword,
     _noised,
     _split_batch,
-    _unused_message,
     _with_aux,
 )
 from opake.dpsgd.optimizer._report import StepReport
 from opake.dpsgd.optimizer._state import _STATE_VERSION, _checked_state
+from opake.dpsgd.optimizer._unused import UnusedCheck
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["DPOptimizer", "StepReport"]
-
-_UNUSED_MODES = ("warn", "error")
 
 
 class DPOptimizer:
@@ -153,11 +149,7 @@ class DPOptimizer:
             max_batch_size=max_batch_size,
             dataset_size=dataset_size,
         )
-        if unused_params not in _UNUSED_MODES:
-            raise ConfigurationError(
-                f"unused_params={unused_params!r}: expected one of {', '.join(_UNUSED_MODES)}"
-            )
-        self._unused_mode = unused_params
+        self._unused = UnusedCheck(unused_params)
         self.noise = _resolve_noise(
             noise, noise_multiplier, seed=seed, secure=secure, randomness=randomness
         )
@@ -170,8 +162,6 @@ class DPOptimizer:
         self._sensitivity: float | None = None
         self._physical = 0
         self._steps = 0
-        self._missing_checked = False
-        self._zero_checked = False
 
     # -- configuration ---------------------------------------------------------------------
 
@@ -285,8 +275,12 @@ class DPOptimizer:
                 "batch still returns zero gradients and must be accumulated)"
             )
         skipped = tuple(name for name in self._params if name not in self._sums)
-        if not (self._missing_checked and self._zero_checked):
-            self._check_unused(skipped)
+        if not self._unused.done:
+            try:
+                self._unused.run(self._sums, skipped)
+            except OperationError:
+                self._clear()
+                raise
         sensitivity = self._sensitivity
         sigma = self.noise_multiplier
         noised, owned = _noised(self.noise, self._sums, sensitivity)
@@ -432,28 +426,6 @@ class DPOptimizer:
         self._sensitivity = None
         self._physical = 0
 
-    def _check_unused(self, skipped: tuple[str, ...]) -> None:
-        """First-step report of parameters without gradient (a diagnostic, not private).
-
-        A missing gradient entry is structural and reported on the first step. An all-zero sum
-        is reported on the first step that has any non-zero gradient at all: when *every* sum
-        is zero (an empty Poisson batch, every example non-finite) the check waits.
-        """
-        zero: tuple[str, ...] = ()
-        conclusive = False
-        if not self._zero_checked:
-            nonzero = {name: bool(total.count_nonzero()) for name, total in self._sums.items()}
-            conclusive = any(nonzero.values())
-            zero = tuple(name for name, flag in nonzero.items() if not flag) if conclusive else ()
-        message = _unused_message(() if self._missing_checked else skipped, zero)
-        if message is not None:
-            if self._unused_mode == "error":
-                self._clear()
-                raise OperationError(message)
-            warnings.warn(message, OpakePrivacyWarning, stacklevel=3)
-        self._missing_checked = True
-        self._zero_checked = self._zero_checked or conclusive
-
     # -- state -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -471,7 +443,7 @@ class DPOptimizer:
         return {
             "version": _STATE_VERSION,
             "steps": self._steps,
-            "unused_checked": [self._missing_checked, self._zero_checked],
+            "unused_checked": self._unused.state(),
             "param_names": list(self._params),
             "noise_multiplier": self.noise_multiplier,
             "expected_batch_size": self._expected_batch_size,
@@ -494,4 +466,4 @@ class DPOptimizer:
             self._offload.reset_masters()
         self._clear()
         self._steps = saved.steps
-        self._missing_checked, self._zero_checked = saved.checked
+        self._unused.load(saved.checked)
