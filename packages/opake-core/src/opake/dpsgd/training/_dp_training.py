@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 
     import torch
 
+    from opake.accounting import PrivacyAccountant
+    from opake.dpsgd.clipping import ClipAux, ClippedGradFn, ClipState
+    from opake.dpsgd.distributed import DistributedDPOptimizer
+    from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler
+
 __all__ = ["DPTraining", "PrivacyBudgetExhausted", "StepResult"]
 
 
@@ -160,7 +165,7 @@ class DPTraining:
         )
         self._budget = Budget.checked(target_epsilon, steps)
         self._secure = seed is None
-        self._sampler: Any = _make_sampler(
+        self._sampler = _make_sampler(
             sampler, n, q, extra, self._context, steps_per_epoch=steps_per_epoch, seed=seed
         )
         self._args, self._params = args, params
@@ -194,26 +199,27 @@ class DPTraining:
     # -- read-only views --------------------------------------------------------------------
 
     @property
-    def sampler(self) -> Any:
+    def sampler(self) -> PoissonSampler | FixedShapePoissonSampler:
         """The Poisson sampler (this rank's shard of the global batches)."""
         return self._sampler
 
     @property
-    def optimizer(self) -> Any:
+    def optimizer(self) -> DistributedDPOptimizer:
         """The DP optimizer (a ``DistributedDPOptimizer``, a plain one in a single process)."""
         return self._optimizer
 
     @property
-    def grad_fn(self) -> Any:
+    def grad_fn(self) -> ClippedGradFn:
         """The clipped-gradient function (``grad_fn.engine`` names the engine it took)."""
         return self._grad_fn
 
     @property
-    def accountant(self) -> Any:
+    def accountant(self) -> PrivacyAccountant:
+        """The accountant every logical step is recorded in."""
         return self._accountant
 
     @property
-    def clip_state(self) -> Any:
+    def clip_state(self) -> ClipState:
         """The clipping state after the last step."""
         return self._clip_state
 
@@ -309,7 +315,7 @@ class DPTraining:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def accumulate(self, *batch: Any, example_mask: torch.Tensor | None = None) -> Any:
+    def accumulate(self, *batch: Any, example_mask: torch.Tensor | None = None) -> ClipAux:
         """Clip and sum one physical batch into the pending logical step (no noise yet).
 
         Returns the batch's ``ClipAux`` (per-example losses and norms: **not private**).
@@ -337,7 +343,8 @@ class DPTraining:
             self.zero_grad()
             raise
         self._pending_aux.append((aux, example_mask))
-        return aux
+        out: ClipAux = aux
+        return out
 
     def finish_step(self) -> StepResult:
         """Noise the accumulated sum once, update, account, run the hooks."""

@@ -7,10 +7,14 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opake.core.choices import ACCOUNTANTS, ENGINES, SAMPLERS
 from opake.core.errors import ConfigurationError, InputTypeError
+
+if TYPE_CHECKING:
+    from opake.accounting import PrivacyAccountant
+    from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler
 
 
 def _positive(name: str, value: object, *, integer: bool = False) -> Any:
@@ -53,7 +57,7 @@ def _rate(expected: float | None, rate: float | None, n: int) -> float:
     return float(q)
 
 
-def _make_accountant(accountant: Any, options: Mapping[str, Any] | None) -> Any:
+def _make_accountant(accountant: Any, options: Mapping[str, Any] | None) -> PrivacyAccountant:
     from opake import accounting
 
     if isinstance(accountant, str):
@@ -166,7 +170,7 @@ def _make_sampler(
     *,
     steps_per_epoch: int | None,
     seed: int | None,
-) -> Any:
+) -> PoissonSampler | FixedShapePoissonSampler:
     """This rank's sampler of the global Poisson batches.
 
     Secure (``seed=None``): batch membership from a key rank 0 drew and shared, never stored;
