@@ -116,3 +116,54 @@ class Budget:
             guess = (self.planned or 0) - steps
             self._end = steps + _steps_within(epsilon_after, guess, self.target)
         return max(0, self._end - steps)
+
+
+class Spending:
+    """What a run has spent and may still spend: ε from its accountant (cached per step and
+    δ), the steps its :class:`Budget` still allows at the current ``(σ, q)``, and the refusal
+    of a step past it. ``accounting``: the keywords each step is recorded with besides σ.
+
+    >>> from opake.accounting import make_accountant
+    >>> spending = Spending(make_accountant("rdp"), {"sample_rate": 0.01}, 1e-5, Budget(2.0, None))
+    >>> spending.epsilon(0), spending.steps_left(0, 1.0, 0.01) > 100
+    (0.0, True)
+    """
+
+    def __init__(
+        self, accountant: Any, accounting: Mapping[str, Any], delta: float, budget: Budget
+    ) -> None:
+        self.accountant = accountant
+        self.accounting = accounting
+        self.delta = delta
+        self.budget = budget
+        self._cache: tuple[int, float, float] | None = None
+
+    def reset(self) -> None:
+        """Forget what was computed (a loaded state, or σ or q changed)."""
+        self.budget.reset()
+        self._cache = None
+
+    def epsilon(self, steps: int, delta: float | None = None) -> float:
+        """ε after ``steps`` recorded steps at ``delta`` (default: the run's δ)."""
+        d = self.delta if delta is None else delta
+        if self._cache is not None and self._cache[:2] == (steps, d):
+            return self._cache[2]
+        value = float(self.accountant.get_epsilon(d)) if self.accountant.steps else 0.0
+        self._cache = (steps, d, value)
+        return value
+
+    def steps_left(self, steps: int, sigma: float, rate: float) -> int | None:
+        """Logical steps the budget still allows at ``(σ, q)`` (``None``: no target)."""
+
+        def after(extra_steps: int) -> float:
+            return _trial_epsilon(self.accountant, sigma, extra_steps, self.accounting, self.delta)
+
+        return self.budget.steps_left(steps, (sigma, rate), after)
+
+    def check(self, steps: int, sigma: float, rate: float) -> None:
+        """Raise :class:`PrivacyBudgetExhausted` when the budget allows no further step."""
+        if self.steps_left(steps, sigma, rate) == 0:
+            target = self.budget.target
+            assert target is not None
+            spent = (self.epsilon(steps), self.delta)
+            raise exhausted(steps, spent, sigma, rate, target)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.dpsgd.training import _persist
-from opake.dpsgd.training._budget import Budget, _trial_epsilon, exhausted
+from opake.dpsgd.training._budget import Budget, Spending
 from opake.dpsgd.training._options import (
     _accounting_of,
     _calibrated_sigma,
@@ -115,7 +115,6 @@ class DPTraining:
 
     _hooks: list[Callable[[StepResult], None]]
     _pending_aux: list[Any]
-    _epsilon_cache: tuple[int, float, float] | None
 
     def __init__(
         self,
@@ -163,7 +162,7 @@ class DPTraining:
         sigma = _calibrated_sigma(
             self._accountant, noise_multiplier, target_epsilon, steps, q, delta=delta, extra=extra
         )
-        self._budget = Budget.checked(target_epsilon, steps)
+        budget = Budget.checked(target_epsilon, steps)
         self._secure = seed is None
         self._sampler = _make_sampler(
             sampler, n, q, extra, self._context, steps_per_epoch=steps_per_epoch, seed=seed
@@ -191,7 +190,8 @@ class DPTraining:
             offload_state=offload_state,
             unused_params=unused_params,
         )
-        self._accounting = _accounting_of(self._sampler, extra, self._clip_state)
+        accounting = _accounting_of(self._sampler, extra, self._clip_state)
+        self._spending = Spending(self._accountant, accounting, delta, budget)
         self._hooks = []
         self._after_load()  # no step pending, no budget or ε computed yet
         self._check_budget()
@@ -246,7 +246,7 @@ class DPTraining:
 
     @property
     def target_epsilon(self) -> float | None:
-        return self._budget.target
+        return self._spending.budget.target
 
     @property
     def secure(self) -> bool:
@@ -266,41 +266,31 @@ class DPTraining:
     def rank(self) -> int:
         return int(self._context.rank)
 
+    @property
+    def process_group(self) -> Any:
+        """The ``torch.distributed`` group the ranks reduce over (``None``: one process)."""
+        return self._context.group
+
     # -- privacy -----------------------------------------------------------------------------
 
     def epsilon(self, delta: float | None = None) -> float:
         """ε spent so far at ``delta`` (default: the training's δ); cached per step."""
-        d = self._delta if delta is None else float(_positive("delta", delta))
-        cache = self._epsilon_cache
-        if cache is not None and cache[0] == self.steps and cache[1] == d:
-            return cache[2]
-        value = float(self._accountant.get_epsilon(d)) if self._accountant.steps else 0.0
-        self._epsilon_cache = (self.steps, d, value)
-        return value
+        d = None if delta is None else float(_positive("delta", delta))
+        return self._spending.epsilon(self.steps, d)
 
     @property
     def steps_left(self) -> int | None:
         """Logical steps the budget still allows at the current σ and q (``None``: no budget)."""
-        key = (self.noise_multiplier, self.sample_rate)
-        return self._budget.steps_left(self.steps, key, self._epsilon_after)
+        return self._spending.steps_left(self.steps, self.noise_multiplier, self.sample_rate)
 
     @property
     def exhausted(self) -> bool:
         """Whether the next step would spend more than ``target_epsilon``."""
-        left = self.steps_left
-        return left is not None and left == 0
-
-    def _epsilon_after(self, extra_steps: int) -> float:
-        sigma, delta = self.noise_multiplier, self._delta
-        return _trial_epsilon(self._accountant, sigma, extra_steps, self._accounting, delta)
+        return self.steps_left == 0
 
     def _check_budget(self) -> None:
         """Raise :class:`PrivacyBudgetExhausted` when the budget allows no further step."""
-        if self.exhausted:
-            spent = (self.epsilon(), self._delta)
-            target = self._budget.target
-            assert target is not None
-            raise exhausted(self.steps, spent, self.noise_multiplier, self.sample_rate, target)
+        self._spending.check(self.steps, self.noise_multiplier, self.sample_rate)
 
     # -- data --------------------------------------------------------------------------------
 
@@ -376,13 +366,12 @@ class DPTraining:
         dicts ``{"args": (...), "example_mask": mask}``)."""
         count = 0
         for item in physical:
-            unpacked = _physical_batch(item)
-            if unpacked is None:
-                self.zero_grad()
-                raise InputTypeError(
-                    f"physical batch {type(item).__name__}: expected a tuple of batched arguments"
-                )
-            self.accumulate(*unpacked[0], example_mask=unpacked[1])
+            try:
+                args, mask = _physical_batch(item)
+            except (ConfigurationError, InputTypeError):
+                self.zero_grad()  # the step is dropped: nothing noised, nothing accounted
+                raise
+            self.accumulate(*args, example_mask=mask)
             count += 1
         if not count:
             raise ConfigurationError("logical_step() got no physical batch")
@@ -429,16 +418,16 @@ class DPTraining:
 
         Refused while physical batches are pending (their un-noised sum is never saved).
         """
-        return _persist._state_dict(self)
+        return _persist.state_dict(_persist.parts_of(self))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; the next step equals the uninterrupted run's (seeded)."""
-        _persist._load_state_dict(self, state)
+        self._clip_state = _persist.load_state_dict(_persist.parts_of(self), state)
+        self._after_load()
 
     def _after_load(self) -> None:
         self._pending_aux = []
-        self._budget.reset()
-        self._epsilon_cache = None
+        self._spending.reset()
         if self._sampler.position != self.steps:
             self._sampler.seek(self.steps)
 
@@ -458,7 +447,8 @@ class DPTraining:
         (no collective: call it on one rank only; the state is the same on every rank).
         ``extra``: plain values returned by :meth:`load`.
         """
-        return _persist._save(self, path, model=model, extra=extra, rng=rng, collective=collective)
+        parts = _persist.parts_of(self)
+        return _persist.save(parts, path, model=model, extra=extra, rng=rng, collective=collective)
 
     def load(
         self,
@@ -472,12 +462,18 @@ class DPTraining:
 
         ``collective=False`` reads without collectives (each rank may call it on its own).
         """
-        return _persist._load(self, path, model=model, rng=rng, collective=collective)
+        extra, clip = _persist.load(
+            _persist.parts_of(self), path, model=model, rng=rng, collective=collective
+        )
+        if clip is not None:
+            self._clip_state = clip
+        self._after_load()
+        return extra
 
     def __repr__(self) -> str:
         return (
             f"DPTraining(steps={self.steps}, σ={self.noise_multiplier:.4g}, "
             f"q={self.sample_rate:.4g}, N={self.dataset_size}, δ={self._delta:.3g}, "
-            f"target_epsilon={self._budget.target}, world_size={self.world_size}, "
+            f"target_epsilon={self.target_epsilon}, world_size={self.world_size}, "
             f"{'secure' if self._secure else 'seeded'})"
         )

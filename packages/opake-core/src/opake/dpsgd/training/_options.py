@@ -283,9 +283,9 @@ def _check_new_params(
     return args
 
 
-def _physical_batch(item: object) -> tuple[tuple[Any, ...], Any] | None:
-    """``(batched arguments, example_mask)`` of one physical batch of ``logical_step``; ``None``
-    when ``item`` is neither a tuple nor a dict (the caller drops the step and raises)."""
+def _physical_batch(item: object) -> tuple[tuple[Any, ...], Any]:
+    """``(batched arguments, example_mask)`` of one physical batch of ``logical_step``: a tuple
+    of batched arguments, or a dict ``{"args": (...), "example_mask": mask}``."""
     if isinstance(item, Mapping):
         extra = set(item) - {"args", "example_mask"}
         if extra or not isinstance(item.get("args"), tuple):
@@ -296,4 +296,6 @@ def _physical_batch(item: object) -> tuple[tuple[Any, ...], Any] | None:
         return item["args"], item.get("example_mask")
     if isinstance(item, tuple):
         return item, None
-    return None
+    raise InputTypeError(
+        f"physical batch {type(item).__name__}: expected a tuple of batched arguments"
+    )

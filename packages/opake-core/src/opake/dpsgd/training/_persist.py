@@ -8,6 +8,7 @@ is un-noised private data and is never saved.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,43 @@ _STATE_VERSION = 1
 _CONFIG_KEY = "opake.training"
 
 
-def _config(training: DPTraining) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Parts:
+    """What persistence reads and restores of a :class:`DPTraining`: its components, read
+    through its public views (:func:`parts_of`), never its private state.
+
+    ``config``: the settings that decide the accounting (:func:`config_of`); ``pending``:
+    physical batches are accumulated and not yet stepped; ``group``: the process group of a
+    collective save or load.
+    """
+
+    config: dict[str, Any]
+    steps: int
+    pending: bool
+    optimizer: Any
+    accountant: Any
+    sampler: Any
+    clip_state: Any
+    group: Any
+
+
+def parts_of(training: DPTraining) -> Parts:
+    """The components of ``training`` persistence saves and restores, read through its public
+    views."""
+    return Parts(
+        config=config_of(training),
+        steps=training.steps,
+        pending=training.pending_batches > 0,
+        optimizer=training.optimizer,
+        accountant=training.accountant,
+        sampler=training.sampler,
+        clip_state=training.clip_state,
+        group=training.process_group,
+    )
+
+
+def config_of(training: DPTraining) -> dict[str, Any]:
+    """The settings that decide the privacy accounting, from the training's public views."""
     return {
         "dataset_size": training.dataset_size,
         "sample_rate": training.sample_rate,
@@ -33,10 +70,9 @@ def _config(training: DPTraining) -> dict[str, Any]:
     }
 
 
-def _check_config(training: DPTraining, saved: Any) -> None:
+def _check_config(mine: Mapping[str, Any], saved: Any) -> None:
     if not isinstance(saved, Mapping):
         raise ConfigurationError("the saved training state has no configuration")
-    mine = _config(training)
     diffs = [
         f"{key} {saved.get(key)!r} (saved) vs {value!r} (now)"
         for key, value in mine.items()
@@ -50,25 +86,28 @@ def _check_config(training: DPTraining, saved: Any) -> None:
         )
 
 
-def _state_dict(training: DPTraining) -> dict[str, Any]:
-    if training._pending_aux:
+def state_dict(parts: Parts) -> dict[str, Any]:
+    """``DPTraining.state_dict()`` (refused while physical batches are pending)."""
+    if parts.pending:
         raise OperationError(
             "state_dict() in the middle of a logical step: call finish_step() first (the "
             "pending clipped sum is un-noised private data and is never saved)"
         )
-    sampler = training._sampler.state_dict()
-    sampler["position"] = training.steps
+    sampler = parts.sampler.state_dict()
+    sampler["position"] = parts.steps
     return {
         "version": _STATE_VERSION,
-        "config": _config(training),
-        "optimizer": training._optimizer.state_dict(),
-        "accountant": training._accountant.state_dict(),
+        "config": parts.config,
+        "optimizer": parts.optimizer.state_dict(),
+        "accountant": parts.accountant.state_dict(),
         "sampler": sampler,
-        "clip_state": training._clip_state.to_dict(),
+        "clip_state": parts.clip_state.to_dict(),
     }
 
 
-def _load_state_dict(training: DPTraining, state: Mapping[str, Any]) -> None:
+def load_state_dict(parts: Parts, state: Mapping[str, Any]) -> Any:
+    """Restore ``DPTraining.state_dict()`` into the components; returns the clip state the
+    training takes (validated before anything is restored)."""
     from opake.dpsgd.clipping import clip_state_from_dict
 
     if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
@@ -76,17 +115,16 @@ def _load_state_dict(training: DPTraining, state: Mapping[str, Any]) -> None:
             "expected the dict from DPTraining.state_dict() (version "
             f"{_STATE_VERSION}); got {type(state).__name__}"
         )
-    _check_config(training, state.get("config"))
+    _check_config(parts.config, state.get("config"))
     clip = clip_state_from_dict(state["clip_state"])
-    training._optimizer.load_state_dict(state["optimizer"])
-    training._accountant.load_state_dict(state["accountant"])
-    training._sampler.load_state_dict(state["sampler"])
-    training._clip_state = clip
-    training._after_load()
+    parts.optimizer.load_state_dict(state["optimizer"])
+    parts.accountant.load_state_dict(state["accountant"])
+    parts.sampler.load_state_dict(state["sampler"])
+    return clip
 
 
-def _save(
-    training: DPTraining,
+def save(
+    parts: Parts,
     path: str | os.PathLike[str],
     *,
     model: Any,
@@ -94,10 +132,11 @@ def _save(
     rng: bool,
     collective: bool,
 ) -> Path:
+    """``DPTraining.save()``: the components (and ``model``) written atomically."""
     from opake.dpsgd.checkpoint import save_checkpoint
     from opake.dpsgd.distributed import save_checkpoint_distributed
 
-    if training._pending_aux:
+    if parts.pending:
         raise OperationError(
             "save() in the middle of a logical step: call finish_step() first (the pending "
             "clipped sum is un-noised private data and is never saved)"
@@ -105,60 +144,59 @@ def _save(
     payload = dict(extra or {})
     if _CONFIG_KEY in payload:
         raise ConfigurationError(f"extra key {_CONFIG_KEY!r} is reserved")
-    payload[_CONFIG_KEY] = _config(training)
-    sampler = training._sampler
+    payload[_CONFIG_KEY] = parts.config
+    sampler = parts.sampler
     position = sampler.position
-    sampler.seek(training.steps)  # a prefetching loader may have drawn ahead
+    sampler.seek(parts.steps)  # a prefetching loader may have drawn ahead
     common = {
-        "step": training.steps,
+        "step": parts.steps,
         "model": model,
-        "optimizer": training._optimizer,
-        "accountant": training._accountant,
+        "optimizer": parts.optimizer,
+        "accountant": parts.accountant,
         "sampler": sampler,
-        "clip_state": training._clip_state,
+        "clip_state": parts.clip_state,
         "extra": payload,
         "rng": rng,
     }
     try:
         if not collective:
             return save_checkpoint(path, **common)
-        return save_checkpoint_distributed(path, group=training._context.group, **common)
+        return save_checkpoint_distributed(path, group=parts.group, **common)
     finally:
         sampler.seek(position)
 
 
-def _load(
-    training: DPTraining,
+def load(
+    parts: Parts,
     path: str | os.PathLike[str],
     *,
     model: Any,
     rng: bool,
     collective: bool,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], Any]:
+    """``DPTraining.load()``: restore the components; returns the saved ``extra`` and the clip
+    state the training takes (``None``: keep its own)."""
     from opake.dpsgd.checkpoint import load_checkpoint
     from opake.dpsgd.distributed import load_checkpoint_distributed
 
     common = {
         "model": model,
-        "optimizer": training._optimizer,
-        "accountant": training._accountant,
-        "sampler": training._sampler,
-        "clip_state": training._clip_state,
+        "optimizer": parts.optimizer,
+        "accountant": parts.accountant,
+        "sampler": parts.sampler,
+        "clip_state": parts.clip_state,
         "rng": rng,
         "strict": model is not None,
     }
     if collective:
-        ckpt = load_checkpoint_distributed(path, group=training._context.group, **common)
+        ckpt = load_checkpoint_distributed(path, group=parts.group, **common)
     else:
         ckpt = load_checkpoint(path, **common)
     extra = dict(ckpt.extra)
     config = extra.pop(_CONFIG_KEY, None)
     if config is not None:
-        _check_config(training, config)
+        _check_config(parts.config, config)
     # else: a checkpoint of the same components written without DPTraining (e.g. an
     # earlier opake train): the optimizer, sampler and accountant were each validated and
     # restored above (a file without an accountant is refused), so nothing is forgotten
-    if ckpt.clip_state is not None:
-        training._clip_state = ckpt.clip_state
-    training._after_load()
-    return extra
+    return extra, ckpt.clip_state
