@@ -168,19 +168,12 @@ def _dp_training(
         args=(frozen,),
         module={**trainable, **extra},  # every tensor the DP optimizer noises and steps
         dataset_size=canaried.total,
-        sample_rate=plan.sample_rate,
-        noise_multiplier=plan.noise_multiplier,
-        delta=plan.delta,
-        clipping_norm=s.clip,
-        engine=plan.engine,
         microbatch_size=microbatch,
         randomness=randomness,
-        accountant=s.accountant,
-        accountant_options=plan.accountant_options,
         sampler="poisson" if max_batch is None else "fixed",
         max_batch_size=max_batch,
         seed=secret,
-        offload_state=s.offload_optimizer,
+        **plan.training_options(),
     )
     expected_zero = _zero_partner_lora_a(trainable) | ({CANARY_PARAMETER} if extra else set())
     return training, inner, frozenset(expected_zero)

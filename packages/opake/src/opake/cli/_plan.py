@@ -72,6 +72,22 @@ class RunPlan:
     def accountant_options(self) -> dict[str, Any]:
         return dict(PLD_OPTIONS) if self.settings.accountant == "pld" else {}
 
+    def training_options(self) -> dict[str, Any]:
+        """The ``DPTraining`` keywords this plan decides (σ, q, δ, C, the engine, accountant,
+        optimizer offload): one place for ``opake train`` and ``opake audit``, which add what
+        is their own (the data or the data and canaries, the sampler's slots, the seed)."""
+        s = self.settings
+        return {
+            "sample_rate": self.sample_rate,
+            "noise_multiplier": self.noise_multiplier,
+            "delta": self.delta,
+            "clipping_norm": s.clip,
+            "engine": self.engine,
+            "accountant": s.accountant,
+            "accountant_options": self.accountant_options,
+            "offload_state": s.offload_optimizer,
+        }
+
     @property
     def randomness(self) -> str:
         """``"secure"``, or ``"seeded (not private)"`` with ``--reproducible``."""
