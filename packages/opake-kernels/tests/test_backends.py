@@ -12,7 +12,6 @@ import torch
 
 from opake.core import ops
 from opake.core.plugins import KernelBackend, hookimpl, register_plugin
-from opake.kernels import OPS
 from opake.kernels.testing import Sizes, check_backend, loop_grads, vmap_grads
 
 DTYPES = (torch.float32, torch.float16)
@@ -21,13 +20,15 @@ DTYPES = (torch.float32, torch.float16)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_chunked_backend_matches_reference(dtype):
     report = check_backend("chunked", dtypes=(dtype,))
-    assert len(report) == len(OPS) + 2  # geglu is checked exact and tanh; and clip_accumulate
+    assert (
+        len(report) == len(ops.MODEL_OPS) + 2
+    )  # geglu is checked exact and tanh; and clip_accumulate
     assert all("ok" in line for line in report)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
-    "op", [op for op in (*OPS, ops.CLIP_ACCUMULATE) if op != ops.LINEAR_CROSS_ENTROPY]
+    "op", [op for op in (*ops.MODEL_OPS, ops.CLIP_ACCUMULATE) if op != ops.LINEAR_CROSS_ENTROPY]
 )
 def test_triton_backend_matches_reference(op, dtype, devices):
     report = check_backend("triton", ops=(op,), dtypes=(dtype,), device=devices["triton"])

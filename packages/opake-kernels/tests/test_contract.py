@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 import torch
 
+import opake.kernels
 from opake.core import ops
 from opake.core.plugins import kernel_backends
-from opake.kernels import EXAMPLE_GRADS_OP, OPS, RECORDED_OP, linear_cross_entropy_example_grads
+from opake.kernels import linear_cross_entropy_example_grads
 from opake.kernels.testing import reference, reference_example_grads
 
 
@@ -17,11 +21,6 @@ def test_every_op_a_backend_declares_is_in_the_contract():
         assert set(be.ops) <= set(ops.ALL_OPS), be.name
     declared = set().union(*(set(be.ops) for be in backends.values()))
     assert declared == set(ops.ALL_OPS)  # and every contract op is implemented somewhere
-    assert OPS == ops.MODEL_OPS
-    assert (EXAMPLE_GRADS_OP, RECORDED_OP) == (
-        ops.LINEAR_CROSS_ENTROPY_EXAMPLE_GRADS,
-        ops.LINEAR_CROSS_ENTROPY_RECORDED,
-    )
 
 
 def test_every_op_in_the_contract_has_a_torch_reference():
@@ -47,3 +46,16 @@ def test_the_example_grads_reference_agrees_with_the_chunked_op(gen):
     torch.testing.assert_close(
         got.sq_norms()[0].double(), want.square().sum((1, 2)), rtol=1e-5, atol=1e-7
     )
+
+
+def test_no_module_gives_an_op_a_second_name():
+    """Op names are the contract's constants only: no module of opake.kernels binds one to a
+    name of its own (an alias that a test would have to pin)."""
+    for info in pkgutil.walk_packages(opake.kernels.__path__, "opake.kernels."):
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # the triton backend without triton installed
+            assert ".triton" in info.name, info.name
+            continue
+        for name, value in vars(module).items():
+            assert not (isinstance(value, str) and value in ops.ALL_OPS), (info.name, name)

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from opake.core import ops
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
-from opake.kernels import EXAMPLE_GRADS_OP, RECORDED_OP, kernel_choice, linear_cross_entropy
+from opake.kernels import kernel_choice, linear_cross_entropy
 from opake.kernels import linear_cross_entropy_example_grads as example_grads
 from opake.kernels.chunked import (
     LinearCEExampleGrads,
@@ -214,7 +215,7 @@ def test_bad_input_raises_typed_errors():
 
 
 def test_selection_picks_chunked_and_an_explicit_backend_without_the_op_fails():
-    assert kernel_choice(EXAMPLE_GRADS_OP, "cpu").backend == "chunked"
+    assert kernel_choice(ops.LINEAR_CROSS_ENTROPY_EXAMPLE_GRADS, "cpu").backend == "chunked"
     h, w = torch.randn(1, 2, 4), torch.randn(5, 4)
     y, g = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
     with pytest.raises(OperationError, match="requested explicitly"):
@@ -281,4 +282,4 @@ def test_recorded_loss_without_a_backward_and_with_a_trainable_weight(gen):
     torch.testing.assert_close(got.double(), want_w.square().sum((1, 2)), rtol=1e-5, atol=1e-7)
     with pytest.raises(ConfigurationError, match=r"weight requires grad.*weight\.detach\(\)"):
         linear_cross_entropy_recorded(h32, w32.requires_grad_(True), labels)
-    assert kernel_choice(RECORDED_OP, "cpu").backend == "chunked"
+    assert kernel_choice(ops.LINEAR_CROSS_ENTROPY_RECORDED, "cpu").backend == "chunked"

@@ -11,25 +11,18 @@ import torch
 from opake.core import ops
 from opake.core.errors import ConfigurationError, OperationError
 from opake.core.plugins import KernelBackend, hookimpl, kernel_backends, register_plugin
-from opake.kernels import (
-    EXAMPLE_GRADS_OP,
-    OPS,
-    RECORDED_OP,
-    kernel_choice,
-    linear_cross_entropy,
-    rms_norm,
-)
 from opake.kernels import _triton_support as support
+from opake.kernels import kernel_choice, linear_cross_entropy, rms_norm
 
 
 def test_three_backends_are_registered_with_every_op():
     backends = kernel_backends()
     for name in ("torch", "triton"):
-        assert set(backends[name].ops) == {*OPS, ops.CLIP_ACCUMULATE}
+        assert set(backends[name].ops) == {*ops.MODEL_OPS, ops.CLIP_ACCUMULATE}
     assert set(backends["chunked"].ops) == {
-        *OPS,
-        EXAMPLE_GRADS_OP,
-        RECORDED_OP,
+        *ops.MODEL_OPS,
+        ops.LINEAR_CROSS_ENTROPY_EXAMPLE_GRADS,
+        ops.LINEAR_CROSS_ENTROPY_RECORDED,
         ops.CLIP_ACCUMULATE,
     }
     assert backends["chunked"].priority > backends["torch"].priority
@@ -54,7 +47,7 @@ def test_triton_is_registered_for_the_cpu_only_under_the_interpreter(monkeypatch
 def test_automatic_selection_on_cpu_picks_chunked_even_with_the_interpreter(monkeypatch):
     monkeypatch.delenv("OPAKE_KERNEL_BACKEND", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for op in OPS:
+    for op in ops.MODEL_OPS:
         choice = kernel_choice(op, "cpu")
         assert choice.backend == "chunked"
         assert choice.reason.startswith("automatic")

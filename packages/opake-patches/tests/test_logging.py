@@ -13,7 +13,6 @@ from opake.core.errors import ConfigurationError
 from opake.core.plugins import ModelFamily, hookimpl
 from opake.patches import FamilyResult, HFCompat, LossOnlyHead, apply_model_patches
 from opake.patches.hf import _loss_only
-from opake.patches.model import LCE_OP
 from opake.patches.model._options import check_kernels
 
 pytest.importorskip("transformers")
@@ -48,7 +47,7 @@ def test_the_choices_of_one_patching_are_logged(with_kernels, tiny_llama, caplog
     logged = "\n".join(_messages(caplog))
     assert "runtime patches were not installed" in logged
     assert "family 'toyllama'" in logged
-    backend = report.kernels[LCE_OP].backend
+    backend = report.kernels[ops.LINEAR_CROSS_ENTROPY].backend
     assert f"kernel 'linear_cross_entropy': backend {backend!r}" in logged
     assert "rms_norm not applied: toy family swaps no kernels" in logged
 
@@ -58,7 +57,7 @@ def test_a_turned_off_automatic_choice_falls_back_to_the_reference_loudly(
 ):
     caplog.set_level(logging.INFO, logger="opake.patches")
     report = apply_model_patches(tiny_llama(), chunked_linear_cross_entropy=False)
-    assert report.kernels[LCE_OP].backend == "torch"
+    assert report.kernels[ops.LINEAR_CROSS_ENTROPY].backend == "torch"
     assert any(
         "turned off by chunked_linear_cross_entropy=False; the torch reference" in m
         for m in _messages(caplog)
@@ -74,18 +73,18 @@ def test_no_loss_kernel_at_all_is_logged(fresh_plugins, tiny_llama, caplog):
     assert any(m.startswith("loss_only not applied") for m in _messages(caplog))
 
 
-def test_the_recorded_loss_falls_back_to_chunked_loudly(with_kernels, monkeypatch, caplog):
+def test_the_recorded_loss_falls_back_to_the_selection_loudly(with_kernels, monkeypatch, caplog):
     monkeypatch.setattr(_loss_only, "_reported", set())
     caplog.set_level(logging.INFO, logger="opake.patches")
     kernel = _loss_only.LossKernel("torch", lambda *a, **k: None, True, "test")
     impl = _loss_only._recorded_impl(kernel, torch.device("cpu"))
     assert impl.__module__.startswith("opake.kernels.chunked")
-    assert any("backend 'torch' has no such op" in m for m in _messages(caplog))
+    said = [m for m in _messages(caplog) if "loss backend 'torch' has no such op" in m]
+    assert len(said) == 1
+    assert "backend 'chunked' runs it (automatic" in said[0]
 
 
 def test_patches_use_the_contract_names(with_kernels):
-    assert LCE_OP == ops.LINEAR_CROSS_ENTROPY
-    assert _loss_only.RECORDED_OP == ops.LINEAR_CROSS_ENTROPY_RECORDED
     assert check_kernels({ops.RMS_NORM: "torch"})[ops.RMS_NORM] == "torch"
     with pytest.raises(ConfigurationError, match="unknown op 'rms_nrom'"):
         check_kernels({"rms_nrom": "torch"})

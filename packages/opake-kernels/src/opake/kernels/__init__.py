@@ -8,7 +8,7 @@ nor triton; backends are imported when first chosen.
 :func:`linear_cross_entropy_example_grads` (the ``chunked`` backend) serves the book-keeping
 clipping engine: the per-example gradients of the projection inside a linear cross-entropy,
 held implicitly; :func:`clip_accumulate` is the vmap engine's fused scale-and-sum. Op names are
-the constants of :mod:`opake.core.ops`.
+the constants of :mod:`opake.core.ops` (one name per op; this package adds none).
 
 >>> import opake.kernels
 >>> opake.kernels.__version__
@@ -31,13 +31,9 @@ from opake.kernels._api import (
     swiglu,
 )
 from opake.kernels._args import REDUCTIONS
-from opake.kernels._plugin import EXAMPLE_GRADS_OP, OPS, RECORDED_OP
 from opake.kernels._version import __version__
 
 __all__ = [
-    "EXAMPLE_GRADS_OP",
-    "OPS",
-    "RECORDED_OP",
     "REDUCTIONS",
     "__version__",
     "clip_accumulate",

@@ -10,21 +10,20 @@ from opake.core import ops
 from opake.core.plugins import KernelBackend, hookimpl
 from opake.kernels._triton_support import triton_available, triton_devices, triton_priority
 
-__all__ = ["EXAMPLE_GRADS_OP", "OPS", "RECORDED_OP", "opake_kernel_backends"]
+__all__ = ["opake_kernel_backends"]
 
-#: the ops every opake-kernels backend implements (one signature per op, see the guide)
-OPS: tuple[str, ...] = ops.MODEL_OPS
 _EVERYWHERE = ("cpu", "cuda", "mps", "xpu")
-#: the book-keeping engine's op: per-example gradients of the projection inside a linear CE,
-#: held implicitly (only the portable ``chunked`` backend implements it; it runs everywhere)
-EXAMPLE_GRADS_OP = ops.LINEAR_CROSS_ENTROPY_EXAMPLE_GRADS
-#: and the loss whose backward computes those norms in the hidden-gradient pass
-RECORDED_OP = ops.LINEAR_CROSS_ENTROPY_RECORDED
+#: the ops every opake-kernels backend implements (one signature per op, see the guide)
+_EVERY_BACKEND = (*ops.MODEL_OPS, ops.CLIP_ACCUMULATE)
+#: the book-keeping engine's ops (the per-example gradients of the projection inside a linear
+#: CE, held implicitly, and the loss whose backward computes their norms): only the portable
+#: ``chunked`` backend implements them; it runs everywhere
+_IMPLICIT = (ops.LINEAR_CROSS_ENTROPY_EXAMPLE_GRADS, ops.LINEAR_CROSS_ENTROPY_RECORDED)
 #: the vmap engine's scale-and-sum; ``chunked`` uses the reference (one product per leaf)
 _CLIP_REFERENCE = f"opake.kernels.torch:{ops.CLIP_ACCUMULATE}"
 
 
-def _ops(module: str, names: tuple[str, ...] = (*OPS, ops.CLIP_ACCUMULATE)) -> dict[str, str]:
+def _ops(module: str, names: tuple[str, ...] = _EVERY_BACKEND) -> dict[str, str]:
     return {op: f"{module}:{op}" for op in names}
 
 
@@ -36,7 +35,7 @@ def opake_kernel_backends() -> list[KernelBackend]:
         KernelBackend(
             "chunked",
             {
-                **_ops("opake.kernels.chunked", (*OPS, EXAMPLE_GRADS_OP, RECORDED_OP)),
+                **_ops("opake.kernels.chunked", (*ops.MODEL_OPS, *_IMPLICIT)),
                 ops.CLIP_ACCUMULATE: _CLIP_REFERENCE,
             },
             devices=_EVERYWHERE,

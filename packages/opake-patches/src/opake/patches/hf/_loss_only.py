@@ -17,10 +17,11 @@ Under the book-keeping clipping engine (``clipped_grad(method="bookkeeping" | "a
 output projection's weight is read without calling its module, so no forward hook sees it: the
 forward asks :func:`opake.dpsgd.bookkeeping.implicit_use`, runs the kernel on the *detached*
 weight (the backward then computes the hidden states' gradient only) and taps the per-token
-losses through the kernel backend's ``linear_cross_entropy_recorded`` op, whose backward forms
-the hidden states' gradient and each example's ``lm_head`` norm in one pass over the vocabulary
-tiles; the engine then gets the head's per-example gradients (norms, clipped sum, the cross term
-of a tied embedding) from it. The logits never exist, not even for the per-example norms.
+losses through the loss backend's ``linear_cross_entropy_recorded`` op (else the one the kernel
+selection chooses for the device), whose backward forms the hidden states' gradient and each
+example's ``lm_head`` norm in one pass over the vocabulary tiles; the engine then gets the
+head's per-example gradients (norms, clipped sum, the cross term of a tied embedding) from it.
+The logits never exist, not even for the per-example norms.
 """
 
 from __future__ import annotations
@@ -230,27 +231,42 @@ def per_example_lm_loss(
     return losses if per_example else losses.mean().to(per_token.dtype)
 
 
-#: the kernel op whose backward also computes the projection's per-example norms (opake-kernels)
-RECORDED_OP = ops.LINEAR_CROSS_ENTROPY_RECORDED
 _log = logging.getLogger("opake.patches")
-_reported: set[str] = set()
+_reported: set[tuple[str, str]] = set()
 
 
 def _recorded_impl(kernel: LossKernel, device: torch.device) -> Callable[..., Any]:
-    """The loss backend's ``linear_cross_entropy_recorded`` op, else the portable ``chunked``
-    backend's (every device)."""
+    """The ``linear_cross_entropy_recorded`` op: the loss backend's own when it declares one,
+    else whatever :func:`~opake.core.plugins.select_kernel` chooses for the device (the
+    ``OPAKE_KERNEL_BACKEND`` override, then the available backend of highest priority: a third
+    party's as well as opake-kernels' ``chunked``). The fallback is logged once per loss backend
+    and choice; a forced backend without the op raises
+    :class:`~opake.core.errors.OperationError`, as for any op."""
     from opake.core.plugins import kernel_backends, select_kernel
 
+    op = ops.LINEAR_CROSS_ENTROPY_RECORDED
     own = kernel_backends().get(kernel.backend)
-    backend = kernel.backend if own is not None and RECORDED_OP in own.ops else "chunked"
-    if backend != kernel.backend and kernel.backend not in _reported:
-        _reported.add(kernel.backend)
+    if own is not None and op in own.ops:
+        return select_kernel(op, device, kernel.backend).impl
+    try:
+        choice = select_kernel(op, device)
+    except OperationError as err:
+        raise OperationError(
+            f"the loss-only forward under the book-keeping engine needs {op!r}, which the loss "
+            f"backend {kernel.backend!r} does not declare, and the selection found none: {err} "
+            "Install opake-kernels (its chunked backend runs everywhere), or let the selection "
+            "choose (unset OPAKE_KERNEL_BACKEND)."
+        ) from err
+    if (kernel.backend, choice.backend) not in _reported:
+        _reported.add((kernel.backend, choice.backend))
         _log.info(
-            "%s: backend %r has no such op; the chunked backend's runs (every device)",
-            RECORDED_OP,
+            "%s: loss backend %r has no such op; backend %r runs it (%s)",
+            op,
             kernel.backend,
+            choice.backend,
+            choice.reason,
         )
-    return select_kernel(RECORDED_OP, device, backend).impl
+    return choice.impl
 
 
 def _head_grads(record: Any, attrs: tuple[str, ...], token_grads: torch.Tensor) -> dict[str, Any]:

@@ -17,10 +17,10 @@ from opake.patches.model._dispatch import (
     remove_model_patches,
     unwrap_model,
 )
-from opake.patches.model._options import LCE_OP, PatchOptions, resolve_loss_kernel
+from opake.patches.model._options import FLAG_BACKENDS, PatchOptions, resolve_loss_kernel
 
 __all__ = [
-    "LCE_OP",
+    "FLAG_BACKENDS",
     "PLUGIN_GUIDE",
     "FamilyApply",
     "FamilyPatch",

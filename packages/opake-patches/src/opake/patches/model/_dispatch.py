@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from opake.core import ops
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.patches._patcher import Patcher
 from opake.patches.hf._compat import disable_kv_cache, dropout_status, route_gradient_checkpointing
@@ -17,7 +18,6 @@ from opake.patches.hf._loss_only import install_loss_only
 from opake.patches.hf._mask import install_mask_conversion
 from opake.patches.model._contract import read_family_patch
 from opake.patches.model._options import (
-    LCE_OP,
     KernelsOption,
     PatchOptions,
     check_kernels,
@@ -389,8 +389,12 @@ def _apply(base: Any, family: Any, options: PatchOptions, patcher: Patcher) -> d
         skipped["loss_only"] = options.loss_kernel_reason
     else:
         install_loss_only(base, head, options.loss_kernel, patcher)
-        applied.append(f"loss_only: {LCE_OP} via the {options.loss_kernel.backend} backend")
-        kernels[LCE_OP] = KernelUse(options.loss_kernel.backend, options.loss_kernel.reason)
+        applied.append(
+            f"loss_only: {ops.LINEAR_CROSS_ENTROPY} via the {options.loss_kernel.backend} backend"
+        )
+        kernels[ops.LINEAR_CROSS_ENTROPY] = KernelUse(
+            options.loss_kernel.backend, options.loss_kernel.reason
+        )
     attention = hf.attention if hf is not None else None
     if not options.compat:
         pass

@@ -12,10 +12,25 @@ from opake.core import ops
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.patches.hf._loss_only import LossKernel
 
-__all__ = ["LCE_OP", "KernelsOption", "PatchOptions", "check_kernels", "resolve_loss_kernel"]
+__all__ = [
+    "FLAG_BACKENDS",
+    "REFERENCE_BACKEND",
+    "KernelsOption",
+    "PatchOptions",
+    "check_kernels",
+    "resolve_loss_kernel",
+]
 
-#: the kernel op behind the loss-only forward
-LCE_OP = ops.LINEAR_CROSS_ENTROPY
+#: the backend each loss flag of ``apply_model_patches`` names (opake-kernels' fused Triton and
+#: portable chunked backends): ``True`` (or an int tile cap) requests it from the kernel
+#: selection explicitly, so it raises where it cannot run; ``False``/``0`` excludes it from the
+#: automatic choice. Any other backend (a third party's) is chosen automatically or by
+#: ``kernels=``.
+FLAG_BACKENDS: Mapping[str, str] = MappingProxyType(
+    {"fused_linear_cross_entropy": "triton", "chunked_linear_cross_entropy": "chunked"}
+)
+#: the reference backend (``kernels=False``, and an automatic choice a flag excluded)
+REFERENCE_BACKEND = "torch"
 
 KernelsOption = None | bool | str | Mapping[str, "str | bool | None"]
 _log = logging.getLogger("opake.patches")
@@ -136,6 +151,26 @@ def _check_chunked(value: object) -> bool | int | None:
     return value
 
 
+def _flag_requests(fused: bool | None, chunked: bool | int | None) -> dict[str, str]:
+    """Backend → the flag that names it, for the flags set to an explicit request."""
+    chunk_on = chunked is not None and chunked is not False and chunked != 0
+    named = {
+        "fused_linear_cross_entropy": (fused is True, f"fused_linear_cross_entropy={fused!r}"),
+        "chunked_linear_cross_entropy": (chunk_on, f"chunked_linear_cross_entropy={chunked!r}"),
+    }
+    return {FLAG_BACKENDS[flag]: why for flag, (on, why) in named.items() if on}
+
+
+def _flag_exclusions(fused: bool | None, chunked: bool | int | None) -> dict[str, str]:
+    """Backend → the flag that turns it off (``False``/``0``) for the automatic choice."""
+    off = {
+        "fused_linear_cross_entropy": fused is False,
+        "chunked_linear_cross_entropy": chunked is not None and not chunked,
+    }
+    value = {"fused_linear_cross_entropy": fused, "chunked_linear_cross_entropy": chunked}
+    return {FLAG_BACKENDS[f]: f"{f}={value[f]!r}" for f, is_off in off.items() if is_off}
+
+
 def resolve_loss_kernel(
     *,
     performance: bool,
@@ -146,100 +181,94 @@ def resolve_loss_kernel(
 ) -> tuple[LossKernel | None, str]:
     """Choose the ``linear_cross_entropy`` implementation of the loss-only forward.
 
-    * ``fused_linear_cross_entropy=True`` → the ``triton`` backend (raises if it cannot run);
-    * ``chunked_linear_cross_entropy=True`` → the ``chunked`` backend with automatic 2-D tiling,
-      a positive int → ``chunked`` with that cap on the vocabulary tile width;
-    * ``False``/``0`` for either excludes that backend from automatic selection;
-    * ``kernels`` (a name, or ``kernels["linear_cross_entropy"]``) names a backend explicitly;
-      ``kernels=False`` uses the ``torch`` reference;
-    * otherwise automatic selection (``OPAKE_KERNEL_BACKEND``, then priority); an automatic
-      choice that is excluded falls back to the ``torch`` reference.
+    Every choice is made by :func:`~opake.core.plugins.select_kernel`; the options only say
+    whether a backend is named explicitly (:data:`FLAG_BACKENDS` maps each flag to its backend):
+
+    * ``fused_linear_cross_entropy=True`` names the ``triton`` backend;
+    * ``chunked_linear_cross_entropy=True`` names the ``chunked`` backend with automatic 2-D
+      tiling, a positive int ``chunked`` with that cap on the vocabulary tile width;
+    * ``kernels`` (a name, or ``kernels["linear_cross_entropy"]``) names a backend, a third
+      party's too; ``kernels=False`` names the ``torch`` reference;
+    * otherwise the choice is automatic (``OPAKE_KERNEL_BACKEND``, then the available backend
+      of highest priority, a third party's too); ``False``/``0`` for a flag excludes its
+      backend: an automatic choice of it falls back to the ``torch`` reference, logged.
 
     Returns ``(kernel, reason)``; ``kernel`` is None (with the reason) when the path is off.
-    Contradictory requests raise :class:`~opake.core.errors.ConfigurationError`; an explicit
+    Contradictory requests raise :class:`~opake.core.errors.ConfigurationError`; a named
     backend that cannot run raises :class:`~opake.core.errors.OperationError`.
 
     >>> resolve_loss_kernel(performance=False, kernels=None, fused=None, chunked=None,
     ...                     device_type="cpu")
     (None, 'performance=False')
     """
-    from opake.core.plugins import select_kernel
-
     if fused is not None and not isinstance(fused, bool):
         raise InputTypeError(
             f"fused_linear_cross_entropy={fused!r}: expected True, False or None (automatic)."
         )
     chunked = _check_chunked(chunked)
-    chunk_on = chunked is not None and chunked is not False and chunked != 0
+    requested = _flag_requests(fused, chunked)
     chunk_size: bool | int = True
-    if chunk_on and isinstance(chunked, int) and chunked is not True:
-        chunk_size = chunked
+    if FLAG_BACKENDS["chunked_linear_cross_entropy"] in requested and isinstance(chunked, int):
+        chunk_size = chunked  # True (automatic tiling) or a cap on the vocabulary tile width
     if not performance:
-        if fused or chunk_on:
+        if requested:
             raise ConfigurationError(
                 "performance=False turns the loss-only forward off, but fused_linear_cross_entropy"
                 " / chunked_linear_cross_entropy asked for it; drop one of them."
             )
         return None, "performance=False"
-    if fused and chunk_on:
+    if len(requested) > 1:
         raise ConfigurationError(
-            f"fused_linear_cross_entropy=True and chunked_linear_cross_entropy={chunked!r} ask "
-            "for two different loss kernels (triton and chunked); choose one."
+            f"{' and '.join(requested.values())} ask for two different loss kernels "
+            f"({' and '.join(requested)}); choose one."
         )
-    named = kernels.get(LCE_OP) if isinstance(kernels, Mapping) else kernels
+    named = kernels.get(ops.LINEAR_CROSS_ENTROPY) if isinstance(kernels, Mapping) else kernels
     if isinstance(named, str):
-        wanted = "triton" if fused else "chunked" if chunk_on else named
-        if wanted != named:
+        if requested and named not in requested:
             raise ConfigurationError(
-                f"kernels names backend {named!r} for {LCE_OP}, which contradicts "
-                f"fused_linear_cross_entropy={fused!r} / chunked_linear_cross_entropy="
-                f"{chunked!r}; choose one."
+                f"kernels names backend {named!r} for {ops.LINEAR_CROSS_ENTROPY}, which "
+                f"contradicts {next(iter(requested.values()))}; choose one."
             )
-        choice = select_kernel(LCE_OP, device_type, named)
-        return LossKernel(choice.backend, choice.impl, chunk_size, f"kernels={named!r}"), ""
-    if fused:
-        choice = select_kernel(LCE_OP, device_type, "triton")
-        reason = "fused_linear_cross_entropy=True"
-        return LossKernel(choice.backend, choice.impl, True, reason), ""
-    if chunk_on:
-        choice = select_kernel(LCE_OP, device_type, "chunked")
-        reason = f"chunked_linear_cross_entropy={chunked!r}"
-        return LossKernel(choice.backend, choice.impl, chunk_size, reason), ""
+        return _explicit(device_type, named, f"kernels={named!r}", chunk_size), ""
+    if requested:
+        backend, why = next(iter(requested.items()))
+        return _explicit(device_type, backend, why, chunk_size), ""
     if named is False:
-        return _reference(device_type, "kernels=False: the torch reference"), ""
-    excluded = set()
-    if fused is False:
-        excluded.add("triton")
-    if chunked is not None and not chunk_on:
-        excluded.add("chunked")
-    try:
-        choice = select_kernel(LCE_OP, device_type)
-    except OperationError as err:
-        why = f"no kernel backend provides {LCE_OP} on {device_type!r} ({err})"
-        _log.info("loss-only forward off: %s", why)
-        return None, why
-    if choice.backend in excluded:
-        why = (
-            "fused_linear_cross_entropy=False"
-            if choice.backend == "triton"
-            else (f"chunked_linear_cross_entropy={chunked!r}")
-        )
-        _log.info(
-            "%s on %s: automatic choice %r turned off by %s; the torch reference instead",
-            LCE_OP,
-            device_type,
-            choice.backend,
-            why,
-        )
-        return _reference(device_type, f"{choice.backend} turned off by {why}"), ""
-    return LossKernel(choice.backend, choice.impl, True, choice.reason), ""
+        return _explicit(device_type, REFERENCE_BACKEND, "kernels=False: the torch reference"), ""
+    return _automatic(device_type, _flag_exclusions(fused, chunked))
 
 
-def _reference(device_type: str, reason: str) -> LossKernel:
+def _explicit(
+    device_type: str, backend: str, reason: str, chunk_size: bool | int = True
+) -> LossKernel:
+    """The named backend's op (raises where it is not installed or cannot run)."""
     from opake.core.plugins import select_kernel
 
-    choice = select_kernel(LCE_OP, device_type, "torch")
-    return LossKernel(choice.backend, choice.impl, True, reason)
+    choice = select_kernel(ops.LINEAR_CROSS_ENTROPY, device_type, backend)
+    return LossKernel(choice.backend, choice.impl, chunk_size, reason)
+
+
+def _automatic(device_type: str, excluded: Mapping[str, str]) -> tuple[LossKernel | None, str]:
+    """The selection's automatic choice; the reference where a flag excluded it (logged)."""
+    from opake.core.plugins import select_kernel
+
+    try:
+        choice = select_kernel(ops.LINEAR_CROSS_ENTROPY, device_type)
+    except OperationError as err:
+        why = f"no kernel backend provides {ops.LINEAR_CROSS_ENTROPY} on {device_type!r} ({err})"
+        _log.info("loss-only forward off: %s", why)
+        return None, why
+    if choice.backend not in excluded:
+        return LossKernel(choice.backend, choice.impl, True, choice.reason), ""
+    why = excluded[choice.backend]
+    _log.info(
+        "%s on %s: automatic choice %r turned off by %s; the torch reference instead",
+        ops.LINEAR_CROSS_ENTROPY,
+        device_type,
+        choice.backend,
+        why,
+    )
+    return _explicit(device_type, REFERENCE_BACKEND, f"{choice.backend} turned off by {why}"), ""
 
 
 def describe(kernel: Any) -> str:
