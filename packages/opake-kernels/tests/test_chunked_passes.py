@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from opake.kernels.chunked import _cores
+from opake.kernels.chunked import _layer_cores, _loss_cores
 
 
 class _FullSizeOps(TorchDispatchMode):
@@ -38,7 +38,7 @@ def test_gated_backward_makes_four_passes_per_chunk(kind, passes):
     gen = torch.Generator().manual_seed(0)
     gate, up, g = (torch.randn(64, 32, generator=gen) for _ in range(3))
     with _FullSizeOps(gate.numel()) as mode:
-        ga, gu = _cores.gated_backward(gate, up, g, kind, chunk=gate.numel())
+        ga, gu = _layer_cores.gated_backward(gate, up, g, kind, chunk=gate.numel())
     # act(gate); act·g into grad_up; g·up into grad_gate; act'(gate) applied in place
     assert len(mode.ops) <= passes, mode.ops
     a = gate.clone().requires_grad_()
@@ -56,9 +56,9 @@ def test_rms_norm_backward_of_the_input_makes_four_passes_per_chunk():
     gen = torch.Generator().manual_seed(0)
     x, gy = torch.randn(64, 32, generator=gen), torch.randn(64, 32, generator=gen)
     w = torch.randn(32, generator=gen)
-    _y, rstd = _cores.rms_norm_forward(x, w, 1e-6, 0.0, rows=64)
+    _y, rstd = _layer_cores.rms_norm_forward(x, w, 1e-6, 0.0, rows=64)
     with _FullSizeOps(x.numel()) as mode:
-        gx, gw = _cores.rms_norm_backward(x, w, rstd, gy, 0.0, (True, False), 1, rows=64)
+        gx, gw = _layer_cores.rms_norm_backward(x, w, rstd, gy, 0.0, (True, False), 1, rows=64)
     # u = g·w; the row dots u·x; gx = rstd·u; gx -= x·(rstd³·(u·x)/d) in place
     assert len(mode.ops) <= 4, mode.ops
     assert gw is None
@@ -85,7 +85,7 @@ def test_fused_linear_cross_entropy_forward_passes_per_tile():
         label_smoothing=0.0,
     )
     with _FullSizeOps(16 * 40) as mode:
-        tok, _lse, stash = _cores.lce_forward(
+        tok, _lse, stash = _loss_cores.lce_forward(
             hidden, weight, None, labels, spec, (16, 40), (True, False, False)
         )
     assert mode.ops == ["mm", "sub_", "exp_", "mul_", "scatter_add_"], mode.ops
@@ -114,7 +114,7 @@ def test_gated_forward_in_fp32_writes_the_activation_into_its_output():
     gen = torch.Generator().manual_seed(0)
     gate, up = torch.randn(64, 32, generator=gen), torch.randn(64, 32, generator=gen)
     with _AllOps() as mode:
-        out = _cores.gated_forward(gate, up, "silu", chunk=gate.numel())
+        out = _layer_cores.gated_forward(gate, up, "silu", chunk=gate.numel())
     # one allocation (the output), no temporary activation
     assert mode.ops == ["aten.empty_like.default", "aten.silu.out", "aten.mul_.Tensor"]
     torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=0, atol=0)

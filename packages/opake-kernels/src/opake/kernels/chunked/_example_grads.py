@@ -29,7 +29,7 @@ import torch
 from opake.core.errors import ConfigurationError
 from opake.kernels._args import LossSpec
 from opake.kernels._math import transform_grad_, transform_logits_
-from opake.kernels.chunked import _cores, _example_certify
+from opake.kernels.chunked import _example_certify, _logit_tiles, _loss_cores
 from opake.kernels.chunked._example_args import (
     ROUTES,
     lce_ghost_is_cheaper,
@@ -130,7 +130,7 @@ class LinearCEExampleGrads:
         if self._lse is None:
             h2 = self.hidden.reshape(-1, self.hidden.shape[-1])
             with torch.no_grad():
-                _tok, lse, _ = _cores.lce_forward(
+                _tok, lse, _ = _loss_cores.lce_forward(
                     h2, self.weight, self.bias, self.labels.reshape(-1), self.spec, self._tiles
                 )
             self._lse = lse
@@ -161,7 +161,7 @@ class LinearCEExampleGrads:
         y = self.labels[e0:e1].reshape(rows)
         lse = lse_all[e0 * steps : e1 * steps]
         g = tg[e0:e1].reshape(rows)
-        bufs = _cores._TileBuffers(
+        bufs = _logit_tiles._TileBuffers(
             rows, self._vt, h.dtype, h.device, extra=self.spec.softcap is not None
         )
         for v0 in range(0, vocab, self._vt):
@@ -169,7 +169,7 @@ class LinearCEExampleGrads:
             b = None if self.bias is None else self.bias[v0:v1]
             z = bufs.logits(h, self.weight[v0:v1], b, self.spec)
             scratch = None if bufs.t is None else bufs.view(bufs.t, *z.shape)
-            d = _cores._dlogits_(z, y, lse, g, v0, vocab, self.spec, scratch)
+            d = _logit_tiles._dlogits_(z, y, lse, g, v0, vocab, self.spec, scratch)
             yield v0, v1, d.view(e1 - e0, steps, v1 - v0)
 
     # ------------------------------------------------------------------ norms
@@ -278,7 +278,7 @@ class LinearCEExampleGrads:
             z = transform_logits_(z.to(_F32).contiguous(), self.spec)
             scratch = torch.empty_like(z) if self.spec.softcap is not None else None
             labels, grads = self.labels[index], self.token_grads[index]
-            d = _cores._dlogits_(z, labels, lse, grads, start, vocab, self.spec, scratch)
+            d = _logit_tiles._dlogits_(z, labels, lse, grads, start, vocab, self.spec, scratch)
             return d.double().t() @ h.double()
 
     # ------------------------------------------------------------------ clipped sum

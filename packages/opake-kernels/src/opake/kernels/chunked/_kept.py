@@ -28,7 +28,7 @@ import torch
 
 from opake.kernels._args import LossSpec
 from opake.kernels._math import token_loss, transform_logits_
-from opake.kernels.chunked._cores import _subtract_target, _target_logit
+from opake.kernels.chunked._logit_tiles import _subtract_target, _target_logit
 from opake.kernels.chunked._workspace import available_memory, workspace_budget
 
 __all__ = [

@@ -26,7 +26,7 @@ from opake.kernels._autograd import (
     make_rms_norm_function,
     make_rope_function,
 )
-from opake.kernels.chunked import _cores
+from opake.kernels.chunked import _layer_cores, _loss_cores
 from opake.kernels.chunked._workspace import resolve_chunking, rows_per_chunk
 
 __all__ = ["cross_entropy", "geglu", "linear_cross_entropy", "rms_norm", "rope", "swiglu"]
@@ -37,7 +37,7 @@ _TEMPS = 4 * 4  # bytes of fp32 temporaries per element processed
 
 def _rms_fwd(x: Tensor, w: Tensor | None, eps: float, offset: float) -> tuple[Tensor, Tensor]:
     rows = rows_per_chunk(x.device, x.shape[-1] * _TEMPS)
-    return _cores.rms_norm_forward(x, w, eps, offset, rows)
+    return _layer_cores.rms_norm_forward(x, w, eps, offset, rows)
 
 
 def _rms_bwd(
@@ -50,23 +50,23 @@ def _rms_bwd(
     groups: int,
 ) -> tuple[Tensor | None, Tensor | None]:
     rows = rows_per_chunk(x.device, x.shape[-1] * _TEMPS)
-    return _cores.rms_norm_backward(x, w, rstd, gy, offset, needs, groups, rows)
+    return _layer_cores.rms_norm_backward(x, w, rstd, gy, offset, needs, groups, rows)
 
 
 def _gated_fwd(gate: Tensor, up: Tensor, kind: str) -> Tensor:
-    return _cores.gated_forward(gate, up, kind, rows_per_chunk(gate.device, _TEMPS))
+    return _layer_cores.gated_forward(gate, up, kind, rows_per_chunk(gate.device, _TEMPS))
 
 
 def _gated_bwd(gate: Tensor, up: Tensor, g: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-    return _cores.gated_backward(gate, up, g, kind, rows_per_chunk(gate.device, 2 * _TEMPS))
+    return _layer_cores.gated_backward(gate, up, g, kind, rows_per_chunk(gate.device, 2 * _TEMPS))
 
 
 def _rope_fwd(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return _cores.rope_forward(x, cos, sin, rows_per_chunk(x.device, x.shape[-1] * _TEMPS))
+    return _layer_cores.rope_forward(x, cos, sin, rows_per_chunk(x.device, x.shape[-1] * _TEMPS))
 
 
 def _rope_bwd(g: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return _cores.rope_backward(g, cos, sin, rows_per_chunk(g.device, g.shape[-1] * _TEMPS))
+    return _layer_cores.rope_backward(g, cos, sin, rows_per_chunk(g.device, g.shape[-1] * _TEMPS))
 
 
 def _precompute(
@@ -88,8 +88,8 @@ def _precompute(
     )
 
 
-_LCE = make_lce_function("Chunked", _cores.lce_forward, _cores.lce_backward)
-_CE = make_ce_function("Chunked", _cores.ce_forward, _cores.ce_backward)
+_LCE = make_lce_function("Chunked", _loss_cores.lce_forward, _loss_cores.lce_backward)
+_CE = make_ce_function("Chunked", _loss_cores.ce_forward, _loss_cores.ce_backward)
 _RMS = make_rms_norm_function("Chunked", _rms_fwd, _rms_bwd)
 _GATED = make_pointwise_function("Chunked", _gated_fwd, _gated_bwd)
 _ROPE = make_rope_function("Chunked", _rope_fwd, _rope_bwd)

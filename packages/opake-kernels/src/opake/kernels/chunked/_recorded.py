@@ -21,7 +21,7 @@ import torch
 from opake.core.errors import ConfigurationError
 from opake.kernels._args import LossSpec
 from opake.kernels._autograd import apply
-from opake.kernels.chunked import _cores
+from opake.kernels.chunked import _loss_cores
 from opake.kernels.chunked._example_args import kept_ghost_is_cheaper
 from opake.kernels.chunked._example_grads import LinearCEExampleGrads
 from opake.kernels.chunked._example_grads import prepare as _prepare
@@ -130,7 +130,7 @@ class _Recorded(torch.autograd.Function):
                 gram_steps=steps if mode == "gram" else None,
             )
         else:
-            tok, lse, _ = _cores.lce_forward(
+            tok, lse, _ = _loss_cores.lce_forward(
                 h2, record.weight, record.bias, labels, record.spec, record.tiles
             )
         record.lse = lse

@@ -10,15 +10,12 @@ Triton; set ``TRITON_INTERPRET`` before the import if you want the interpreter.
 from __future__ import annotations
 
 from opake.kernels.triton._clip import clip_accumulate
-from opake.kernels.triton._ops import (
+from opake.kernels.triton._layer_ops import geglu, rms_norm, rope, swiglu
+from opake.kernels.triton._loss_ops import (
     LCEBlocks,
     cross_entropy,
-    geglu,
     lce_blocks,
     linear_cross_entropy,
-    rms_norm,
-    rope,
-    swiglu,
 )
 
 __all__ = [

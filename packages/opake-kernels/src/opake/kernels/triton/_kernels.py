@@ -1,5 +1,5 @@
 """Triton loss kernels (``@triton.jit``): linear cross-entropy and cross-entropy. Launched only
-by ``_ops``, only on plain contiguous tensors (the layer kernels are in ``_layer_kernels``).
+by ``_loss_ops``, only on plain contiguous tensors (the layer kernels are in ``_layer_kernels``).
 
 Linear cross-entropy works on 2-D ``BLOCK_T x BLOCK_V`` logits tiles, each the sum of
 ``BLOCK_H``-wide ``tl.dot`` products with an fp32 accumulator. The forward keeps an online

@@ -1,5 +1,5 @@
 """Triton kernels of the layer ops (``@triton.jit``): RMSNorm, gated activations, rotary
-embedding. Launched only by ``_ops``, only on plain contiguous tensors; fp32 math inside.
+embedding. Launched only by ``_layer_ops``, only on plain contiguous tensors; fp32 math inside.
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
