@@ -46,3 +46,19 @@ def test_example_plugin_rule_passes_the_generated_conformance_test(example_plugi
     proc = run_python(code, path=example_plugin_site)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "1 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_example_plugin_rule_passes_the_public_harness_in_one_call(example_plugin_site):
+    """What the plugin's own tests would run: the public harness, outside this repository's
+    tests, on the installed rule by name and on the rule object itself."""
+    code = (
+        "from opake.core.testing import check_rule\n"
+        "from opake.core.plugins import bookkeeping_rules\n"
+        "rule = bookkeeping_rules()['example-scale-shift']\n"
+        "by_name = check_rule('example-scale-shift', max_examples=4)\n"
+        "print(by_name, check_rule(rule, max_examples=2))\n"
+    )
+    proc = run_python(code, path=example_plugin_site)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["1", "1"]

@@ -109,16 +109,27 @@ def main() -> None:
 def _tree_modules(tree: Path, tag: str) -> tuple[Any, Any]:
     """The randomness and noise modules of the source tree ``tree`` (the noise module bound to
     that tree's randomness module, whatever this process imported before)."""
+    importlib.import_module("opake.dpsgd.noise")  # this tree's modules, bound before the swap
     src = tree / "packages/opake-core/src/opake/dpsgd"
-    randomness = _load(src / "_randomness.py", f"_randomness_{tag}")
-    key = "opake.dpsgd._randomness"
-    saved = sys.modules[key]
-    sys.modules[key] = randomness  # what the noise module's import binds
+    if (src / "noise").is_dir():  # the concept subpackages (since 0.1.0)
+        randomness, noisy, noise_path = "randomness._source", "noise._noisy", "noise/_gaussian.py"
+    else:  # an older tree: loose modules
+        randomness, noisy, noise_path = "_randomness", "_noisy", "_noise.py"
+    bound = {  # randomness first
+        f"opake.dpsgd.{name}": src / f"{name.replace('.', '/')}.py" for name in (randomness, noisy)
+    }
+    loaded = {key: _load(path, f"{path.stem}_{tag}") for key, path in bound.items()}
+    saved = {key: sys.modules.get(key) for key in bound}
+    sys.modules.update(loaded)  # what the noise module's imports bind
     try:
-        noise = _load(src / "_noise.py", f"_noise_{tag}")
+        noise = _load(src / noise_path, f"_noise_{tag}")
     finally:
-        sys.modules[key] = saved
-    return randomness, noise
+        for key, module in saved.items():
+            if module is None:
+                del sys.modules[key]
+            else:
+                sys.modules[key] = module
+    return next(iter(loaded.values())), noise
 
 
 def _draw_ab(baseline: Path, sums: dict[str, Any], draws: int) -> None:

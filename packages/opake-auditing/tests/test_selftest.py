@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import opake.dpsgd._noise as noise_module
 import opake.dpsgd.bookkeeping._engine as bookkeeping_engine
 import opake.dpsgd.clipping._base as clip_engine
+import opake.dpsgd.noise._gaussian as noise_module
 import opake.dpsgd.sampling as sampling
 from opake.auditing import CRAFTED_KINDS, self_test
 from opake.dpsgd.bookkeeping._certify import LeafBounds

@@ -4,10 +4,12 @@ reference, with the adversarial inputs of the privacy suite.
 The cases come from the registry (``registered_rules()``: the built-in rules, first-party
 plugins' and any third party's installed in the environment), each rule's ``example()`` giving
 the module to run it on, so a new rule is tested without touching this file. The harness is
-public (:func:`opake.core.testing.search_rule`): hypothesis *searches* batches of 0–3 examples
-whose inputs and output gradients are random, repeated at every position, alternating,
-cancelling up to a tiny residual, zero / padding-only or non-finite, at magnitudes
-1e-30..1e30, and checks (:func:`opake.core.testing.check_rule_example`):
+public: a plugin author runs it on one rule with :func:`opake.core.testing.check_rule` (every
+example), which runs :func:`opake.core.testing.search_rule` (one example, as here):
+hypothesis *searches* batches of 0–3 examples whose inputs and output gradients are random,
+repeated at every position, alternating, cancelling up to a tiny residual, zero /
+padding-only or non-finite, at magnitudes 1e-30..1e30, and checks
+(:func:`opake.core.testing.check_rule_example`):
 
 - the plan puts the example's layer under the rule being tested (the case exercises it);
 - each example's contribution, isolated with ``example_mask``, is at most ``C`` (no tolerance

@@ -93,12 +93,45 @@ def test_builtin_rules_are_registered_in_order_with_the_fallback_last(registry):
         ({"pieces": "not a path"}, ConfigurationError, "dotted path"),
         ({"priority": 1.5}, InputTypeError, "priority"),
         ({"keeps_output": "yes"}, InputTypeError, "keeps_output"),
+        ({"eager": 1}, InputTypeError, "eager must be a bool"),
     ],
 )
 def test_descriptor_is_validated(change, error, match):
     args = {"name": "scale", **change}
     with pytest.raises(error, match=match):
         _rule(**args)
+
+
+def test_eagerness_is_declared_by_the_rules_themselves(registry):
+    eager = {rule.name for rule in registered_rules() if rule.eager}
+    assert eager == {"layer_norm", "rms_norm"}  # PyTorch's norms: [B, d] pieces, no autograd
+    assert not _rule().eager  # off unless a rule asks for it
+    assert BUILTIN_RULES["layer_norm"] == "norm:LAYER_NORM"  # one implementation for both
+    assert BUILTIN_RULES["rms_norm"] == "norm:RMS_NORM"
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_an_eager_plugin_rule_builds_its_pieces_in_the_backward(registry, eager):
+    """``eager`` (not the rule's name) decides: the pieces are built while the backward runs,
+    and the clipped sum is the same either way."""
+    in_backward = []
+
+    def pieces(use):
+        in_backward.append(torch._C._current_graph_task_id() != -1)
+        return _scale_pieces(use)
+
+    registry(_Rules(_rule("eager-scale", pieces=pieces, eager=eager)), "eager")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Scale(4))
+    fmodel, params = make_functional(model)
+    loss = BatchedLoss(lambda p, x: fmodel(p, x).square().sum(dim=(1, 2)), fmodel)
+    x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0))
+    grad_fn, state = clipped_grad(loss, clipping_norm=0.5, method="bookkeeping")
+    got, _ = grad_fn(params, x, state=state)
+    assert in_backward
+    assert set(in_backward) == {eager}
+    want, _ = clipped_grad(loss, clipping_norm=0.5, method="vmap")[0](params, x, state=state)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
 
 
 def test_plugin_rule_replaces_the_fallback_and_is_exact(registry):

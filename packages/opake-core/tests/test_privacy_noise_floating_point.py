@@ -23,9 +23,10 @@ import pytest
 import torch
 from scipy import stats
 
-from opake.dpsgd import _noise, _randomness
 from opake.dpsgd.noise import GaussianNoise, Randomness, add_noise, noise_grid
+from opake.dpsgd.noise import _gaussian as _noise
 from opake.dpsgd.optimizer import DPOptimizer
+from opake.dpsgd.randomness import _source as _randomness
 
 N = 1 << 18  # draws per value of x: the whole file runs in about a second
 

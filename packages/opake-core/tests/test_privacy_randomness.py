@@ -29,11 +29,11 @@ from scipy import stats
 
 from opake import accounting
 from opake.core.errors import ConfigurationError, OpakePrivacyWarning
-from opake.dpsgd import _randomness
 from opake.dpsgd.clipping import AdaptiveClipping, clipped_grad
 from opake.dpsgd.noise import GaussianNoise, add_noise, noise_grid
 from opake.dpsgd.optimizer import DPOptimizer
 from opake.dpsgd.randomness import Randomness
+from opake.dpsgd.randomness import _source as _randomness
 from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler, ShuffleSampler
 from opake.functional import make_functional
 

@@ -33,6 +33,14 @@ def test_no_family_needs_the_fallback_for_its_norms(family):
         assert layer.rule in ("family_norm", "layer_norm", "rms_norm"), (family, layer)
 
 
+def test_the_family_norm_rule_declares_itself_eager():
+    from opake.dpsgd.bookkeeping import registered_rules
+
+    rules = {rule.name: rule for rule in registered_rules()}
+    assert rules["family_norm"].eager  # [B, d] pieces built in the backward, like the norms
+    assert not rules["fused_experts"].eager
+
+
 def test_every_declared_norm_class_is_one_formula():
     norms = declared_norms()
     assert norms["LlamaRMSNorm"].offset == 0.0

@@ -2,6 +2,7 @@
 
 - :mod:`opake.dpsgd.clipping` — per-example gradients, clipped and summed (re-exported here);
 - :mod:`opake.dpsgd.noise` — Gaussian noise, added once per logical step;
+- :mod:`opake.dpsgd.randomness` — the keyed random source of noise and sampling;
 - :mod:`opake.dpsgd.sampling` — Poisson, fixed-shape truncated Poisson and shuffle samplers;
 - :mod:`opake.dpsgd.optimizer` — the DP optimizer step around any ``torch.optim`` optimizer;
 - :mod:`opake.dpsgd.checkpoint` — atomic checkpoint and resume of the whole training state;

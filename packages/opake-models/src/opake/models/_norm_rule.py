@@ -119,4 +119,5 @@ RULE = BookkeepingRule(
     produces={"weight": "dense", "bias": "dense"},
     example="opake.models._norm_rule:example",
     keeps_output=True,
+    eager=True,  # [B, d] pieces built in the backward: the input and output gradient released
 )

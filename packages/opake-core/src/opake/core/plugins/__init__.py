@@ -45,6 +45,7 @@ from opake.core.plugins._manager import (
     plugins,
     register_plugin,
     reset_plugins,
+    unregister_plugin,
 )
 from opake.core.plugins._select import (
     KERNEL_BACKEND_ENV,
@@ -82,4 +83,5 @@ __all__ = [
     "register_plugin",
     "reset_plugins",
     "select_kernel",
+    "unregister_plugin",
 ]

@@ -250,6 +250,12 @@ class BookkeepingRule:
         keeps_output: the engine keeps the layer's (detached) output for ``pieces``.
         broadcast: a first input of batch 1 in a larger batch (position ids) is expanded to
             the batch before recording (off for rules that take inputs as they are).
+        eager: build the pieces in the backward, as soon as the layer's output gradient
+            arrives, and release the recorded inputs, output and output gradient there instead
+            of holding them until every layer's gradient is known. For closed-form rules whose
+            ``pieces`` runs no autograd and returns less than it releases (the norm rules:
+            ``[B, d]`` per-example gradients in place of two activation-sized tensors); a use
+            of an eager rule must receive exactly one output gradient (else ``OperationError``).
 
     Example:
         >>> rule = BookkeepingRule(
@@ -259,8 +265,8 @@ class BookkeepingRule:
         ...     produces={"weight": "dense"},
         ...     example="my_pkg.rules:example",
         ... )
-        >>> rule.name, dict(rule.produces)
-        ('toy-scale', {'weight': 'dense'})
+        >>> rule.name, dict(rule.produces), rule.eager
+        ('toy-scale', {'weight': 'dense'}, False)
     """
 
     name: str
@@ -271,6 +277,7 @@ class BookkeepingRule:
     priority: int = 0
     keeps_output: bool = False
     broadcast: bool = True
+    eager: bool = False
 
     def __post_init__(self) -> None:
         _check_name("BookkeepingRule", self.name)
@@ -294,9 +301,10 @@ class BookkeepingRule:
         object.__setattr__(self, "produces", MappingProxyType(dict(self.produces)))
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise InputTypeError(f"{owner}: priority must be an int, got {self.priority!r}.")
-        for flag in ("keeps_output", "broadcast"):
-            if not isinstance(getattr(self, flag), bool):
-                raise InputTypeError(f"{owner}: {flag} must be a bool.")
+        for flag in ("keeps_output", "broadcast", "eager"):
+            value = getattr(self, flag)
+            if not isinstance(value, bool):
+                raise InputTypeError(f"{owner}: {flag} must be a bool, got {value!r}.")
 
     def kind_of(self, attr: str) -> str | None:
         """The piece kind this rule produces for ``attr`` (None: the attribute is not its).

@@ -32,6 +32,7 @@ __all__ = [
     "plugins",
     "register_plugin",
     "reset_plugins",
+    "unregister_plugin",
 ]
 
 #: the entry-point group every plugin (first- and third-party) registers under
@@ -211,6 +212,33 @@ def register_plugin(plugin: object, name: str | None = None) -> str:
         _state.backends = None
         _state.rules = None
         return registered
+
+
+def unregister_plugin(name: str) -> None:
+    """Unregister the plugin :func:`register_plugin` registered as ``name`` (tests, notebooks).
+
+    Clears the cached families, backends and rules so the next query no longer sees it; an
+    unknown name raises :class:`~opake.core.errors.ConfigurationError`.
+
+    >>> class Empty:
+    ...     pass
+    >>> name = register_plugin(Empty(), "doc-empty")
+    >>> unregister_plugin(name)
+    >>> "doc-empty" in [info.name for info in plugins()]
+    False
+    """
+    pm = plugin_manager()
+    with _state.lock:
+        if pm.get_plugin(name) is None:
+            raise ConfigurationError(
+                f"no plugin named {name!r} is registered; registered: "
+                f"{[info.name for info in _state.infos]}."
+            )
+        pm.unregister(name=name)
+        _state.infos = [info for info in _state.infos if info.name != name]
+        _state.families = None
+        _state.backends = None
+        _state.rules = None
 
 
 def reset_plugins() -> None:

@@ -204,7 +204,7 @@ def check_rule_example(
     case = _example(name, index)
     model = torch.nn.Sequential(case.module)
     fmodel, params = make_functional(model)
-    plan = bookkeeping_plan(model, list(params))
+    plan = bookkeeping_plan(model, list(params), trusted=(name,))  # as clipped_grad below
     assert plan.supported, plan.explain()
     assert name in {layer.rule for layer in plan.layers}, plan.explain()
 
@@ -252,8 +252,9 @@ def check_rule_example(
 def search_rule(name: str, index: int = 0, *, max_examples: int = 8) -> None:
     """Let hypothesis search adversarial batches (0–3 examples of :data:`PATTERNS` at
     magnitudes ``10⁻³⁰ … 10³⁰``, bounds ``10⁻³ … 10³``) for rule ``name``'s example ``index``,
-    plus three fixed batches (a clipped batch of one, repeated tokens with alternating output
-    gradients, a padding-only example next to a cancelling one); raises on the first violation
+    plus four fixed batches (a clipped batch of one, repeated tokens with alternating output
+    gradients, a padding-only example next to a cancelling one, a non-finite example next to a
+    finite one); raises on the first violation
     of :func:`check_rule_example`. Needs ``hypothesis``.
 
     >>> search_rule("rms_norm", max_examples=2)
@@ -297,6 +298,11 @@ def search_rule(name: str, index: int = 0, *, max_examples: int = 8) -> None:
         ],
         clip=1.0,
         seed=1,
+    )
+    @example(
+        examples=[("random", "random", 0.0, 0.0, 0.0), ("random", "nonfinite", 0.0, 0.0, 0.0)],
+        clip=1.0,
+        seed=0,
     )
     def run(examples: list[ExampleSpec], clip: float, seed: int) -> None:
         worst = check_rule_example(name, index, examples, clip, seed)

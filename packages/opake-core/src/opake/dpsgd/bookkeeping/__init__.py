@@ -33,8 +33,8 @@ on every new structure and periodically; ``"auto"`` falls back to vmap when anyt
 unsupported or that check fails, ``"bookkeeping"`` raises, and a call where no example can be
 compared runs on vmap. :func:`bookkeeping_plan` shows the rule of every layer.
 
-Layer rules are a registry (:mod:`opake.dpsgd.bookkeeping.rules`, one module per rule; a plugin
-adds rules for its own layers through the ``opake_bookkeeping_rules`` hook):
+Layer rules are a registry (:mod:`opake.dpsgd.bookkeeping.rules`, one module per kind of layer;
+a plugin adds rules for its own layers through the ``opake_bookkeeping_rules`` hook):
 :func:`registered_rules` lists them in the order they are tried.
 
 The loss must return per-example losses for a batch (:class:`BatchedLoss`): reduce over each

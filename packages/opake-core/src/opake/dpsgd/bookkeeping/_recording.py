@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from opake.dpsgd.bookkeeping._engine import BookkeepingRunner
 
 __all__ = [
-    "EAGER_RULES",
     "ImplicitUse",
     "Tap",
     "holding",
@@ -28,12 +27,6 @@ __all__ = [
 ]
 
 _KINDS: dict[type, str] = {OuterSum: "outer", Dense: "dense", Implicit: "implicit"}
-
-#: closed-form norm rules whose pieces (``[B, d]`` per-example gradients, no autograd inside)
-#: are built in the backward, as soon as the output gradient arrives: the layer's input and
-#: output gradient (two activation-sized tensors per norm) are released there instead of
-#: being held until every layer's gradient is known
-EAGER_RULES = frozenset({"layer_norm", "rms_norm", "family_norm"})
 
 
 @contextlib.contextmanager
@@ -98,14 +91,16 @@ class Tap:
 
 
 def _receive(use: LayerUse, grad: torch.Tensor) -> None:
-    """A use's output gradient arrives (the tap's backward); an eager rule builds its pieces
-    now and the use lets go of its recorded tensors."""
+    """A use's output gradient arrives (the tap's backward); a rule that declares ``eager``
+    (:class:`~opake.core.plugins.BookkeepingRule`) builds its pieces now and the use lets go of
+    its recorded tensors (for a norm: two activation-sized tensors, released here instead of
+    being held until every layer's gradient is known)."""
     if use.built is not None:
         raise use.fail("a second output gradient reached a use whose pieces were built")
     use.grad = grad if use.grad is None else use.grad + grad
     use.grad_dtype = grad.dtype
     spec = use.layer.spec
-    if use.build is None and spec is not None and spec.name in EAGER_RULES:
+    if use.build is None and spec is not None and spec.eager:
         use.built = rule_pieces(use)
         use.grad, use.output, use.args, use.kwargs = None, None, (), {}
 

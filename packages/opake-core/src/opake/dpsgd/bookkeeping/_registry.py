@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from opake.core._dotted import resolve_dotted
 from opake.core.errors import ConfigurationError
 from opake.dpsgd.bookkeeping._trust import TRUST_ENV, implicit_outside_proof
 
@@ -18,14 +20,18 @@ __all__ = ["BUILTIN_RULES", "builtin_rules", "registered_rules", "rule_for", "un
 
 _log = logging.getLogger("opake.core")
 
-#: the built-in rule modules (``opake.dpsgd.bookkeeping.rules.<name>``, each exporting ``RULE``)
-BUILTIN_RULES: tuple[str, ...] = (
-    "linear",
-    "conv1d",
-    "embedding",
-    "layer_norm",
-    "rms_norm",
-    "per_layer",
+#: the built-in rules by name, in the order they are tried, each with where it is defined
+#: (``module:attribute`` in :mod:`opake.dpsgd.bookkeeping.rules`; one module may hold several
+#: rules, as ``norm`` holds both of PyTorch's norm modules)
+BUILTIN_RULES: Mapping[str, str] = MappingProxyType(
+    {
+        "linear": "linear:RULE",
+        "conv1d": "conv1d:RULE",
+        "embedding": "embedding:RULE",
+        "layer_norm": "norm:LAYER_NORM",
+        "rms_norm": "norm:RMS_NORM",
+        "per_layer": "per_layer:RULE",
+    }
 )
 
 
@@ -38,10 +44,10 @@ def builtin_rules() -> tuple[BookkeepingRule, ...]:
     from opake.core.plugins import BookkeepingRule
 
     out = []
-    for name in BUILTIN_RULES:
-        rule = importlib.import_module(f"opake.dpsgd.bookkeeping.rules.{name}").RULE
+    for name, where in BUILTIN_RULES.items():
+        rule = resolve_dotted(f"opake.dpsgd.bookkeeping.rules.{where}")
         if not isinstance(rule, BookkeepingRule) or rule.name != name:  # pragma: no cover
-            raise ConfigurationError(f"rules.{name}.RULE must be a BookkeepingRule named {name!r}")
+            raise ConfigurationError(f"rules.{where} must be a BookkeepingRule named {name!r}")
         out.append(rule)
     return tuple(out)
 

@@ -56,7 +56,7 @@ class LayerUse:
     grad: torch.Tensor | None = None
     build: Callable[[torch.Tensor], Mapping[str, Any]] | None = None
     #: the pieces, when the rule built them in the backward (``grad``, ``args``, ``output``
-    #: are then released); see :data:`~opake.dpsgd.bookkeeping._recording.EAGER_RULES`
+    #: are then released); see ``eager`` in :class:`~opake.core.plugins.BookkeepingRule`
     built: list[tuple[str, Any]] | None = None
     grad_dtype: torch.dtype | None = None  # the output gradient's dtype (kept when released)
 

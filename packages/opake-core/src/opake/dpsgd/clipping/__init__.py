@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from opake.core.choices import ENGINES
 from opake.dpsgd.clipping._api import clipped_grad
-from opake.dpsgd.clipping._base import ChunkNorms, ClipFactors
+from opake.dpsgd.clipping._base import EPS, ChunkNorms, ClipFactors, whole_gradient_factors
 from opake.dpsgd.clipping._grad_fn import ClippedGradFn
 from opake.dpsgd.clipping._grads import ClipAux, ClippedGrads
 from opake.dpsgd.clipping._state import (
@@ -40,6 +40,7 @@ from opake.dpsgd.clipping._state import (
 
 __all__ = [
     "ENGINES",
+    "EPS",
     "AdaptiveClipping",
     "AdaptiveNoiseSplit",
     "AutoSClipping",
@@ -55,4 +56,5 @@ __all__ = [
     "clip_state_from_dict",
     "clipped_grad",
     "gradient_noise_multiplier",
+    "whole_gradient_factors",
 ]

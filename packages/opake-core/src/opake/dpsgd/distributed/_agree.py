@@ -101,6 +101,6 @@ def _config_problems(everyone: list[Any], world_size: int) -> list[str]:
 
 
 def _fresh_key() -> bytes:
-    from opake.dpsgd._randomness import Randomness
+    from opake.dpsgd.randomness import Randomness
 
     return Randomness.secure().export_key()

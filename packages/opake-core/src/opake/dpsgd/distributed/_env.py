@@ -318,7 +318,7 @@ def shared_randomness(group: Any = None) -> Any:
         >>> shared_randomness().is_secure
         True
     """
-    from opake.dpsgd._randomness import Randomness
+    from opake.dpsgd.randomness import Randomness
 
     rank, world_size = _world(group)
     if world_size == 1:

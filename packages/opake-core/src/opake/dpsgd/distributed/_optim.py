@@ -264,7 +264,7 @@ class DistributedDPOptimizer(DPOptimizer):
                 "the same global sampling) and noise, from the same seeds"
             )
         if everyone[0]["proposed_key"] is not None:
-            from opake.dpsgd._randomness import Randomness
+            from opake.dpsgd.randomness import Randomness
 
             options["randomness"] = Randomness.from_key(everyone[0]["proposed_key"])
 

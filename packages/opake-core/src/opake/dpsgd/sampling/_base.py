@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
-from opake.dpsgd._randomness import Randomness, check_seed, resolve_randomness
+from opake.dpsgd.randomness._source import Randomness, check_seed, resolve_randomness
 
 #: Index that :class:`FixedShapePoissonSampler` puts in padding slots.
 PADDING_INDEX = -1

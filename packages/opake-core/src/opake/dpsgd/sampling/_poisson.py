@@ -13,7 +13,7 @@ import numpy as np
 
 from opake.accounting import truncation_probability
 from opake.core.errors import ConfigurationError
-from opake.dpsgd._randomness import Randomness
+from opake.dpsgd.randomness import Randomness
 from opake.dpsgd.sampling._base import PADDING_INDEX, _BaseSampler, _int, _rate, _sharding, _source
 
 __all__ = ["FixedShapePoissonSampler", "PoissonSampler"]

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from opake.core.errors import ConfigurationError, InputTypeError, OpakePrivacyWarning
-from opake.dpsgd._randomness import Randomness
+from opake.dpsgd.randomness import Randomness
 from opake.dpsgd.sampling._base import _BaseSampler, _int, _sharding, _source
 
 __all__ = ["ShuffleSampler"]

@@ -1,11 +1,12 @@
-"""Book-keeping layer rules: one module per rule, and what a rule author needs.
+"""Book-keeping layer rules: one module per kind of layer, and what a rule author needs.
 
 A rule is a :class:`~opake.core.plugins.BookkeepingRule`: what it matches, the per-example
 gradient pieces it produces from one recorded :class:`LayerUse`, and a :class:`RuleExample`
-the generated conformance test runs it on. Built-in rules are the modules listed in
-``opake.dpsgd.bookkeeping._registry.BUILTIN_RULES`` (each exports ``RULE``); a third-party
-distribution returns its rules from the ``opake_bookkeeping_rules`` hook. See the README beside
-this file.
+the conformance harness runs it on (:func:`opake.core.testing.check_rule`). Built-in rules are
+listed by name in :data:`BUILTIN_RULES`, each with the ``module:attribute`` of this package
+that defines it (``linear:RULE``; ``norm`` defines both ``layer_norm`` and ``rms_norm``); a
+third-party distribution returns its rules from the ``opake_bookkeeping_rules`` hook. See the
+README beside this file.
 
 >>> from opake.dpsgd.bookkeeping.rules import registered_rules
 >>> "rms_norm" in [rule.name for rule in registered_rules()]

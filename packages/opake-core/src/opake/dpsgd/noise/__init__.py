@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-from opake.dpsgd._noise import GaussianNoise, NoisyGrads, add_noise, noise_grid
-from opake.dpsgd._randomness import Randomness
+from opake.dpsgd.noise._gaussian import GaussianNoise, NoisyGrads, add_noise, noise_grid
+from opake.dpsgd.randomness import Randomness
 
 __all__ = ["GaussianNoise", "NoisyGrads", "Randomness", "add_noise", "noise_grid"]

@@ -21,6 +21,6 @@ Example:
 
 from __future__ import annotations
 
-from opake.dpsgd._randomness import Randomness
+from opake.dpsgd.randomness._source import Randomness
 
 __all__ = ["Randomness"]

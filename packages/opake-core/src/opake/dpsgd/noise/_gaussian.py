@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
-from opake.dpsgd._noisy import NoisyGrads
-from opake.dpsgd._randomness import Randomness, check_seed, resolve_randomness
+from opake.dpsgd.noise._noisy import NoisyGrads
+from opake.dpsgd.randomness._source import Randomness, check_seed, resolve_randomness
 
 if TYPE_CHECKING:
     import torch
