@@ -6,11 +6,11 @@
 
 A linear layer with input width d and output width p, applied to B sequences of T tokens, has
 per-example gradients ``G_i = Σ_t g_{i,t} ⊗ x_{i,t}`` (a ``p × d`` matrix). The engine
-(:mod:`opake.dpsgd.bookkeeping._rules`) gets ``‖G_i‖²`` one of two ways:
+(:mod:`opake.dpsgd.bookkeeping._pieces`) gets ``‖G_i‖²`` one of two ways:
 
-* **ghost** (Gram identity): ``Σ_{t,s} (g_t·g_s)(x_t·x_s)`` — ``_inner_outer(piece, piece)``,
-  two ``[B, T, T]`` Gram matrices, about ``2·B·T²·(d + p)`` flops;
-* **materialised**: ``_materialise(piece)`` (the ``[B, p, d]`` per-example gradients) then
+* **ghost** (Gram identity): ``Σ_{t,s} (g_t·g_s)(x_t·x_s)`` — ``opake.dpsgd.certify.gram``
+  of both sides, two ``[B, T, T]`` Gram matrices, about ``2·B·T²·(d + p)`` flops;
+* **materialised**: ``einsum`` of the two sides (the ``[B, p, d]`` per-example gradients) then
   ``vector_norm`` — about ``2·B·T·d·p`` flops.
 
 ``auto`` picks ghost while ``ghost_is_cheaper(T, p, d)`` holds, i.e. ``T·(d + p) ≤ d·p`` (the
@@ -70,18 +70,19 @@ def _routes(batch: int, steps: int, d: int, p: int) -> dict[str, Callable[[], An
     """The two norm routes over one random piece (output grads ``[B,T,p]``, inputs ``[B,T,d]``)."""
     import torch
 
-    from opake.dpsgd.bookkeeping._rules import OuterSum, _inner_outer, _materialise
+    from opake.dpsgd.bookkeeping import OuterSum
+    from opake.dpsgd.certify import gram
 
     gen = torch.Generator().manual_seed(steps * 7919 + d * 31 + p)
     piece = OuterSum(
         torch.randn(batch, steps, p, generator=gen), torch.randn(batch, steps, d, generator=gen)
     )
 
-    def ghost() -> Any:
-        return _inner_outer(piece, piece)
+    def ghost() -> Any:  # the engine's Gram products (fp32 blocks summed in fp64)
+        return gram(piece.a).mul_(gram(piece.b)).sum(dim=(1, 2))
 
     def materialised() -> Any:
-        g = _materialise(piece)
+        g = torch.einsum("btp,btd->bpd", piece.a, piece.b)
         return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
 
     return {"ghost": ghost, "materialised": materialised}
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from opake.dpsgd.bookkeeping._rules import ghost_is_cheaper
+    from opake.dpsgd.bookkeeping._pieces import ghost_is_cheaper
 
     torch.set_num_threads(1)
     machine = _machine()

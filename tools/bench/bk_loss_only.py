@@ -133,7 +133,7 @@ def _step(method: str, args: argparse.Namespace) -> Callable[[], None]:
         loss,
         clipping_norm=CLIP,
         batch_argnums=1,
-        method=engine,
+        engine=engine,
         microbatch_size=args.microbatch if engine == "vmap" else None,
     )
     opt = DPOptimizer(

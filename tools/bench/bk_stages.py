@@ -4,7 +4,7 @@
     python tools/bench/bk_stages.py --method opake-bk --threads 2 --steps 5
 
 Builds the model and the step of ``tools/bench/dpsgd_step.py`` (``opake-user``: patched model,
-loss-only head, ``BatchedLoss``, ``method="auto"``; or ``opake-bk``: the stock model with its
+loss-only head, ``BatchedLoss``, ``engine="auto"``; or ``opake-bk``: the stock model with its
 logits) and wraps the engine's stages with a timer: the recorded forward, the backward (output
 gradients only), the layers' pieces, the certified bounds (``leaf_bounds``: Gram matrices,
 token norms and error bounds), the exact route where a bound is loose, the
@@ -49,13 +49,13 @@ def _wrap(owner: Any, name: str, label: str, acc: dict[str, float], clock: Any) 
 def _instrument(acc: dict[str, float], clock: Any) -> None:
     import torch
 
-    from opake.dpsgd.bookkeeping import _chunk, _engine
+    from opake.dpsgd.bookkeeping import _chunk, _runner
     from opake.dpsgd.optimizer import DPOptimizer
 
-    _wrap(_engine.BookkeepingRunner, "_forward_backward", "forward + backward", acc, clock)
-    _wrap(_engine.BookkeepingRunner, "_pieces", "pieces", acc, clock)
-    _wrap(_engine, "leaf_bounds", "certified bounds", acc, clock)
-    _wrap(_engine, "measure_blocks", "exact route (measure)", acc, clock)
+    _wrap(_runner.BookkeepingRunner, "_forward_backward", "forward + backward", acc, clock)
+    _wrap(_runner.BookkeepingRunner, "_pieces", "pieces", acc, clock)
+    _wrap(_runner, "leaf_bounds", "certified bounds", acc, clock)
+    _wrap(_runner, "measure_blocks", "exact route (measure)", acc, clock)
     _wrap(_chunk.BookkeepingChunk, "accumulate", "clipped sum", acc, clock)
     _wrap(DPOptimizer, "step", "noise + update", acc, clock)
     try:

@@ -6,7 +6,7 @@ the computed norm, and how often the exact route runs.
     python tools/bench/certified_bounds.py --model smollm2 --batch 4 --seq 512 --steps 1
 
 Runs the documented path (``apply_model_patches(chunked_linear_cross_entropy=True)``, a
-``BatchedLoss`` over the loss-only head, ``clipped_grad(method="bookkeeping")``) on real text —
+``BatchedLoss`` over the loss-only head, ``clipped_grad(engine="bookkeeping")``) on real text —
 Python's own documentation (``pydoc_data.topics``), in the model's tokenizer for a pretrained
 model, bytes modulo the vocabulary for the benchmark Llama — and records every leaf's bounds.
 Per parameter kind (embedding/head, attention, MLP, norms) it prints the median and the largest
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     import dpsgd_step as bench
     import torch
 
-    from opake.dpsgd.bookkeeping import BatchedLoss, _engine
+    from opake.dpsgd.bookkeeping import BatchedLoss, _runner
     from opake.dpsgd.clipping import clipped_grad
     from opake.functional import make_functional
     from opake.patches import apply_model_patches
@@ -85,16 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         return out.loss
 
     records: list[Any] = []
-    real = _engine.BookkeepingRunner.run
+    real = _runner.BookkeepingRunner.run
 
     def spy(self: Any, *a: Any, **kw: Any) -> Any:
         chunk = real(self, *a, **kw)
         records.append(chunk)
         return chunk
 
-    _engine.BookkeepingRunner.run = spy  # type: ignore[method-assign]
+    _runner.BookkeepingRunner.run = spy  # type: ignore[method-assign]
     grad_fn, state = clipped_grad(
-        BatchedLoss(losses, fmodel), clipping_norm=1.0, batch_argnums=(1,), method="bookkeeping"
+        BatchedLoss(losses, fmodel), clipping_norm=1.0, batch_argnums=(1,), engine="bookkeeping"
     )
     vocab = int(model.config.vocab_size)
     for ids in _text_ids(tok, vocab, work.batch, work.seq, args.steps):

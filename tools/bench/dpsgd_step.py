@@ -9,16 +9,16 @@ repeats all configurations N times, interleaved, and reports medians over the ro
 the non-private step are taken within each round).
 
 - ``nonprivate``: ``model(input_ids, labels).loss.backward()``, ``optimizer.step()``.
-- ``opake``: ``clipped_grad(method="vmap")`` (per-example ``vmap`` + clip + fp32 sum) over
+- ``opake``: ``clipped_grad(engine="vmap")`` (per-example ``vmap`` + clip + fp32 sum) over
   ``make_functional(model, partition_trainable=True)``, then ``DPOptimizer`` (Gaussian noise
   once, divide by the expected batch size, ``optimizer.step()``).
-- ``opake-bk``: the same with the book-keeping engine (``clipped_grad(method="bookkeeping")``
+- ``opake-bk``: the same with the book-keeping engine (``clipped_grad(engine="bookkeeping")``
   over a ``BatchedLoss``: one batched forward/backward, per-example norms from the recorded
   activations and output gradients, no per-example gradient).
 - ``opake-user``: the path the guides document, as a user runs it: ``apply_model_patches(model,
   chunked_linear_cross_entropy=True)``, a ``BatchedLoss`` over the loss-only head
   (``loss_only=True, per_example_loss=True``) that closes over the frozen weights, and
-  ``clipped_grad(method="auto")``; ``opake-user-vmap`` / ``opake-user-bk`` force each engine
+  ``clipped_grad(engine="auto")``; ``opake-user-vmap`` / ``opake-user-bk`` force each engine
   on that path (what ``auto`` should choose is the faster of the two). Each step starts with
   ``optimizer.zero_grad()``, as the non-private step does: the last step's ``.grad`` is not
   held through the next forward and backward.
@@ -212,7 +212,7 @@ def _opake(
         clipping_norm=work.clip,
         batch_argnums=(2, 3),
         microbatch_size=args.microbatch_size,
-        method=engine,
+        engine=engine,
     )
     opt = DPOptimizer(
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR),
@@ -239,7 +239,7 @@ def _opake_user(
     model: Any, ids: Any, args: argparse.Namespace, work: Workload, engine: str
 ) -> tuple[Callable[[], None], Clipped]:
     """The documented path: patched model, loss-only ``BatchedLoss`` closing over the frozen
-    weights, ``clipped_grad(method=engine)``, then ``DPOptimizer``."""
+    weights, ``clipped_grad(engine=engine)``, then ``DPOptimizer``."""
     import torch
 
     from opake.dpsgd.bookkeeping import BatchedLoss
@@ -267,7 +267,7 @@ def _opake_user(
         clipping_norm=work.clip,
         batch_argnums=1,
         microbatch_size=args.microbatch_size,
-        method=engine,
+        engine=engine,
     )
     opt = DPOptimizer(
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR),

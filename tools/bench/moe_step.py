@@ -13,11 +13,11 @@ are the same small cost for every method and left out):
 
 - ``nonprivate``: the stock model, ``model(input_ids, labels=...).loss.backward()``;
 - ``bookkeeping``: ``apply_model_patches`` + ``clipped_grad(BatchedLoss(loss_only=True,
-  per_example_loss=True), method="bookkeeping")`` — one batched forward/backward, the router
+  per_example_loss=True), engine="bookkeeping")`` — one batched forward/backward, the router
   book-kept from its tapped logits, the fused experts by the ``fused_experts`` rule
   (``opake.models.bookkeeping``: sparse experts, ghost norms over each example's tokens routed
   to each expert, the clipped sum as one matmul per expert);
-- ``vmap``: the same patched model, ``clipped_grad(method="vmap", microbatch_size=--microbatch)``
+- ``vmap``: the same patched model, ``clipped_grad(engine="vmap", microbatch_size=--microbatch)``
   on the one-example loss-only forward (dense experts per example);
 - ``opacus``: Opacus ``GradSampleModule`` hooks on the stock model, if ``import opacus`` works;
   otherwise, or if Opacus refuses the model, skipped with the reason.
@@ -90,8 +90,8 @@ TRAIN = {
 _TRAIN = ["all"]
 #: ``--breakdown``: (module, attribute) timed inside each book-keeping step
 BREAKDOWN = (
-    ("opake.dpsgd.bookkeeping._engine", "BookkeepingRunner._forward_backward"),
-    ("opake.dpsgd.bookkeeping._engine", "leaf_bounds"),
+    ("opake.dpsgd.bookkeeping._runner", "BookkeepingRunner._forward_backward"),
+    ("opake.dpsgd.bookkeeping._runner", "leaf_bounds"),
     ("opake.dpsgd.bookkeeping._chunk", "BookkeepingChunk.accumulate"),
     ("opake.models.bookkeeping._record", "experts_forward"),
     ("opake.models.bookkeeping._record", "_Saved.build"),
@@ -178,7 +178,7 @@ def _private(name: str, args: argparse.Namespace, method: str) -> Callable[[], N
         clipping_norm=1.0,
         batch_argnums=(2, 3),
         microbatch_size=args.microbatch if method == "vmap" else BATCH,
-        method=method,
+        engine=method,
     )
     holder = {"state": state}
 

@@ -58,13 +58,13 @@ def _timed(
 def _breakdown(spent: dict[str, float], live: dict[str, Any]) -> None:
     """Time the book-keeping engine's per-piece work: norms, cross terms, exact re-measures and
     the clipped sum, keyed by piece kind and parameter shape."""
-    from opake.dpsgd.bookkeeping import _certify, _chunk, _engine
+    from opake.dpsgd.bookkeeping import _certify, _chunk, _runner
 
     _timed(_certify, "certify", "certified norm", spent, live)
     _timed(_certify, "inner", "cross term", spent, live)
     _timed(_chunk, "add_weighted", "clipped sum", spent, live)
 
-    exact = _engine.measure_blocks
+    exact = _runner.measure_blocks
 
     def exact_wrapper(block: Any, shape: Any) -> Any:
         import time
@@ -76,7 +76,7 @@ def _breakdown(spent: dict[str, float], live: dict[str, Any]) -> None:
             key = f"exact re-measure {tuple(shape)}"
             spent[key] = spent.get(key, 0.0) + time.perf_counter() - started
 
-    _engine.measure_blocks = exact_wrapper
+    _runner.measure_blocks = exact_wrapper
 
 
 def profile_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any]:

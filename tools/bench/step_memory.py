@@ -174,7 +174,7 @@ def _instrument(phases: Phases, info: dict[str, Any]) -> None:
     """Wrap the engine and optimizer functions that bound each phase."""
     import torch
 
-    from opake.dpsgd.bookkeeping import _chunk, _engine
+    from opake.dpsgd.bookkeeping import _chunk, _runner
     from opake.dpsgd.optimizer import _dp_optimizer
 
     backward = torch.autograd.backward
@@ -184,7 +184,7 @@ def _instrument(phases: Phases, info: dict[str, Any]) -> None:
         return backward(*args, **kwargs)
 
     torch.autograd.backward = marked_backward  # type: ignore[assignment]
-    runner = _engine.BookkeepingRunner
+    runner = _runner.BookkeepingRunner
     fb = runner._forward_backward
 
     def forward_backward(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     y[1] = -big * torch.randn(width, device=dev).sign() * sign
     for method in ("bookkeeping", "vmap"):
         grad_fn, state = clipped_grad(
-            mse(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method=method
+            mse(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine=method
         )
         results[f"underflow/{method}"] = _worst(grad_fn, state, (params, x, y), 2, dev)
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     xl = torch.full((1, n), 2.0**-12, device=dev)
     xl[0, :4] = 1.0
-    grad_fn, state = clipped_grad(long_loss, clipping_norm=1.0, batch_argnums=(1,), method="vmap")
+    grad_fn, state = clipped_grad(long_loss, clipping_norm=1.0, batch_argnums=(1,), engine="vmap")
     results["long-leaf/vmap"] = _worst(grad_fn, state, (w, xl), 1, dev)
 
     bad = {k: v for k, v in results.items() if not v <= 1.0 + 1e-12}

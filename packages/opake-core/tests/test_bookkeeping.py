@@ -38,7 +38,7 @@ def _mlp_loss(model):
 
 def _run(loss_fn, args, clipping_norm, method, **options):
     grad_fn, state = clipped_grad(
-        loss_fn, clipping_norm=clipping_norm, return_aux=True, method=method, **options
+        loss_fn, clipping_norm=clipping_norm, return_aux=True, engine=method, **options
     )
     (grads, aux), new_state = grad_fn(*args, state=state)
     return grad_fn, grads, aux, new_state
@@ -105,7 +105,7 @@ def test_nonfinite_and_padding_examples_contribute_zero(mlp, mlp_batch):
     mask = torch.ones(x.shape[0], dtype=torch.bool)
     mask[5] = False
     grad_fn, state = clipped_grad(
-        loss_fn, clipping_norm=1.0, batch_argnums=(1, 2), return_aux=True, method="bookkeeping"
+        loss_fn, clipping_norm=1.0, batch_argnums=(1, 2), return_aux=True, engine="bookkeeping"
     )
     (grads, aux), _ = grad_fn(params, x, y, state=state, example_mask=mask)
     one = loss_fn.per_example(batch_argnums=(1, 2), has_aux=False)
@@ -276,7 +276,7 @@ def test_batch_moved_off_dim0_is_caught():
         return fmodel(p, x.transpose(0, 1)).square().sum(dim=(0, 2))
 
     grad_fn, state = clipped_grad(
-        BatchedLoss(seq_first, fmodel), clipping_norm=1.0, method="bookkeeping"
+        BatchedLoss(seq_first, fmodel), clipping_norm=1.0, engine="bookkeeping"
     )
     with pytest.raises(OperationError, match="batch \\(2\\) on dimension 0"):
         grad_fn(params, torch.randn(2, 5, 4), state=state)
@@ -284,10 +284,10 @@ def test_batch_moved_off_dim0_is_caught():
 
 def test_configuration_errors(mlp, mlp_batch):
     loss_fn, params = _mlp_loss(mlp)
-    with pytest.raises(ConfigurationError, match="method='fast'"):
-        clipped_grad(loss_fn, clipping_norm=1.0, method="fast")
+    with pytest.raises(ConfigurationError, match="engine='fast'"):
+        clipped_grad(loss_fn, clipping_norm=1.0, engine="fast")
     with pytest.raises(ConfigurationError, match="needs a BatchedLoss"):
-        clipped_grad(lambda p, x: x.sum(), clipping_norm=1.0, method="bookkeeping")
+        clipped_grad(lambda p, x: x.sum(), clipping_norm=1.0, engine="bookkeeping")
     fmodel = make_functional(mlp)[0]
     cases = [
         # a batch mean (a scalar) instead of per-example losses
@@ -305,7 +305,7 @@ def test_configuration_errors(mlp, mlp_batch):
     ]
     for bad, error, message in cases:
         grad_fn, state = clipped_grad(
-            bad, clipping_norm=1.0, batch_argnums=(1, 2), method="bookkeeping"
+            bad, clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
         )
         with pytest.raises(error, match=message):
             grad_fn(params, *mlp_batch, state=state)
@@ -316,7 +316,7 @@ def test_configuration_errors(mlp, mlp_batch):
 def test_outer_transform_needs_vmap(mlp, mlp_batch):
     loss_fn, params = _mlp_loss(mlp)
     grad_fn, state = clipped_grad(
-        loss_fn, clipping_norm=1.0, batch_argnums=(1, 2), method="bookkeeping"
+        loss_fn, clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
     )
 
     def total(p):

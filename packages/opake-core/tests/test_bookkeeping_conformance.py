@@ -54,9 +54,9 @@ def test_the_harness_catches_a_rule_that_under_reports():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_certify, "leaf_bounds", naive)
-        from opake.dpsgd.bookkeeping import _engine
+        from opake.dpsgd.bookkeeping import _runner
 
-        patch.setattr(_engine, "leaf_bounds", naive)
+        patch.setattr(_runner, "leaf_bounds", naive)
         attack = ("repeated", "alternating", 0.0, 15.0, -12.0)
         with pytest.raises((AssertionError, OperationError)):
             testing.check_rule_example(

@@ -2,7 +2,7 @@
 
 This file is also the worker: ``RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python
 test_bookkeeping_distributed.py OUTDIR``. Each rank takes its shard of the global Poisson
-batches, computes clipped sums with ``clipped_grad(BatchedLoss(...), method="bookkeeping")``
+batches, computes clipped sums with ``clipped_grad(BatchedLoss(...), engine="bookkeeping")``
 (two physical batches per step, microbatches of 2) on a DDP-wrapped sequence model (embedding,
 a linear map over the sequence, a LayerNorm, a classifier), and steps a
 ``DistributedDPOptimizer``. The reference, computed in the test process: the obvious DP-SGD
@@ -89,7 +89,7 @@ def train(rank: int, world_size: int) -> dict[str, Any]:
         clipping_norm=CLIP,
         batch_argnums=(1, 2),
         microbatch_size=2,
-        method="bookkeeping",
+        engine="bookkeeping",
     )
     engines, sizes = set(), []
     for _, idx in zip(range(STEPS), sampler, strict=False):

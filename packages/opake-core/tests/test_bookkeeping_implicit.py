@@ -12,7 +12,7 @@ from opake.core import testing
 from opake.core.errors import OperationError
 from opake.dpsgd.bookkeeping import BatchedLoss, ImplicitGrad, implicit_use
 from opake.dpsgd.bookkeeping._certify import certify, inner
-from opake.dpsgd.bookkeeping._rules import Dense, Implicit, OuterSum
+from opake.dpsgd.bookkeeping._pieces import Dense, Implicit, OuterSum
 from opake.dpsgd.clipping import clipped_grad
 from opake.functional import make_functional
 
@@ -106,7 +106,7 @@ def test_implicit_use_equals_vmap_and_the_loop(tied, form):
     results = {}
     for method in ("bookkeeping", "vmap"):
         grad_fn, state = clipped_grad(
-            loss, clipping_norm=0.3, batch_argnums=(1,), method=method, trusted_rules=TRUST
+            loss, clipping_norm=0.3, batch_argnums=(1,), engine=method, trusted_rules=TRUST
         )
         results[method], _ = grad_fn(params, ids, state=state)
         assert grad_fn.engine == method
@@ -133,7 +133,7 @@ def test_outside_a_recording_or_for_a_frozen_layer_there_is_no_use():
         return fmodel((t, f), ids)
 
     grad_fn, state = clipped_grad(
-        BatchedLoss(losses, fmodel), clipping_norm=1.0, batch_argnums=(2,), method="bookkeeping"
+        BatchedLoss(losses, fmodel), clipping_norm=1.0, batch_argnums=(2,), engine="bookkeeping"
     )
     ids = torch.randint(0, V, (B, T))
     grad_fn(trainable, frozen, ids, state=state)
@@ -161,7 +161,7 @@ def test_a_bad_build_is_named(build, match):
 
     loss, params, ids = _case(Bad(tied=False, form="implicit"))
     grad_fn, state = clipped_grad(
-        loss, clipping_norm=1.0, batch_argnums=(1,), method="bookkeeping", trusted_rules=TRUST
+        loss, clipping_norm=1.0, batch_argnums=(1,), engine="bookkeeping", trusted_rules=TRUST
     )
     with pytest.raises(OperationError, match=match):
         grad_fn(params, ids, state=state)
@@ -179,7 +179,7 @@ def test_tapping_after_the_recording_ended_and_a_stale_weight_are_loud():
 
     loss, params, ids = _case(Late(tied=False, form="implicit"))
     grad_fn, state = clipped_grad(
-        loss, clipping_norm=1.0, batch_argnums=(1,), method="bookkeeping", trusted_rules=TRUST
+        loss, clipping_norm=1.0, batch_argnums=(1,), engine="bookkeeping", trusted_rules=TRUST
     )
     grad_fn(params, ids, state=state)
     assert kept
@@ -193,7 +193,7 @@ def test_tapping_after_the_recording_ended_and_a_stale_weight_are_loud():
 
     loss, params, ids = _case(Stale(tied=False, form="implicit"))
     grad_fn, state = clipped_grad(
-        loss, clipping_norm=1.0, batch_argnums=(1,), method="bookkeeping", trusted_rules=TRUST
+        loss, clipping_norm=1.0, batch_argnums=(1,), engine="bookkeeping", trusted_rules=TRUST
     )
     with pytest.raises(OperationError, match=r"not the differentiated tensor 'head\.weight'"):
         grad_fn(params, ids, state=state)
@@ -220,11 +220,11 @@ def test_an_operator_outside_the_proof_needs_trust(caplog):
     """Without the trust list, the test's uncertified operator is refused: "auto" falls back to
     the vmap engine, saying why, and "bookkeeping" raises."""
     loss, params, ids = _case(_Toy(tied=False, form="implicit"))
-    grad_fn, state = clipped_grad(loss, clipping_norm=0.3, batch_argnums=(1,), method="auto")
+    grad_fn, state = clipped_grad(loss, clipping_norm=0.3, batch_argnums=(1,), engine="auto")
     with caplog.at_level("WARNING", logger="opake.core"):
         grad_fn(params, ids, state=state)
     assert grad_fn.engine == "vmap"
     assert "outside the clipping proof" in caplog.text
-    strict, state = clipped_grad(loss, clipping_norm=0.3, batch_argnums=(1,), method="bookkeeping")
+    strict, state = clipped_grad(loss, clipping_norm=0.3, batch_argnums=(1,), engine="bookkeeping")
     with pytest.raises(OperationError, match="outside the clipping proof"):
         strict(params, ids, state=state)

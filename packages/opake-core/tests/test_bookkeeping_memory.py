@@ -8,9 +8,9 @@ import torch
 
 from opake.core import testing
 from opake.dpsgd.bookkeeping import BatchedLoss
-from opake.dpsgd.bookkeeping._engine import prepare
-from opake.dpsgd.bookkeeping._rules import OuterSum
+from opake.dpsgd.bookkeeping._pieces import OuterSum
 from opake.dpsgd.clipping import clipped_grad
+from opake.dpsgd.clipping._choice import prepare
 from opake.functional import make_functional
 
 F = torch.nn.functional
@@ -110,7 +110,7 @@ def test_norm_pieces_built_in_the_backward_release_the_recording(mlp_batch):
     assert all(use.grad is not None for use in uses if use.layer.rule == "linear")
     # and the result equals the per-example loop
     grad_fn, state = clipped_grad(
-        BatchedLoss(losses, fmodel), clipping_norm=0.5, batch_argnums=(1, 2), method="bookkeeping"
+        BatchedLoss(losses, fmodel), clipping_norm=0.5, batch_argnums=(1, 2), engine="bookkeeping"
     )
     got, _ = grad_fn(*args, state=state)
     one = BatchedLoss(losses, fmodel).per_example(batch_argnums=(1, 2), has_aux=False)
@@ -141,7 +141,7 @@ def test_sum_buffers_are_allocated_at_their_first_add_not_before_the_backward(
         BatchedLoss(losses, fmodel),
         clipping_norm=0.5,
         batch_argnums=(1, 2),
-        method="bookkeeping",
+        engine="bookkeeping",
         microbatch_size=4,
     )
     args = (params, *mlp_batch)

@@ -55,7 +55,7 @@ def test_contributions_are_bounded_and_add_up(scales, steps, clip, seed):
     x = torch.randn(len(scales), steps, width, generator=gen) * factor[:, None, None]
     y = torch.randn(len(scales), steps, 3, generator=gen)
     grad_fn, state = clipped_grad(
-        loss, clipping_norm=clip, batch_argnums=(1, 2), method="bookkeeping", return_aux=True
+        loss, clipping_norm=clip, batch_argnums=(1, 2), engine="bookkeeping", return_aux=True
     )
     (total, _), _ = grad_fn(params, x, y, state=state)
     assert all(torch.isfinite(g).all() for g in total.values())

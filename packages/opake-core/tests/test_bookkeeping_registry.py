@@ -125,11 +125,11 @@ def test_an_eager_plugin_rule_builds_its_pieces_in_the_backward(registry, eager)
     fmodel, params = make_functional(model)
     loss = BatchedLoss(lambda p, x: fmodel(p, x).square().sum(dim=(1, 2)), fmodel)
     x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0))
-    grad_fn, state = clipped_grad(loss, clipping_norm=0.5, method="bookkeeping")
+    grad_fn, state = clipped_grad(loss, clipping_norm=0.5, engine="bookkeeping")
     got, _ = grad_fn(params, x, state=state)
     assert in_backward
     assert set(in_backward) == {eager}
-    want, _ = clipped_grad(loss, clipping_norm=0.5, method="vmap")[0](params, x, state=state)
+    want, _ = clipped_grad(loss, clipping_norm=0.5, engine="vmap")[0](params, x, state=state)
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
 
@@ -148,9 +148,9 @@ def test_plugin_rule_replaces_the_fallback_and_is_exact(registry):
 
     x, y = torch.randn(3, 5, 4), torch.randn(3, 5, 4)
     kwargs = {"clipping_norm": 0.5, "batch_argnums": (1, 2)}
-    bk, state = clipped_grad(BatchedLoss(losses, fmodel), method="bookkeeping", **kwargs)
+    bk, state = clipped_grad(BatchedLoss(losses, fmodel), engine="bookkeeping", **kwargs)
     got, _ = bk(params, x, y, state=state)
-    vm, _ = clipped_grad(BatchedLoss(losses, fmodel), method="vmap", **kwargs)
+    vm, _ = clipped_grad(BatchedLoss(losses, fmodel), engine="vmap", **kwargs)
     want, _ = vm(params, x, y, state=state)
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
@@ -188,7 +188,7 @@ def test_a_refusal_is_reported_unsupported_and_auto_falls_back(registry):
     assert plan.unsupported == (("0", "scale layers are refused here"),)
     fmodel, params = make_functional(model)
     loss = BatchedLoss(lambda p, x: fmodel(p, x).sum(dim=(1, 2)), fmodel)
-    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, method="bookkeeping")
+    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, engine="bookkeeping")
     with pytest.raises(ConfigurationError, match="refused here"):
         grad_fn(params, torch.ones(2, 3, 4), state=state)
     grad_fn, state = clipped_grad(loss, clipping_norm=1.0)
@@ -214,7 +214,7 @@ def test_wrong_pieces_are_loud(registry, pieces):
     model = torch.nn.Sequential(Scale(4))
     fmodel, params = make_functional(model)
     loss = BatchedLoss(lambda p, x: fmodel(p, x).sum(dim=(1, 2)), fmodel)
-    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, method="bookkeeping")
+    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, engine="bookkeeping")
     with pytest.raises(OperationError, match="its rule 'scale' produced"):
         grad_fn(params, torch.randn(2, 3, 4), state=state)
 
@@ -237,10 +237,10 @@ def test_auto_falls_back_to_vmap_when_recording_fails_and_logs_why(registry, cap
     assert grad_fn.engine == "vmap"
     text = " ".join(r.getMessage() for r in caplog.records if r.name == "opake.core")
     assert "this layer cannot be recorded" in text
-    want, _ = clipped_grad(loss, clipping_norm=0.5, method="vmap")[0](params, x, state=state)
+    want, _ = clipped_grad(loss, clipping_norm=0.5, engine="vmap")[0](params, x, state=state)
     for key in want:
         torch.testing.assert_close(got[key], want[key])
         torch.testing.assert_close(again[key], want[key])
-    strict, state = clipped_grad(loss, clipping_norm=0.5, method="bookkeeping")
+    strict, state = clipped_grad(loss, clipping_norm=0.5, engine="bookkeeping")
     with pytest.raises(OperationError, match="cannot be recorded"):
         strict(params, x, state=state)

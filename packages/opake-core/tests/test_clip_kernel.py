@@ -89,11 +89,11 @@ def test_vmap_engine_uses_the_kernel_and_equals_the_loop(interpreted, monkeypatc
         calls.append(real(*args))
         return calls[-1]
 
-    import opake.dpsgd.clipping._engine as engine
+    import opake.dpsgd.clipping._vmap_engine as engine
 
     monkeypatch.setattr(engine, "clip_accumulate", spy)
     grad_fn, state = clipped_grad(
-        loss_fn, clipping_norm=0.5, batch_argnums=(1, 2), microbatch_size=4, method="vmap"
+        loss_fn, clipping_norm=0.5, batch_argnums=(1, 2), microbatch_size=4, engine="vmap"
     )
     grads, _ = grad_fn(params, *mlp_batch, state=state)
     assert calls == ["triton"] * 3  # 10 examples, microbatches of 4

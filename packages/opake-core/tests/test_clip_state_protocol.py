@@ -93,7 +93,7 @@ def test_a_new_method_is_one_class(method):
     state = PerLeafClipping(0.8)
     assert clip_state_from_dict(state.to_dict()) == state  # registered by its kind
     grad_fn, state = clipped_grad(
-        BatchedLoss(losses, lin), clipping_norm=state, microbatch_size=3, method=method
+        BatchedLoss(losses, lin), clipping_norm=state, microbatch_size=3, engine=method
     )
     grads, new_state = grad_fn(params, x, state=state)
     assert grad_fn.engine == method

@@ -340,6 +340,26 @@ def test_bad_configuration_raises(kwargs, error, match):
         clipped_grad(_loss, **kwargs)
 
 
+def test_method_is_the_deprecated_name_of_engine():
+    """``method=`` (the engine's former name) works for one release, warns, and gives the same
+    clipped sum; both names at once are refused; the listed options name ``engine`` only."""
+    x, w = torch.randn(5, 2), {"w": torch.ones(2)}
+    new_fn, state = clipped_grad(_loss, clipping_norm=0.5, engine="vmap")
+    with pytest.warns(DeprecationWarning, match=r"clipped_grad\(engine=\.\.\.\)") as caught:
+        old_fn, _ = clipped_grad(_loss, clipping_norm=0.5, method="vmap")
+    assert caught[0].filename == __file__  # points at the caller
+    assert old_fn.requested_engine == new_fn.requested_engine == "vmap"
+    assert torch.equal(old_fn(w, x, state=state)[0]["w"], new_fn(w, x, state=state)[0]["w"])
+    with pytest.raises(ConfigurationError, match="pass engine= only"):
+        clipped_grad(_loss, clipping_norm=0.5, engine="auto", method="vmap")
+    deprecated = pytest.warns(DeprecationWarning, match="deprecated")
+    with deprecated, pytest.raises(ConfigurationError, match="engine='x'"):
+        clipped_grad(_loss, clipping_norm=0.5, method="x")
+    with pytest.raises(ConfigurationError, match=r"accepted: .*engine") as err:
+        clipped_grad(_loss, clipping_norm=0.5, engines="vmap")
+    assert "method" not in str(err.value)
+
+
 def test_missing_clipping_norm_raises():
     with pytest.raises(TypeError, match="clipping_norm"):
         clipped_grad(_loss)
@@ -372,7 +392,7 @@ def test_bad_call_arguments_raise():
 @pytest.mark.parametrize("fraction", [0.0, 1e9])
 def test_expanded_forward_and_vjp_paths_agree(mlp_problem, monkeypatch, fraction):
     """Both ways of computing per-example gradients match the loop (the size rule picks one)."""
-    import opake.dpsgd.clipping._engine as engine
+    import opake.dpsgd.clipping._vmap_engine as engine
 
     loss_fn, params, x, y, clip = mlp_problem
 
@@ -405,7 +425,7 @@ def test_expanded_forward_and_vjp_paths_agree(mlp_problem, monkeypatch, fraction
 
 
 def test_expanded_forward_falls_back_to_vjp_for_good(monkeypatch):
-    import opake.dpsgd.clipping._engine as engine
+    import opake.dpsgd.clipping._vmap_engine as engine
 
     monkeypatch.setattr(engine, "_EXPAND_FRACTION", 1e9)
     calls = {"batched": 0}

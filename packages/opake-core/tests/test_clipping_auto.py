@@ -1,4 +1,4 @@
-"""method="auto" decides from the model a BatchedLoss holds, not from how frozen weights arrive."""
+"""engine="auto" decides from the model a BatchedLoss holds, not from how frozen weights arrive."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_closure_and_argument_get_the_same_engine_and_the_same_sum(caplog):
     b, _ = passed(trainable, frozen, x, state=state)
     assert closed.engine == passed.engine == "bookkeeping"
     assert "small part of the model" in closed.engine_reason
-    logged = [r.getMessage() for r in caplog.records if "method='auto'" in r.getMessage()]
+    logged = [r.getMessage() for r in caplog.records if "engine='auto'" in r.getMessage()]
     assert len(logged) == 2  # one line per grad_fn, not one per call
     assert all("bookkeeping engine" in m for m in logged)
 
@@ -97,10 +97,10 @@ def test_one_example_loss_takes_the_expanded_vmap_route(caplog):
 def test_explicit_methods_are_not_logged_as_choices(method, caplog):
     fmodel, trainable, frozen, x = _adapter_model()
     caplog.set_level(logging.INFO, logger="opake.core")
-    grad_fn, state = clipped_grad(_closure_loss(fmodel, frozen), clipping_norm=0.3, method=method)
+    grad_fn, state = clipped_grad(_closure_loss(fmodel, frozen), clipping_norm=0.3, engine=method)
     grad_fn(trainable, x, state=state)
     assert grad_fn.engine == method
-    assert not [r for r in caplog.records if "method='auto'" in r.getMessage()]
+    assert not [r for r in caplog.records if "engine='auto'" in r.getMessage()]
 
 
 def test_the_expanded_route_falling_back_is_logged(caplog):

@@ -48,7 +48,7 @@ def _loop_reference(loss_fn, params, x, clip):
 def test_structure_kept_and_equal_to_the_loop(kind, method):
     params, loss_fn = _structures()[kind]
     x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1)) * 3
-    grad_fn, state = clipped_grad(loss_fn, clipping_norm=0.7, microbatch_size=4, method=method)
+    grad_fn, state = clipped_grad(loss_fn, clipping_norm=0.7, microbatch_size=4, engine=method)
     grads, _ = grad_fn(params, x, state=state)
     expected = _loop_reference(loss_fn, params, x, 0.7)
     assert torch.utils._pytree.tree_structure(grads) == torch.utils._pytree.tree_structure(expected)
@@ -99,7 +99,7 @@ def test_bookkeeping_needs_a_flat_dict():
 
     fn = BatchedLoss(losses, lin)
     params = (lin.weight.detach(), lin.bias.detach())
-    grad_fn, state = clipped_grad(fn, clipping_norm=1.0, method="bookkeeping")
+    grad_fn, state = clipped_grad(fn, clipping_norm=1.0, engine="bookkeeping")
     with pytest.raises(ConfigurationError, match="flat dict"):
         grad_fn(params, torch.ones(3, 2), state=state)
     auto_fn, state = clipped_grad(fn, clipping_norm=1.0)

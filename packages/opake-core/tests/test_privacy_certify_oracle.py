@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from opake.dpsgd.bookkeeping._certify import certify, inner, leaf_bounds
-from opake.dpsgd.bookkeeping._rules import Dense, OuterSum, add_weighted
+from opake.dpsgd.bookkeeping._pieces import Dense, OuterSum, add_weighted
 from opake.dpsgd.certify import full_precision
 
 SETTINGS = settings(

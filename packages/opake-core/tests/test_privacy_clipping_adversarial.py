@@ -177,7 +177,7 @@ def _check(name, examples, method, kind, clip, seed):
         loss,
         clipping_norm=state,
         batch_argnums=(1, 2),
-        method=method,
+        engine=method,
         clipping_groups=groups,
         check_unused=False,
     )
@@ -288,7 +288,7 @@ def test_norms_built_in_the_backward_and_sums_made_at_first_add_keep_the_bound(s
         BatchedLoss(losses, fmodel),
         clipping_norm=clip,
         batch_argnums=(1, 2),
-        method="bookkeeping",
+        engine="bookkeeping",
         microbatch_size=2,  # three chunks: later ones add into sums the first one made
     )
     total, _ = grad_fn(params, x, y, state=state)

@@ -107,7 +107,7 @@ def test_an_all_zero_batch_is_never_used_unchecked(caplog):
     x = torch.randn(4, 4, 8)
     y = torch.randn(4, 4, 8)
     grad_fn, state = clipped_grad(
-        loss, clipping_norm=1.0, batch_argnums=(1, 2, 3), method="bookkeeping"
+        loss, clipping_norm=1.0, batch_argnums=(1, 2, 3), engine="bookkeeping"
     )
     with caplog.at_level(logging.INFO, logger="opake.core"):
         grads, _ = grad_fn(params, x, y, torch.zeros(4), state=state)

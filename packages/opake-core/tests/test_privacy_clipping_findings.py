@@ -93,7 +93,7 @@ def test_crafted_output_gradients_do_not_escape_clipping(amplitude):
     sign = torch.tensor([(-1.0) ** t for t in range(steps)])
     y[1] = amplitude * sign[:, None] * z + torch.randn(steps, 64, generator=gen)
     grad_fn, state = clipped_grad(
-        loss, clipping_norm=1.0, batch_argnums=(1, 2), method="bookkeeping"
+        loss, clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
     )
     for i in range(batch):
         assert _contribution(grad_fn, state, (params, x, y), batch, i) <= BOUND, i

@@ -77,7 +77,7 @@ def _underflow_case(width: int, steps: int, *, bias: bool):
 def test_underflowing_gram_entries_do_not_escape_clipping(engine):
     loss, params, x, y = _underflow_case(1024, 512, bias=True)
     grad_fn, state = clipped_grad(
-        loss, clipping_norm=1.0, batch_argnums=(1, 2), method=engine, check_unused=False
+        loss, clipping_norm=1.0, batch_argnums=(1, 2), engine=engine, check_unused=False
     )
     for norm in _contributions(grad_fn, state, (params, x, y), 2):
         assert norm <= 1.0 * EXACT, norm
@@ -88,7 +88,7 @@ def test_underflow_is_an_absolute_leak_and_stays_clipped_at_a_small_bound():
     """Earlier code: 75·C at C = 0.1 (the leak did not scale with C)."""
     loss, params, x, y = _underflow_case(512, 256, bias=False)
     grad_fn, state = clipped_grad(
-        loss, clipping_norm=0.1, batch_argnums=(1, 2), method="bookkeeping"
+        loss, clipping_norm=0.1, batch_argnums=(1, 2), engine="bookkeeping"
     )
     for norm in _contributions(grad_fn, state, (params, x, y), 2):
         assert norm <= 0.1 * EXACT, norm
@@ -101,7 +101,7 @@ def test_underflow_under_bf16_autocast_stays_clipped():
     torch.manual_seed(0)
     fmodel, params = make_functional(torch.nn.Linear(512, 512))
     grad_fn, state = clipped_grad(
-        _outer(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method="bookkeeping"
+        _outer(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
     )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         norms = _contributions(grad_fn, state, (params, x, y), 2)
@@ -133,7 +133,7 @@ def test_tie_absorption_in_long_gram_reductions_stays_clipped(width):
     g = torch.tensor([1.0, -1.0, 0.5, 2.0]) * 1e3
     y[1, 0], y[1, 1] = g, -g
     grad_fn, state = clipped_grad(
-        _outer(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method="bookkeeping"
+        _outer(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
     )
     for norm in _contributions(grad_fn, state, (params, x, y), 2):
         assert norm <= 1.0 * EXACT, norm
@@ -155,7 +155,7 @@ def test_tie_absorption_with_data_only_targets_stays_clipped():
     target = torch.tensor([1.0, -1.0, 0.5, 2.0]) * 1e3
     y[1, 0], y[1, 1] = target, -target
     grad_fn, state = clipped_grad(
-        _mse(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method="auto"
+        _mse(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine="auto"
     )
     for norm in _contributions(grad_fn, state, (params, x, y), 2):
         assert norm <= 1.0 * EXACT, norm
@@ -185,7 +185,7 @@ def test_a_leaf_of_2_24_entries_is_measured_in_full():
 
     x = torch.full((1, n), 2.0**-12)
     x[0, :4] = 1.0
-    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, batch_argnums=(1,), method="vmap")
+    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, batch_argnums=(1,), engine="vmap")
     [norm] = _contributions(grad_fn, state, (params, x), 1)
     assert norm <= 1.0 * EXACT
 
@@ -205,7 +205,7 @@ def test_dense_pieces_of_book_keeping_are_measured_in_full():
     y = torch.full((1, 1, n), 2.0**-12)
     y[0, 0, :4] = 1.0
     grad_fn, state = clipped_grad(
-        BatchedLoss(losses, fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method="bookkeeping"
+        BatchedLoss(losses, fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
     )
     [norm] = _contributions(grad_fn, state, (params, x, y), 1)
     assert norm <= 1.0 * EXACT
@@ -219,7 +219,7 @@ def test_with_flush_to_zero_the_bound_still_holds(method):
     loss, params, x, y = _underflow_case(256, 64, bias=True)
     x[0] = 2.0**-130 * torch.randn(64, 256).sign()  # subnormal inputs
     y[0] = 2.0**100 * torch.randn(64, 256)
-    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, batch_argnums=(1, 2), method=method)
+    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, batch_argnums=(1, 2), engine=method)
     for norm in _contributions(grad_fn, state, (params, x, y), 2):
         assert norm <= 1.0 * EXACT, norm
 
@@ -339,7 +339,7 @@ def test_a_plugin_rule_with_implicit_pieces_is_used_only_when_trusted(caplog):
     y = torch.randn(2, 3, 4) * 0.1
     x[1], y[1] = 10.0, 10.0  # a large gradient: the operator would report it 100× too small
     grad_fn, state = clipped_grad(
-        _outer(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method="bookkeeping"
+        _outer(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
     )
     for norm in _contributions(grad_fn, state, (params, x, y), 2):
         assert norm <= 1.0 * EXACT, norm

@@ -89,7 +89,7 @@ def _fp64_vmap_case(values, clipping_norm, normalize_by, method="vmap"):
         loss_fn,
         clipping_norm=clipping_norm,
         batch_argnums=1,
-        method=method,
+        engine=method,
         normalize_by=normalize_by,
         check_unused=False,
     )
@@ -128,7 +128,7 @@ def test_fp64_leaf_vmap_default_clipping_norm_and_batch_normalisation():
     so only three roundings: fp64→fp32, ``w·g``, ``/ 1000``), a 5-entry fp64 leaf whose
     gradient (the attacker's data) is four equal entries and one tuning entry, each just above
     a rounding midpoint. Found by a search over the tuning entry (the factor is fixed by the
-    data). Observed: ``‖contribution‖ = (1 + 0.457·u)·C/normalize_by``; ``method="auto"``
+    data). Observed: ``‖contribution‖ = (1 + 0.457·u)·C/normalize_by``; ``engine="auto"``
     with a one-example loss takes the same engine."""
     a = (1 + 2872 * 2.0**-23 - 2.0**-24 + 2.0**-50) * 2.0**20
     b = (1 + 1024442 * 2.0**-23 - 2.0**-24 + 2.0**-50) * 2.0**16
@@ -155,7 +155,7 @@ def test_fp64_linear_on_book_keeping_with_the_same_crafted_gradients(tuned):
         _outer_loss(fmodel),
         clipping_norm=c,
         batch_argnums=(1, 2),
-        method="bookkeeping",
+        engine="bookkeeping",
         normalize_by=nb,
     )
     x = torch.ones(2, 1, 1, dtype=torch.float64)
@@ -200,7 +200,7 @@ def test_normalize_by_at_the_ends_of_its_range(method, clip, normalize_by):
         BatchedLoss(losses, fmodel),
         clipping_norm=clip,
         batch_argnums=1,
-        method=method,
+        engine=method,
         normalize_by=normalize_by,
         check_unused=False,
     )
@@ -228,7 +228,7 @@ def test_normalize_by_that_rounds_down_to_fp32_on_fp32_leaves():
                 loss,
                 clipping_norm=0.5 + i * 2.0**-20,
                 batch_argnums=1,
-                method=method,
+                engine=method,
                 normalize_by=nb,
                 check_unused=False,
             )
@@ -251,7 +251,7 @@ def test_auto_s_factor_overflows_the_scaled_factor():
         _outer_loss(fmodel),
         clipping_norm=AutoSClipping(1e6),
         batch_argnums=(1, 2),
-        method="bookkeeping",
+        engine="bookkeeping",
     )
     x, y = torch.randn(2, 1, 2) * 0.1, torch.randn(2, 1, 1) * 0.1
     _warm(grad_fn, state, (params, x, y))
@@ -274,7 +274,7 @@ def test_auto_s_tiny_stability_with_zero_and_subnormal_gradients(method):
         _outer_loss(fmodel),
         clipping_norm=AutoSClipping(1.0, stability=1e-30),
         batch_argnums=(1, 2),
-        method=method,
+        engine=method,
     )
     x, y = torch.randn(4, 3, 8), torch.randn(4, 3, 4)
     _warm(grad_fn, state, (params, x, y))
@@ -293,7 +293,7 @@ def _tiny_case(method, clip):
     layer = torch.nn.Linear(16, 8)
     fmodel, params = make_functional(layer)
     grad_fn, state = clipped_grad(
-        _outer_loss(fmodel), clipping_norm=clip, batch_argnums=(1, 2), method=method
+        _outer_loss(fmodel), clipping_norm=clip, batch_argnums=(1, 2), engine=method
     )
     x, y = torch.randn(3, 6, 16), torch.randn(3, 6, 8)
     _warm(grad_fn, state, (params, x, y))
@@ -376,7 +376,7 @@ def test_tied_embedding_and_head_cancelling_cross_term(method, residual):
     rounding escaped it."""
     fmodel, params, (ids, x, y1, y2) = _tied_args()
     grad_fn, state = clipped_grad(
-        _tied_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2, 3, 4), method=method
+        _tied_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2, 3, 4), engine=method
     )
     args = (params, ids, x, y1, y2)
     _warm(grad_fn, state, args)
@@ -396,7 +396,7 @@ def test_non_finite_values_in_only_one_piece_of_a_tied_leaf(where):
     large): the example must contribute exactly zero, in that leaf and in every other."""
     fmodel, params, (ids, x, y1, y2) = _tied_args()
     grad_fn, state = clipped_grad(
-        _tied_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2, 3, 4), method="bookkeeping"
+        _tied_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2, 3, 4), engine="bookkeeping"
     )
     args = (params, ids, x, y1, y2)
     _warm(grad_fn, state, args)
@@ -417,7 +417,7 @@ def test_padding_ids_with_huge_output_gradients_and_repeated_ids():
     id whose ``T`` output gradients alternate in sign (cancellation in ``index_add``)."""
     fmodel, params, (ids, x, y1, y2) = _tied_args(vocab=6, hidden=4, steps=8, padding_idx=0)
     grad_fn, state = clipped_grad(
-        _tied_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2, 3, 4), method="bookkeeping"
+        _tied_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2, 3, 4), engine="bookkeeping"
     )
     args = (params, ids, x, y1, y2)
     _warm(grad_fn, state, args)
@@ -452,7 +452,7 @@ def test_index_add_absorption_over_a_long_sequence_of_one_id():
             BatchedLoss(losses, fmodel),
             clipping_norm=clip,
             batch_argnums=(1, 2),
-            method="bookkeeping",
+            engine="bookkeeping",
         )
         norms.append(_isolated(grad_fn, state, (params, ids, y), 2, 0) / clip)
     _assert_bounded(norms, 1.0, "index_add absorption")
@@ -467,7 +467,7 @@ def _mlp_case(method, clipping_norm, *, microbatch_size=None, normalize_by=1.0, 
         _outer_loss(fmodel),
         clipping_norm=clipping_norm,
         batch_argnums=(1, 2),
-        method=method,
+        engine=method,
         microbatch_size=microbatch_size,
         normalize_by=normalize_by,
         clipping_groups=groups,
@@ -540,7 +540,7 @@ def test_compute_dtype_at_the_edges_of_the_half_formats(method, dtype):
         _outer_loss(fmodel),
         clipping_norm=1.0,
         batch_argnums=(1, 2),
-        method=method,
+        engine=method,
         compute_dtype=dtype,
     )
     x, y = torch.randn(4, 4, 8), torch.randn(4, 4, 8)
@@ -568,7 +568,7 @@ def test_bf16_autocast_with_output_gradients_near_flt_max():
     layer = torch.nn.Linear(16, 4)
     fmodel, params = make_functional(layer)
     grad_fn, state = clipped_grad(
-        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method=method
+        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine=method
     )
     x, y = torch.randn(3, 4, 16), torch.randn(3, 4, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -602,7 +602,7 @@ def test_layer_norm_and_rms_norm_dense_pieces_at_extremes(method):
     model = _Norms(8)
     fmodel, params = make_functional(model)
     grad_fn, state = clipped_grad(
-        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method=method
+        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine=method
     )
     x, y = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
     _warm(grad_fn, state, (params, x, y))
@@ -633,7 +633,7 @@ def test_gpt2_conv1d_with_cancellation_just_below_the_exact_route():
     layer = Conv1D(4, 8)  # nx = 8 in, nf = 4 out
     fmodel, params = make_functional(layer)
     grad_fn, state = clipped_grad(
-        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method="bookkeeping"
+        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
     )
     x, y = torch.randn(2, 2, 8), torch.randn(2, 2, 4)
     _warm(grad_fn, state, (params, x, y))
@@ -679,7 +679,7 @@ def test_lora_adapters_with_crafted_output_gradients():
 
     for method in ("bookkeeping", "auto"):
         grad_fn, state = clipped_grad(
-            BatchedLoss(losses, fmodel), clipping_norm=1.0, batch_argnums=(2, 3), method=method
+            BatchedLoss(losses, fmodel), clipping_norm=1.0, batch_argnums=(2, 3), engine=method
         )
         x, y = torch.randn(3, 5, 16), torch.randn(3, 5, 16)
         grad_fn(params, frozen, x, y, state=state)
@@ -709,7 +709,7 @@ def test_vmap_engine_under_bf16_autocast():
     for k in (5, 0, 100):
         clip = 0.5 + k * 2.0**-10
         grad_fn, state = clipped_grad(
-            loss_fn, clipping_norm=clip, batch_argnums=1, method="vmap", check_unused=False
+            loss_fn, clipping_norm=clip, batch_argnums=1, engine="vmap", check_unused=False
         )
         y = torch.tensor([[v] * 4, [1.0] * 4])
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -731,7 +731,7 @@ def test_bookkeeping_materialised_route_under_bf16_autocast():
     layer = torch.nn.Linear(64, 64, bias=False)
     fmodel, params = make_functional(layer)
     grad_fn, state = clipped_grad(
-        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method="bookkeeping"
+        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
     )
     steps = 2048
     x, y = torch.randn(2, steps, 64), torch.randn(2, steps, 64)
@@ -758,7 +758,7 @@ def test_bookkeeping_gram_route_under_bf16_autocast():
     layer = torch.nn.Linear(cols, rows, bias=False)
     fmodel, params = make_functional(layer)
     grad_fn, state = clipped_grad(
-        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method="bookkeeping"
+        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
     )
     x, y = torch.randn(1, steps, cols), torch.randn(1, steps, rows)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -783,7 +783,7 @@ def test_fp32_gram_overflow_on_the_blocked_route():
     layer = torch.nn.Linear(512, 256, bias=False)
     fmodel, params = make_functional(layer)
     grad_fn, state = clipped_grad(
-        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method="bookkeeping"
+        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
     )
     x, y = torch.randn(2, 128, 512), torch.randn(2, 128, 256)
     _warm(grad_fn, state, (params, x, y))
@@ -802,7 +802,7 @@ def test_fp64_parameters_beyond_fp32_range(method):
     layer = torch.nn.Linear(1, 4).double()
     fmodel, params = make_functional(layer)
     grad_fn, state = clipped_grad(
-        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method=method
+        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine=method
     )
     x = torch.ones(3, 1, 1, dtype=torch.float64)
     y = torch.rand(3, 1, 4, dtype=torch.float64)
@@ -828,7 +828,7 @@ def test_vmap_block_norm_overflow_and_subnormal_factor(clip):
         return fmodel(p, y)
 
     grad_fn, state = clipped_grad(
-        loss_fn, clipping_norm=clip, batch_argnums=1, method="vmap", check_unused=False
+        loss_fn, clipping_norm=clip, batch_argnums=1, engine="vmap", check_unused=False
     )
     y = torch.randn(3, 300)
     y[0] = 2e19
@@ -897,7 +897,7 @@ def test_custom_leaf_layer_on_the_per_layer_rule():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Gate(4))
     fmodel, params = make_functional(model)
     grad_fn, state = clipped_grad(
-        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method="bookkeeping"
+        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
     )
     x, y = torch.randn(4, 6, 4), torch.randn(4, 6, 4)
     _warm(grad_fn, state, (params, x, y))
@@ -933,7 +933,7 @@ def test_a_layer_used_twice_with_cancelling_uses(residual):
     model = _Twice(6)
     fmodel, params = make_functional(model)
     grad_fn, state = clipped_grad(
-        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method="bookkeeping"
+        _outer_loss(fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
     )
     x, y = torch.randn(3, 4, 6), torch.randn(3, 4, 6)
     _warm(grad_fn, state, (params, x, y))
@@ -966,7 +966,7 @@ def _gpt2_loss_only(clip, *, normalize_by=1.0):
         BatchedLoss(losses, fmodel),
         clipping_norm=clip,
         batch_argnums=(1, 2),
-        method="bookkeeping",
+        engine="bookkeeping",
         normalize_by=normalize_by,
     )
     return grad_fn, state, params
@@ -1014,7 +1014,7 @@ def test_scaled_word_embedding_with_a_large_scale():
         return (fmodel(p, ids) * y).sum(dim=(1, 2))
 
     grad_fn, state = clipped_grad(
-        BatchedLoss(losses, fmodel), clipping_norm=1.0, batch_argnums=(1, 2), method="bookkeeping"
+        BatchedLoss(losses, fmodel), clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
     )
     ids = torch.randint(1, 10, (4, 6))
     y = torch.randn(4, 6, 4) * 1e-20
@@ -1053,7 +1053,7 @@ def test_fused_moe_experts_with_crafted_routing():
         return out.loss
 
     grad_fn, state = clipped_grad(
-        BatchedLoss(losses, fmodel), clipping_norm=1e-3, batch_argnums=(1, 2), method="bookkeeping"
+        BatchedLoss(losses, fmodel), clipping_norm=1e-3, batch_argnums=(1, 2), engine="bookkeeping"
     )
     torch.manual_seed(13)
     ids = torch.randint(3, vocab, (3, 8))

@@ -115,7 +115,7 @@ def test_loss_only_head_is_clipped_under_cancellation(big, sigma):
     labels = torch.randint(0, v, (3, t))
     labels[1] = torch.tensor([0, 1] * (t // 2))
     grad_fn, state = clipped_grad(
-        loss, clipping_norm=1.0, batch_argnums=(1, 2), method="bookkeeping"
+        loss, clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
     )
     for i in range(3):
         mask = torch.zeros(3, dtype=torch.bool)

@@ -424,7 +424,7 @@ def test_dp_step_clips_each_example_to_c(family, tie_router):
     ]
     clip = 0.5 * max(norms)
     grad_fn, state = clipped_grad(
-        loss_fn, clipping_norm=clip, batch_argnums=(2, 3, 4), method="bookkeeping"
+        loss_fn, clipping_norm=clip, batch_argnums=(2, 3, 4), engine="bookkeeping"
     )
     full, _ = grad_fn(*args, state=state)
     assert grad_fn.engine == "bookkeeping"
@@ -432,7 +432,7 @@ def test_dp_step_clips_each_example_to_c(family, tie_router):
     testing.assert_grads_close(full, expected, rtol=1e-5, atol=1e-7)
     # one example removed: the clipped sum moves by at most C
     grad_fn2, state2 = clipped_grad(
-        loss_fn, clipping_norm=clip, batch_argnums=(2, 3, 4), method="bookkeeping"
+        loss_fn, clipping_norm=clip, batch_argnums=(2, 3, 4), engine="bookkeeping"
     )
     # example 2 is padding only: removing example 0 instead tests a real contribution
     fewer = (*args[:2], *(a[1:] for a in args[2:]))

@@ -4,8 +4,8 @@ left- and right-padded examples.
 
 Each case builds the tiny model of the family, a batch of 3 (one unpadded, one right-padded,
 one left-padded) with a 4-D float additive mask (the mask form both engines accept) and
-``-100`` labels on pads, and runs ``clipped_grad(BatchedLoss(...), method="bookkeeping")``
-against ``method="vmap"`` and against the oracle: Hugging Face's own ``.loss`` (or, for
+``-100`` labels on pads, and runs ``clipped_grad(BatchedLoss(...), engine="bookkeeping")``
+against ``engine="vmap"`` and against the oracle: Hugging Face's own ``.loss`` (or, for
 sequence classification, ``cross_entropy``) on one example at a time, clipped and summed in
 float64 at the median per-example norm (so some examples are clipped, some not). (An
 unpatched model uses a 4-D mask as given in every layer, sliding-window layers included: the
@@ -146,7 +146,7 @@ def _check(model, *, loss_only=False):
     results = {}
     for method in ("bookkeeping", "vmap"):
         grad_fn, state = clipped_grad(
-            loss_fn, clipping_norm=clip, batch_argnums=(2, 3, 4), return_aux=True, method=method
+            loss_fn, clipping_norm=clip, batch_argnums=(2, 3, 4), return_aux=True, engine=method
         )
         (grads, aux), _ = grad_fn(*args, state=state)
         assert grad_fn.engine == method
@@ -198,7 +198,7 @@ def test_parameters_without_a_rule_make_auto_pick_vmap(family):
     assert not plan.supported
     assert all(attr in plan.explain() for attr in RULELESS[family])
     grad_fn, state = clipped_grad(
-        loss_fn, clipping_norm=1.0, batch_argnums=(2, 3, 4), method="bookkeeping"
+        loss_fn, clipping_norm=1.0, batch_argnums=(2, 3, 4), engine="bookkeeping"
     )
     with pytest.raises(ConfigurationError, match="no book-keeping rule"):
         grad_fn(*args, state=state)
@@ -220,7 +220,7 @@ def test_qwen3_next_linear_attention_trained_makes_auto_fall_back_to_vmap():
     model = _ready("qwen3_next", tiny_model("qwen3_next"), freeze=False)
     loss_fn, oracle, args = _case(model)
     grad_fn, state = clipped_grad(
-        loss_fn, clipping_norm=1.0, batch_argnums=(2, 3, 4), method="bookkeeping"
+        loss_fn, clipping_norm=1.0, batch_argnums=(2, 3, 4), engine="bookkeeping"
     )
     with pytest.raises(OperationError):
         grad_fn(*args, state=state)
@@ -297,7 +297,7 @@ def test_patched_model_with_activation_checkpointing(family):
     inner.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
     loss_fn, _, args = _case(model)
     grad_fn, state = clipped_grad(
-        loss_fn, clipping_norm=1.0, batch_argnums=(2, 3, 4), method="bookkeeping"
+        loss_fn, clipping_norm=1.0, batch_argnums=(2, 3, 4), engine="bookkeeping"
     )
     grad_fn(*args, state=state)  # the first call also runs the one-example check
     calls.clear()
@@ -384,7 +384,7 @@ def test_loss_only_head_with_checkpointing_and_microbatches(family):
     model.train()
     loss_fn, _, args = _case(model, loss_only=True)
     grad_fn, state = clipped_grad(
-        loss_fn, clipping_norm=0.5, batch_argnums=(2, 3, 4), method="bookkeeping", microbatch_size=2
+        loss_fn, clipping_norm=0.5, batch_argnums=(2, 3, 4), engine="bookkeeping", microbatch_size=2
     )
     grads, _ = grad_fn(*args, state=state)
     _assert_patched_loop(family, grads, clipping_norm=0.5)
@@ -407,7 +407,7 @@ def test_loss_only_head_in_bf16_gives_fp32_sums():
             loss_fn,
             clipping_norm=1.0,
             batch_argnums=(2, 3, 4),
-            method=method,
+            engine=method,
             compute_dtype=torch.bfloat16,
             return_aux=True,
         )

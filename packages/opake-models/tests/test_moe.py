@@ -164,7 +164,7 @@ def test_per_example_aux_loss_equals_transformers_one_example_at_a_time(family):
     expected = testing.reference_clipped_sum(per_example, clipping_norm=norms[1])
     for method in ("bookkeeping", "vmap"):
         grad_fn, state = clipped_grad(
-            loss_fn, clipping_norm=norms[1], batch_argnums=(2, 3, 4), method=method
+            loss_fn, clipping_norm=norms[1], batch_argnums=(2, 3, 4), engine=method
         )
         grads, _ = grad_fn(*args, state=state)
         assert grad_fn.engine == method
@@ -216,7 +216,7 @@ def test_batch_wide_router_logit_capture_is_refused_under_bookkeeping():
         BatchedLoss(losses, fmodel),
         clipping_norm=1.0,
         batch_argnums=(2, 3, 4),
-        method="bookkeeping",
+        engine="bookkeeping",
     )
     ids, labels, mask = _batch(0)
     with pytest.raises(OperationError, match="mixes examples"):
@@ -230,7 +230,7 @@ CLIP = 1e-3  # far below every example's gradient norm: each contribution is cli
 
 def _clipped_sum(loss_fn, trainable, frozen, ids, labels, mask, method):
     grad_fn, state = clipped_grad(
-        loss_fn, clipping_norm=CLIP, batch_argnums=(2, 3, 4), method=method
+        loss_fn, clipping_norm=CLIP, batch_argnums=(2, 3, 4), engine=method
     )
     grads, _ = grad_fn(trainable, frozen, ids, labels, mask, state=state)
     return grads

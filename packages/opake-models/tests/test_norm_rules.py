@@ -74,7 +74,7 @@ def test_a_norm_that_is_not_its_declared_formula_is_loud_and_auto_falls_back(cap
     model = _llama_norm_model(doubled)
     loss, params = _losses(model)
     ids = torch.randint(3, 100, (2, 5))
-    strict, state = clipped_grad(loss, clipping_norm=1.0, method="bookkeeping")
+    strict, state = clipped_grad(loss, clipping_norm=1.0, engine="bookkeeping")
     with pytest.raises(Exception, match="as its norm rule declares"):
         strict(params, ids, state=state)
     auto, state = clipped_grad(loss, clipping_norm=1.0)
@@ -82,6 +82,6 @@ def test_a_norm_that_is_not_its_declared_formula_is_loud_and_auto_falls_back(cap
         got, _ = auto(params, ids, state=state)
     assert auto.engine == "vmap"
     assert any("as its norm rule declares" in r.getMessage() for r in caplog.records)
-    want, _ = clipped_grad(loss, clipping_norm=1.0, method="vmap")[0](params, ids, state=state)
+    want, _ = clipped_grad(loss, clipping_norm=1.0, engine="vmap")[0](params, ids, state=state)
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)

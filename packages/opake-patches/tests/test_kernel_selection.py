@@ -96,7 +96,7 @@ def _bookkeeping_grads(model, method):
         BatchedLoss(lambda t, f, x, y: losses(t, f, x, y).loss, fmodel),
         clipping_norm=0.1,
         batch_argnums=(2, 3),
-        method=method,
+        engine=method,
     )
     grads, _ = grad_fn(trainable, frozen, ids, ids, state=state)
     return grads["lm_head.weight"]

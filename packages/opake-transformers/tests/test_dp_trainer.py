@@ -117,7 +117,7 @@ def test_one_step_equals_the_composition_the_hand_written_step_and_the_oracle(tm
     fmodel, trainable, frozen = make_functional(manual, partition_trainable=True)
     loss = BatchedLoss(per_example_losses(fmodel, manual, task="causal_lm"), fmodel)
     grad_fn, state = clipped_grad(
-        loss, clipping_norm=H.CLIP, batch_argnums=2, randomness="different", method="vmap"
+        loss, clipping_norm=H.CLIP, batch_argnums=2, randomness="different", engine="vmap"
     )
     opt = DPOptimizer(
         torch.optim.SGD(manual.parameters(), lr=H.LR),

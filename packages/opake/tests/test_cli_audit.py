@@ -236,7 +236,7 @@ def test_audit_catches_an_engine_that_trusts_its_gram_norm(tiny_args, tmp_path, 
     clipping whole and ``opake audit`` reports a violation of the claimed ε."""
     import torch
 
-    import opake.dpsgd.bookkeeping._engine as bookkeeping_engine
+    import opake.dpsgd.bookkeeping._runner as bookkeeping_engine
     from opake.dpsgd.bookkeeping._certify import LeafBounds
 
     original = bookkeeping_engine.leaf_bounds

@@ -33,7 +33,7 @@ KINDS = ("dirac", "random")
 #: the kinds of gradient canaries crafted against the book-keeping engine's numerics (see
 #: :class:`GradientCanaries`)
 CRAFTED_KINDS = ("cancellation", "underflow", "absorption")
-#: engines a canary run can send its canaries through (``clipped_grad(method=...)``)
+#: engines a canary run can send its canaries through (``clipped_grad(engine=...)``)
 CANARY_ENGINES = ("auto", "bookkeeping", "vmap")
 
 
@@ -213,7 +213,7 @@ class CanaryRun:
     inner product of the noisy gradient sums with its direction, in units of C.
 
     The canaries' clipped sum is computed by ``clipped_grad`` over a
-    :class:`~opake.dpsgd.bookkeeping.BatchedLoss` of the audit layer with ``method=engine``:
+    :class:`~opake.dpsgd.bookkeeping.BatchedLoss` of the audit layer with ``engine=engine``:
     ``"auto"`` (book-keeping, as on a full model), ``"bookkeeping"`` or ``"vmap"``. Pass the
     engine the run's own examples went through in that step —
     ``run.clipped_sum(ids, engine=training.grad_fn.engine)`` — so that the canaries test the
@@ -325,7 +325,7 @@ class CanaryRun:
                 batch_argnums=(1, 2),
                 microbatch_size=chunk,
                 check_unused=False,
-                method=engine,
+                engine=engine,
             )
         return self._grad_fns[engine]
 

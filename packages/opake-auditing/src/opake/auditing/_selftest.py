@@ -103,7 +103,7 @@ def self_test(
 ) -> AuditResult:
     """Audit a small DP-SGD run of opake-core's mechanism at ``epsilon``; returns the result.
 
-    ``engine`` is the clipping engine (``clipped_grad(method=...)``): ``"auto"`` (default) is
+    ``engine`` is the clipping engine (``clipped_grad(engine=...)``): ``"auto"`` (default) is
     what ``opake train`` uses on a full model — book-keeping here; ``"vmap"`` audits the vmap
     engine. The canaries go through the engine the data went through in each step; with
     ``crafted`` (default) their kinds include those crafted against book-keeping's numerics.

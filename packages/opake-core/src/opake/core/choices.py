@@ -20,7 +20,7 @@ from types import MappingProxyType
 
 __all__ = ["ACCOUNTANTS", "ENGINES", "SAMPLERS", "TRAINING_PLD_OPTIONS"]
 
-#: per-example engines of ``clipped_grad(method=...)`` (``"auto"`` picks one per call)
+#: per-example engines of ``clipped_grad(engine=...)`` (``"auto"`` picks one per call)
 ENGINES: tuple[str, ...] = ("auto", "vmap", "bookkeeping")
 #: samplers of ``DPTraining(sampler=...)``: Poisson, or fixed-shape truncated Poisson
 SAMPLERS: tuple[str, ...] = ("poisson", "fixed")

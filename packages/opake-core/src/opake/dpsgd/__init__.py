@@ -6,7 +6,7 @@
 - :mod:`opake.dpsgd.sampling` — Poisson, fixed-shape truncated Poisson and shuffle samplers;
 - :mod:`opake.dpsgd.optimizer` — the DP optimizer step around any ``torch.optim`` optimizer;
 - :mod:`opake.dpsgd.checkpoint` — atomic checkpoint and resume of the whole training state;
-- :mod:`opake.dpsgd.bookkeeping` — the book-keeping per-example engine (``method=``);
+- :mod:`opake.dpsgd.bookkeeping` — the book-keeping per-example engine (``engine=``);
 - :mod:`opake.dpsgd.distributed` — DP-SGD across ranks (DDP, FSDP2);
 - :mod:`opake.dpsgd.training` — the whole DP training step composed once (``DPTraining``).
 

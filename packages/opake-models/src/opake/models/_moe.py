@@ -180,7 +180,7 @@ def routing_weights(
         return torch.softmax(top, dim=-1, dtype=top.dtype), index
     raise OperationError(
         f"book-keeping: routing {routing!r} cannot be recomputed from tapped router logits; "
-        "use clipped_grad(method='vmap') for this family"
+        "use clipped_grad(engine='vmap') for this family"
     )
 
 

@@ -6,7 +6,7 @@ weight ``offset``): Llama-style ``w ⊙ x̂``, Gemma-style ``(1 + w) ⊙ x̂`` (
 Cohere's mean-subtracted LayerNorm without bias. From that declaration the per-example gradient
 of the weight is ``Σ_t g_t ⊙ x̂_t`` (closed form, no ``vmap``). The rule checks on every call that
 the module's recorded output is the declared formula of its input, so a declaration that does
-not fit the module raises :class:`~opake.core.errors.OperationError` (``method="auto"`` then
+not fit the module raises :class:`~opake.core.errors.OperationError` (``engine="auto"`` then
 runs the vmap engine) instead of giving wrong norms. PyTorch's own ``nn.LayerNorm`` /
 ``nn.RMSNorm`` keep their built-in rules.
 """

@@ -76,7 +76,7 @@ class FamilySpec:
         moe: the mixture-of-experts block, see :class:`Moe` (None: a dense family).
         bookkeeping_frozen: parameters the book-keeping engine cannot train, as parts of their
             names mapped to the reason (descriptive: it feeds the support table and the tests,
-            which freeze them; trained, ``clipped_grad(method="auto")`` picks vmap).
+            which freeze them; trained, ``clipped_grad(engine="auto")`` picks vmap).
 
     Example:
         >>> from opake.models import family_spec

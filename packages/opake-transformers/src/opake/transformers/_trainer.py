@@ -373,7 +373,7 @@ class DPTrainer(Trainer):
                 batch_argnums=(2,),
                 microbatch_size=m,
                 randomness=randomness,
-                method=a.engine,
+                engine=a.engine,
                 check_unused=False,
             )
 

@@ -214,7 +214,7 @@ def microbatch_for_run(
             batch_argnums=2,
             microbatch_size=microbatch,
             return_aux=True,
-            method=plan.engine,
+            engine=plan.engine,
             randomness=randomness,
         )
 

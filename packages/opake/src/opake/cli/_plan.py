@@ -23,7 +23,8 @@ from opake.cli._checks import (
 )
 from opake.cli._data import Corpus, load_corpus, make_blocks, split_blocks, unigram_entropy
 from opake.cli._models import load_tokenizer, resolve_model
-from opake.cli._settings import DEFAULT_STEPS, RESUME_LOCKED, TrainSettings
+from opake.cli._options import locked_fields
+from opake.cli._settings import DEFAULT_STEPS, TrainSettings
 from opake.cli._tokenizer import ByteTokenizer
 from opake.core.choices import TRAINING_PLD_OPTIONS
 from opake.core.errors import ConfigurationError
@@ -429,7 +430,7 @@ def _check_resumed_settings(saved: Any, current: TrainSettings) -> None:
     mine = current.to_dict()
     diffs = [
         f"--{key.replace('_', '-')} {saved.get(key)!r} (saved) vs {mine[key]!r} (given)"
-        for key in RESUME_LOCKED
+        for key in locked_fields(type(current))  # the fields declared locked=True
         if saved.get(key) != mine[key]
     ]
     if diffs:

@@ -63,7 +63,7 @@ def check_rule(rule: BookkeepingRule | str, *, max_examples: int = 8) -> int:
 
     For each module the rule's ``example()`` returns, hypothesis searches ``max_examples``
     adversarial batches besides four fixed ones (:func:`~opake.core.testing.search_rule`) and
-    checks, through ``clipped_grad(method="bookkeeping")``: the plan puts the module under
+    checks, through ``clipped_grad(engine="bookkeeping")``: the plan puts the module under
     ``rule``; every example's contribution is at most the clipping bound (no tolerance beyond
     the oracle's fp64 rounding); the batch's sum is the sum of the contributions; for moderate
     inputs, the sum equals the per-example loop of plain autograd in fp64. The rule's

@@ -1,7 +1,7 @@
 """The book-keeping rule conformance harness (public: plugin authors run it on their rules).
 
 :func:`check_rule_example` runs one registered rule's example module through
-``clipped_grad(method="bookkeeping")`` on a batch built from adversarial patterns and checks the
+``clipped_grad(engine="bookkeeping")`` on a batch built from adversarial patterns and checks the
 clipping guarantee against an exact oracle; :func:`search_rule` lets hypothesis *search* such
 batches (guided towards the largest contribution) for every example the rule declares.
 Opake's own generated test (``test_bookkeeping_conformance.py``) runs :func:`search_rule` on
@@ -219,7 +219,7 @@ def check_rule_example(
         loss,
         clipping_norm=clip,
         batch_argnums=(1, 2),
-        method="bookkeeping",
+        engine="bookkeeping",
         check_unused=False,
         trusted_rules=(name,),
     )

@@ -1,7 +1,7 @@
 """Book-keeping clipping: per-example norms without per-example gradients.
 
-``clipped_grad(BatchedLoss(fn, fmodel), ..., method="bookkeeping")`` (or the default
-``method="auto"``) computes the same clipped sum as the vmap engine from **one ordinary batched
+``clipped_grad(BatchedLoss(fn, fmodel), ..., engine="bookkeeping")`` (or the default
+``engine="auto"``) computes the same clipped sum as the vmap engine from **one ordinary batched
 forward and backward**: forward hooks keep each layer's input, an identity autograd node keeps
 its output gradient, and the backward computes activation gradients only (no weight gradient,
 no ``create_graph``). Per layer:
@@ -58,7 +58,7 @@ under ``no_grad``, raises.
 >>> grads, state = grad_fn(params, x, y, state=state)
 >>> grad_fn.engine
 'bookkeeping'
->>> vmap_fn, _ = clipped_grad(loss_fn, clipping_norm=1.0, batch_argnums=(1, 2), method="vmap")
+>>> vmap_fn, _ = clipped_grad(loss_fn, clipping_norm=1.0, batch_argnums=(1, 2), engine="vmap")
 >>> reference, _ = vmap_fn(params, x, y, state=state)
 >>> all(torch.allclose(grads[k], reference[k], atol=1e-6) for k in grads)
 True
@@ -69,17 +69,12 @@ from __future__ import annotations
 from opake.core.plugins import BookkeepingRule
 from opake.dpsgd.bookkeeping._certify import CertifiedImplicitGrad, PieceCert, certify_inner
 from opake.dpsgd.bookkeeping._certify import certify as certify_piece
-from opake.dpsgd.bookkeeping._engine import (
-    BookkeepingPlan,
-    ImplicitUse,
-    LayerRule,
-    bookkeeping_plan,
-    implicit_use,
-)
 from opake.dpsgd.bookkeeping._loss import BatchedLoss, causal_lm_losses
+from opake.dpsgd.bookkeeping._pieces import Dense, ImplicitGrad, OuterSum, ghost_is_cheaper
+from opake.dpsgd.bookkeeping._plan import BookkeepingPlan, bookkeeping_plan
+from opake.dpsgd.bookkeeping._recording import ImplicitUse, implicit_use
 from opake.dpsgd.bookkeeping._registry import registered_rules
-from opake.dpsgd.bookkeeping._rules import Dense, ImplicitGrad, OuterSum, ghost_is_cheaper
-from opake.dpsgd.bookkeeping._use import LayerUse, RuleExample
+from opake.dpsgd.bookkeeping._use import LayerRule, LayerUse, RuleExample
 
 __all__ = [
     "BatchedLoss",

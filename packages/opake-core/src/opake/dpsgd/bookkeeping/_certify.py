@@ -3,7 +3,7 @@
 For every example ``i`` and differentiated leaf ``j`` the engine needs ``bound_ij`` and
 ``slack_ij`` with ``‖added_ij‖ ≤ w·bound_ij + slack_ij`` for every clip factor ``w ∈ [0, 1]``,
 where ``added_ij`` is the fp32 tensor the clipped sum receives for that example (isolated: the
-other examples masked). The pieces (:mod:`._rules`) of the leaf give, per example:
+other examples masked). The pieces (:mod:`._pieces`) of the leaf give, per example:
 
 - a **certificate** per piece (:class:`PieceCert`): the computed squared norm ``sq``, a bound
   ``err`` of its distance to the true squared norm of the piece's gradient (the Gram route's
@@ -21,7 +21,7 @@ computed norm by more than :data:`LOOSE` the example takes the **exact route** f
 (:func:`~opake.dpsgd.certify.measure_blocks` / :func:`~opake.dpsgd.certify.guarded_add`): it is
 left out of the contraction and added from its materialised gradient, measured.
 
-A piece held by an operator (:class:`~._rules.Implicit`) is inside the proof only when the
+A piece held by an operator (:class:`~._pieces.Implicit`) is inside the proof only when the
 operator certifies itself (:class:`CertifiedImplicitGrad`, implemented by Opake's own
 operators); any other operator must be named in a trust list (``clipped_grad(trusted_rules=...)``
 or ``OPAKE_TRUSTED_RULES``), and is then bounded by the model of the earlier releases
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from opake.core.errors import OperationError
-from opake.dpsgd.bookkeeping._rules import (
+from opake.dpsgd.bookkeeping._pieces import (
     Dense,
     Implicit,
     OuterSum,
@@ -93,7 +93,7 @@ LEGACY_GAMMA = 8.0 * 2.0**-24
 
 @runtime_checkable
 class CertifiedImplicitGrad(Protocol):
-    """An :class:`~._rules.ImplicitGrad` operator that proves its own bounds.
+    """An :class:`~._pieces.ImplicitGrad` operator that proves its own bounds.
 
     ``certificate()`` returns the operator's :class:`PieceCert` (per example: computed squared
     norm, the bound of its error, and ``(rel, abs)`` of its ``weighted_sum``);
@@ -215,7 +215,7 @@ def _implicit(piece: Implicit, trusted: bool) -> PieceCert:
             "implicitly and does not prove its norm bounds (it is not one of Opake's own "
             "certified operators); it is outside the clipping proof. Name its rule in "
             "clipped_grad(trusted_rules=...) or OPAKE_TRUSTED_RULES to use it anyway, or use "
-            "clipped_grad(method='vmap')"
+            "clipped_grad(engine='vmap')"
         )
     sq = op.sq_norms()[0].double()
     s = op.abs_norms().double()
@@ -308,7 +308,7 @@ def _inner_implicit(
         raise OperationError(
             f"book-keeping: a parameter of shape {u.shape} is used both inside an operator "
             f"that holds its per-example gradients implicitly and by a {other} use; no rule "
-            "forms their cross term. Use clipped_grad(method='vmap')"
+            "forms their cross term. Use clipped_grad(engine='vmap')"
         )
     op = u.op
     if certified_operator(op):
@@ -340,7 +340,7 @@ def inner(
 
 def certify_inner(u: Piece, v: Piece) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`inner` of two pieces, certifying each first (for operators that delegate their
-    cross terms to an :class:`~._rules.OuterSum` view of themselves).
+    cross terms to an :class:`~._pieces.OuterSum` view of themselves).
 
     >>> import torch
     >>> u = OuterSum(torch.ones(1, 2, 3), torch.ones(1, 2, 4))

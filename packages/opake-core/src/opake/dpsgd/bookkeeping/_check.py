@@ -22,7 +22,7 @@ from opake.dpsgd.bookkeeping._recording import holding
 
 if TYPE_CHECKING:
     from opake.dpsgd.bookkeeping._chunk import BookkeepingChunk
-    from opake.dpsgd.bookkeeping._engine import BookkeepingRunner
+    from opake.dpsgd.bookkeeping._runner import BookkeepingRunner
 
 __all__ = [
     "INCONCLUSIVE",

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opake.dpsgd.bookkeeping._certify import exact_block
-from opake.dpsgd.bookkeeping._rules import Piece, add_weighted
+from opake.dpsgd.bookkeeping._pieces import Piece, add_weighted
 from opake.dpsgd.certify import full_precision, guarded_add
 
 if TYPE_CHECKING:

@@ -8,14 +8,14 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import OperationError
-from opake.dpsgd.bookkeeping._rules import Dense, Implicit, ImplicitGrad, OuterSum, Piece
+from opake.dpsgd.bookkeeping._pieces import Dense, Implicit, ImplicitGrad, OuterSum, Piece
 from opake.dpsgd.bookkeeping._use import LayerRule, LayerUse
 from opake.functional._autograd import cached_signature
 
 if TYPE_CHECKING:
     import torch
 
-    from opake.dpsgd.bookkeeping._engine import BookkeepingRunner
+    from opake.dpsgd.bookkeeping._runner import BookkeepingRunner
 
 __all__ = [
     "ImplicitUse",
@@ -219,7 +219,7 @@ def implicit_use(module: torch.nn.Module) -> ImplicitUse | None:
     if not torch.is_grad_enabled() or runner._sink is None:
         raise OperationError(
             f"book-keeping: layer {layer.module!r} was used outside the recorded forward "
-            "(under no_grad); use clipped_grad(method='vmap') for such models"
+            "(under no_grad); use clipped_grad(engine='vmap') for such models"
         )
     params: dict[str, torch.Tensor] = {}
     for attr, name in layer.params:

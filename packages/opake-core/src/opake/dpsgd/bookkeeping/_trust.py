@@ -1,8 +1,8 @@
 """Which book-keeping rules and operators are inside the clipping proof, and the trust list.
 
-A rule whose pieces are :class:`~._rules.OuterSum` or :class:`~._rules.Dense` is always inside
+A rule whose pieces are :class:`~._pieces.OuterSum` or :class:`~._pieces.Dense` is always inside
 the proof: the engine computes the norm and the sum from the same recorded tensors, whatever
-the rule does. A rule with :class:`~._rules.Implicit` pieces hands both to an operator; that is
+the rule does. A rule with :class:`~._pieces.Implicit` pieces hands both to an operator; that is
 inside the proof only for Opake's own distributions (whose operators certify their bounds and
 are tested against the exact oracle). Any other such rule is used only when the user names it:
 ``clipped_grad(trusted_rules=("my-rule",))`` or the environment variable

@@ -69,7 +69,7 @@ class LayerUse:
         """An :class:`~opake.core.errors.OperationError` naming this layer (raise it)."""
         return OperationError(
             f"book-keeping: layer {self.layer.module!r} ({type(self.module).__name__}): {why}. "
-            "Use clipped_grad(method='vmap') for such layers"
+            "Use clipped_grad(engine='vmap') for such layers"
         )
 
 
@@ -103,7 +103,7 @@ def flat_batch(x: torch.Tensor, batch: int, layer: str) -> torch.Tensor:
     if x.dim() < 2 or x.shape[0] != batch:
         raise OperationError(
             f"book-keeping: layer {layer!r} saw a tensor of shape {tuple(x.shape)}; expected the "
-            f"batch ({batch}) on dimension 0 and features last. Use clipped_grad(method='vmap') "
+            f"batch ({batch}) on dimension 0 and features last. Use clipped_grad(engine='vmap') "
             "for models that fold or move the batch dimension"
         )
     return x.reshape(batch, -1, x.shape[-1])

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from opake.core.errors import ConfigurationError, InputTypeError
-from opake.dpsgd.bookkeeping._engine import prepare as prepare_engine
 from opake.dpsgd.bookkeeping._loss import BatchedLoss
 from opake.dpsgd.bookkeeping._trust import trusted_names
 from opake.dpsgd.clipping._base import ClipState, GroupSpec
+from opake.dpsgd.clipping._choice import prepare as prepare_engine
 from opake.dpsgd.clipping._grad_fn import ClippedGradFn
 from opake.dpsgd.clipping._state import FixedClipping, GroupClipping
 
@@ -21,6 +23,37 @@ if TYPE_CHECKING:
 __all__ = ["clipped_grad"]
 
 _RANDOMNESS = ("error", "different", "same")
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _engine_alias(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Accept ``method=``, the deprecated name of ``engine=`` (for one release), with a warning.
+
+    A wrapper, so that :func:`clipped_grad`'s signature (and the accepted options it lists)
+    keeps one name, and passing both names is caught even when ``engine`` has its default.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if "method" in kwargs:
+            if "engine" in kwargs:
+                raise ConfigurationError(
+                    f"clipped_grad(engine={kwargs['engine']!r}, method={kwargs['method']!r}): "
+                    "method= is the deprecated name of engine=; pass engine= only"
+                )
+            warnings.warn(
+                "clipped_grad(method=...) is deprecated: pass clipped_grad(engine=...) (the same "
+                "choice: 'auto', 'vmap' or 'bookkeeping'); method= will be removed in the next "
+                "release",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            kwargs["engine"] = kwargs.pop("method")
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _options() -> tuple[str, ...]:
@@ -118,6 +151,7 @@ def _check_settings(
             )
 
 
+@_engine_alias
 def clipped_grad(
     loss_fn: Callable[..., Any],
     argnums: int = 0,
@@ -132,7 +166,7 @@ def clipped_grad(
     clipping_groups: GroupSpec = None,
     randomness: str = "error",
     check_unused: bool = True,
-    method: str = "auto",
+    engine: str = "auto",
     trusted_rules: tuple[str, ...] = (),
     **unknown: Any,
 ) -> tuple[ClippedGradFn, ClipState]:
@@ -176,7 +210,7 @@ def clipped_grad(
         check_unused: on the first call, warn (:class:`~opake.core.errors.OpakePrivacyWarning`)
             about differentiated parameters the loss does not depend on (one extra
             single-example backward).
-        method: the per-example engine — ``"vmap"`` (per-example gradients by ``vmap``),
+        engine: the per-example engine — ``"vmap"`` (per-example gradients by ``vmap``),
             ``"bookkeeping"`` (norms and the clipped sum from one ordinary batched backward;
             needs ``loss_fn`` to be a :class:`~opake.dpsgd.bookkeeping.BatchedLoss`, see
             :mod:`opake.dpsgd.bookkeeping`) or ``"auto"`` (book-keeping where every
@@ -186,7 +220,8 @@ def clipped_grad(
             rest of the model — counted from the arguments and, for a ``BatchedLoss``, its
             model, so frozen weights count however they reach the loss;
             ``grad_fn.engine``/``grad_fn.engine_reason`` report the choice, which is also
-            logged on the ``opake.core`` logger).
+            logged on the ``opake.core`` logger). ``method=``, its former name, still works
+            for one release with a :class:`DeprecationWarning`.
         trusted_rules: names of book-keeping rules (or operator classes) outside the clipping
             proof to use anyway: a plugin's rule whose per-example gradients an operator holds
             implicitly (Opake's own rules never need this). Untrusted, such a rule is skipped
@@ -237,7 +272,7 @@ def clipped_grad(
     model = loss_fn.module if isinstance(loss_fn, BatchedLoss) else None
     loss_fn, bookkeeping = prepare_engine(
         loss_fn,
-        method,
+        engine,
         argnums=argnums,
         batch_argnums=batch,
         has_aux=has_aux,
@@ -269,7 +304,7 @@ def clipped_grad(
         randomness=randomness,
         kind=type(state),
         check_unused=check_unused,
-        method=str(method),
+        requested_engine=str(engine),
         bookkeeping=bookkeeping,
         model=model,
     )

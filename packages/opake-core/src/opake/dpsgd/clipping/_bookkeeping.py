@@ -1,6 +1,6 @@
 """The book-keeping engine behind the engine protocol (:class:`~._chunks.ChunkEngine`).
 
-:class:`~opake.dpsgd.bookkeeping._engine.BookkeepingRunner` runs one batched forward and
+:class:`~opake.dpsgd.bookkeeping._runner.BookkeepingRunner` runs one batched forward and
 backward per chunk and keeps, per layer, the pieces that give each example's per-leaf squared
 norms and, later, any factor-weighted sum of the per-example gradients without forming them.
 This adapter maps that onto the protocol: ``chunk`` → losses, norms (clip with the certified
@@ -17,7 +17,7 @@ from opake.dpsgd.clipping._chunks import ChunkOut
 if TYPE_CHECKING:
     import torch
 
-    from opake.dpsgd.bookkeeping._engine import BookkeepingRunner
+    from opake.dpsgd.bookkeeping._runner import BookkeepingRunner
     from opake.dpsgd.clipping._base import ClipFactors
 
 __all__ = ["BookkeepingEngine"]

@@ -4,7 +4,7 @@ per-call record of diagnostics.
 An engine turns one chunk of ``m`` examples into a :class:`ChunkOut`; the clip state turns its
 squared norms into factors (:mod:`._base`); the engine then adds the factor-weighted sum of
 the chunk's per-example gradients to the running fp32 sums. Two engines implement it: the vmap
-engine (:mod:`._engine`) and the book-keeping engine (:mod:`._bookkeeping`).
+engine (:mod:`._vmap_engine`) and the book-keeping engine (:mod:`._bookkeeping`).
 """
 
 from __future__ import annotations

@@ -16,16 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError, OpakePrivacyWarning
-from opake.dpsgd.bookkeeping._engine import (
-    BookkeepingInconclusiveError,
-    BookkeepingMismatchError,
-    BookkeepingRunner,
-)
-from opake.dpsgd.bookkeeping._engine import choose as choose_engine
+from opake.dpsgd.bookkeeping._check import BookkeepingInconclusiveError, BookkeepingMismatchError
+from opake.dpsgd.bookkeeping._runner import BookkeepingRunner
 from opake.dpsgd.certify import adjust_factors, division_slack, divisor_up, full_precision
-from opake.dpsgd.clipping import _engine as vmap_engine
+from opake.dpsgd.clipping import _vmap_engine as vmap_engine
 from opake.dpsgd.clipping._base import ChunkNorms, ClipState, GroupSpec
 from opake.dpsgd.clipping._bookkeeping import BookkeepingEngine
+from opake.dpsgd.clipping._choice import choose as choose_engine
 from opake.dpsgd.clipping._chunks import CallRecord, ChunkEngine, ChunkOut
 from opake.dpsgd.clipping._grads import ClipAux, ClippedGrads
 from opake.dpsgd.clipping._tree import DiffTree
@@ -116,12 +113,13 @@ class ClippedGradFn:
         randomness: str,
         kind: type,
         check_unused: bool,
-        method: str = "vmap",
+        requested_engine: str = "vmap",
         bookkeeping: BookkeepingRunner | None = None,
         model: torch.nn.Module | None = None,
     ) -> None:
         self.loss_fn = loss_fn
-        self.method = method
+        #: the engine asked for (``clipped_grad(engine=...)``): "auto", "vmap" or "bookkeeping"
+        self.requested_engine = requested_engine
         self._bookkeeping = bookkeeping
         self._model = model  # a BatchedLoss's model: what "auto" decides from
         #: engine of the last call ("vmap" or "bookkeeping") and why it was chosen
@@ -234,10 +232,10 @@ class ClippedGradFn:
     ) -> BookkeepingRunner | None:
         """The book-keeping runner for this call, or ``None`` for the vmap engine (logged)."""
         if self._bookkeeping is not None and not tree.plain:
-            if self.method == "bookkeeping":
+            if self.requested_engine == "bookkeeping":
                 raise ConfigurationError(
-                    "clipped_grad(method='bookkeeping') needs the differentiated argument as a "
-                    "flat dict parameter name → tensor (the model's names); use method='vmap' "
+                    "clipped_grad(engine='bookkeeping') needs the differentiated argument as a "
+                    "flat dict parameter name → tensor (the model's names); use engine='vmap' "
                     "for other structures"
                 )
             runner, reason = None, "the differentiated argument is not a flat dict of tensors"
@@ -248,7 +246,7 @@ class ClippedGradFn:
             # part no longer matters, nor how the frozen weights reach the loss.
             runner, reason = choose_engine(
                 self._bookkeeping,
-                self.method,
+                self.requested_engine,
                 tree.names,
                 differentiable=differentiable,
                 randomness=self.randomness,
@@ -263,9 +261,9 @@ class ClippedGradFn:
 
     def _report(self, engine: str, reason: str) -> None:
         self.engine_reason = reason
-        if self.method == "auto" and self._logged != (engine, reason):
+        if self.requested_engine == "auto" and self._logged != (engine, reason):
             self._logged = (engine, reason)
-            _log.info("clipped_grad(method='auto'): the %s engine (%s)", engine, reason)
+            _log.info("clipped_grad(engine='auto'): the %s engine (%s)", engine, reason)
 
     def _engine(
         self, runner: BookkeepingRunner | None, tree: DiffTree, *, differentiable: bool, small: bool
@@ -323,13 +321,13 @@ class ClippedGradFn:
             try:
                 sums, aux, count, engine = run(runner)
             except BookkeepingMismatchError as err:  # the check failed: "auto" falls back
-                if self.method == "bookkeeping":
+                if self.requested_engine == "bookkeeping":
                     raise
                 _log.warning("clipped_grad: %s; using the vmap engine from now on", err)
                 self._report("vmap", str(err))
                 sums, aux, count, engine = run(None)
             except BookkeepingInconclusiveError as err:  # never an unchecked result
-                level = logging.WARNING if self.method == "bookkeeping" else logging.INFO
+                level = logging.WARNING if self.requested_engine == "bookkeeping" else logging.INFO
                 _log.log(level, "clipped_grad: %s; this call uses the vmap engine", err)
                 self.engine_reason = str(err)
                 sums, aux, count, engine = run(None)

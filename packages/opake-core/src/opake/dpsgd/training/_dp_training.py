@@ -176,7 +176,7 @@ class DPTraining:
             microbatch_size=microbatch_size,
             return_aux=True,
             randomness=randomness,
-            method=engine,
+            engine=engine,
         )
         self._optimizer = DistributedDPOptimizer(
             optimizer,

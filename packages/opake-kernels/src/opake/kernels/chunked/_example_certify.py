@@ -40,7 +40,7 @@ def outer_view(op: LinearCEExampleGrads) -> OuterSum:
             "book-keeping: the linear cross-entropy's per-example gradients were not kept in "
             "the forward (they did not fit a quarter of the available memory), so its clipped "
             "sum recomputes the logits, which the clipping proof does not cover; use a smaller "
-            "microbatch (microbatch_size) so that they fit, or clipped_grad(method='vmap')"
+            "microbatch (microbatch_size) so that they fit, or clipped_grad(engine='vmap')"
         )
     batch, steps, _ = op.hidden.shape
     u = kept.u.view(batch, steps, -1)

@@ -259,7 +259,7 @@ class ExpertGrads:
         """No cross term: a fused expert weight is read by its experts layer only."""
         raise OperationError(
             "book-keeping: a fused expert weight is also used by another layer; no rule forms "
-            "that cross term. Use clipped_grad(method='vmap')"
+            "that cross term. Use clipped_grad(engine='vmap')"
         )
 
     def weighted_sum(
@@ -285,7 +285,7 @@ class ExpertGrads:
         """No cross term: a fused expert weight is read by its experts layer only."""
         raise OperationError(
             "book-keeping: a fused expert weight is also used by another layer; no rule forms "
-            "that cross term. Use clipped_grad(method='vmap')"
+            "that cross term. Use clipped_grad(engine='vmap')"
         )
 
     def abs_norms(self) -> torch.Tensor:

@@ -49,12 +49,12 @@ def _sinks_forward(original: Callable[..., Any]) -> Callable[..., Any]:
             raise OperationError(
                 "book-keeping: trained attention sinks need attn_implementation='eager' (the "
                 "sinks' per-example gradients come from the additive mask); load the model "
-                "with it, freeze the sinks, or use clipped_grad(method='vmap')"
+                "with it, freeze the sinks, or use clipped_grad(engine='vmap')"
             )
         if attention_mask is not None and not attention_mask.is_floating_point():
             raise OperationError(
                 f"book-keeping: trained attention sinks need an additive float attention mask, "
-                f"got {attention_mask.dtype}; use clipped_grad(method='vmap')"
+                f"got {attention_mask.dtype}; use clipped_grad(engine='vmap')"
             )
         sinks = use.params["sinks"]
         dtype = attention_mask.dtype if attention_mask is not None else hidden_states.dtype

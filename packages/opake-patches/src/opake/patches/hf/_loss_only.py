@@ -13,7 +13,7 @@ loss is the mean of the per-example losses — never a token mean across the bat
 ``loss_only=True``) returns the vector of per-example losses ``[B]`` instead: what a
 :class:`~opake.dpsgd.bookkeeping.BatchedLoss` returns.
 
-Under the book-keeping clipping engine (``clipped_grad(method="bookkeeping" | "auto")``) the
+Under the book-keeping clipping engine (``clipped_grad(engine="bookkeeping" | "auto")``) the
 output projection's weight is read without calling its module, so no forward hook sees it: the
 forward asks :func:`opake.dpsgd.bookkeeping.implicit_use`, runs the kernel on the *detached*
 weight (the backward then computes the hidden states' gradient only) and taps the per-token

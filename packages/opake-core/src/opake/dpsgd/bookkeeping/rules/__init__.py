@@ -16,13 +16,13 @@ True
 from __future__ import annotations
 
 from opake.core.plugins import BookkeepingRule
+from opake.dpsgd.bookkeeping._pieces import Dense, Implicit, ImplicitGrad, OuterSum, Piece
 from opake.dpsgd.bookkeeping._registry import (
     BUILTIN_RULES,
     builtin_rules,
     registered_rules,
     rule_for,
 )
-from opake.dpsgd.bookkeeping._rules import Dense, Implicit, ImplicitGrad, OuterSum, Piece
 from opake.dpsgd.bookkeeping._use import (
     LayerRule,
     LayerUse,

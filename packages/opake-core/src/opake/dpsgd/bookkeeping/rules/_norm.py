@@ -10,13 +10,13 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING
 
-from opake.dpsgd.bookkeeping._rules import Dense
+from opake.dpsgd.bookkeeping._pieces import Dense
 from opake.dpsgd.bookkeeping._use import LayerUse
 
 if TYPE_CHECKING:
     import torch
 
-    from opake.dpsgd.bookkeeping._rules import Piece
+    from opake.dpsgd.bookkeeping._pieces import Piece
 
 __all__ = ["CHECK_EVERY", "last_dim_normalised", "norm_pieces"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from opake.core.plugins import BookkeepingRule
-from opake.dpsgd.bookkeeping._rules import OuterSum
+from opake.dpsgd.bookkeeping._pieces import OuterSum
 from opake.dpsgd.bookkeeping._use import LayerUse, RuleExample, first_input, flat_batch
 from opake.dpsgd.bookkeeping.rules._match import is_conv1d
 from opake.dpsgd.bookkeeping.rules.linear import bias_piece
@@ -14,7 +14,7 @@ from opake.dpsgd.bookkeeping.rules.linear import bias_piece
 if TYPE_CHECKING:
     import torch
 
-    from opake.dpsgd.bookkeeping._rules import Piece
+    from opake.dpsgd.bookkeeping._pieces import Piece
 
 __all__ = ["RULE", "example", "matches", "pieces"]
 

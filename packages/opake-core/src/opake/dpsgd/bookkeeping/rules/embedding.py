@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from opake.core.plugins import BookkeepingRule
-from opake.dpsgd.bookkeeping._rules import OuterSum
+from opake.dpsgd.bookkeeping._pieces import OuterSum
 from opake.dpsgd.bookkeeping._use import LayerUse, RuleExample, first_input, flat_batch
 from opake.dpsgd.bookkeeping.rules._match import embed_scale, plain
 
 if TYPE_CHECKING:
     import torch
 
-    from opake.dpsgd.bookkeeping._rules import Piece
+    from opake.dpsgd.bookkeeping._pieces import Piece
 
 __all__ = ["RULE", "example", "matches", "pieces"]
 

@@ -24,7 +24,7 @@ from opake.dpsgd.bookkeeping.rules._norm import norm_pieces
 if TYPE_CHECKING:
     import torch
 
-    from opake.dpsgd.bookkeeping._rules import Piece
+    from opake.dpsgd.bookkeeping._pieces import Piece
 
 __all__ = ["LAYER_NORM", "RMS_NORM", "TorchNorm"]
 

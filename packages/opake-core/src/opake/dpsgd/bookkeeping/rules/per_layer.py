@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from opake.core.plugins import BookkeepingRule
-from opake.dpsgd.bookkeeping._rules import Dense
+from opake.dpsgd.bookkeeping._pieces import Dense
 from opake.dpsgd.bookkeeping._use import LayerUse, RuleExample
 
 if TYPE_CHECKING:
     import torch
 
-    from opake.dpsgd.bookkeeping._rules import Piece
+    from opake.dpsgd.bookkeeping._pieces import Piece
 
 __all__ = ["RULE", "example", "matches", "pieces"]
 

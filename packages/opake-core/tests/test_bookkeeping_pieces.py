@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opake.dpsgd.bookkeeping._certify import certify, inner
-from opake.dpsgd.bookkeeping._rules import (
+from opake.dpsgd.bookkeeping._pieces import (
     Dense,
     OuterSum,
     add_weighted,

@@ -1,4 +1,4 @@
-"""The book-keeping clipping engine: per-example norms and the clipped sum from one backward.
+"""The book-keeping runner: per-example norms and the clipped sum from one backward.
 
 One ordinary batched forward of a :class:`~opake.dpsgd.bookkeeping.BatchedLoss` runs with
 forward hooks on every layer that uses a trainable parameter: the hook keeps the layer's input
@@ -6,7 +6,8 @@ and routes its output through an identity autograd node whose backward keeps the
 gradient. One ``backward`` of ``Σ_i loss_i`` (w.r.t. a scalar sink only, so autograd computes
 activation gradients and no weight gradient at all) then leaves, per layer use, the pieces that
 the layer's rule (:mod:`opake.dpsgd.bookkeeping.rules`) builds. Norms and the clipped sum come
-from those pieces.
+from those pieces. Whether a call runs it at all is clipping's choice
+(:mod:`opake.dpsgd.clipping._choice`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from opake.core.choices import ENGINES
 from opake.core.errors import ConfigurationError, OperationError
 from opake.dpsgd.bookkeeping._certify import (
     certified_operator,
@@ -32,17 +32,15 @@ from opake.dpsgd.bookkeeping._check import (
 )
 from opake.dpsgd.bookkeeping._chunk import BookkeepingChunk
 from opake.dpsgd.bookkeeping._loss import BatchedLoss
+from opake.dpsgd.bookkeeping._pieces import Implicit, Piece
 from opake.dpsgd.bookkeeping._plan import BookkeepingPlan, bookkeeping_plan
 from opake.dpsgd.bookkeeping._recording import (
     _RECORDING,
-    ImplicitUse,
     Tap,
     holding,
     implicit_pieces,
-    implicit_use,
     rule_pieces,
 )
-from opake.dpsgd.bookkeeping._rules import Implicit, Piece
 from opake.dpsgd.bookkeeping._trust import TRUST_ENV, trusted_names
 from opake.dpsgd.bookkeeping._use import LayerRule, LayerUse
 from opake.dpsgd.certify import (
@@ -56,20 +54,7 @@ from opake.dpsgd.certify import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "BookkeepingChunk",
-    "BookkeepingInconclusiveError",
-    "BookkeepingMismatchError",
-    "BookkeepingPlan",
-    "BookkeepingRunner",
-    "BookkeepingUnsupportedError",
-    "ImplicitUse",
-    "LayerRule",
-    "bookkeeping_plan",
-    "choose",
-    "implicit_use",
-    "prepare",
-]
+__all__ = ["BookkeepingRunner"]
 
 
 class BookkeepingRunner:
@@ -127,7 +112,7 @@ class BookkeepingRunner:
                 raise OperationError(
                     f"book-keeping: layer {layer.module!r} ran outside the recorded forward "
                     "(under no_grad, or recomputed by activation checkpointing in backward); "
-                    "use clipped_grad(method='vmap') for such models"
+                    "use clipped_grad(engine='vmap') for such models"
                 )
             params = {attr: getattr(module, attr) for attr in module._parameters}
             for attr, name in layer.params:
@@ -140,7 +125,7 @@ class BookkeepingRunner:
             if not isinstance(output, torch.Tensor):
                 raise OperationError(
                     f"book-keeping: layer {layer.module!r} returned a {type(output).__name__}; "
-                    "its rule needs a single tensor output. Use clipped_grad(method='vmap')"
+                    "its rule needs a single tensor output. Use clipped_grad(engine='vmap')"
                 )
             spec = layer.spec
             assert spec is not None
@@ -365,7 +350,7 @@ class BookkeepingRunner:
                 raise BookkeepingMismatchError(
                     f"book-keeping and per-example autograd disagree on {mismatch}: the loss "
                     "mixes examples, the model moves the batch dimension, or a parameter is "
-                    "read outside a hooked layer. Use clipped_grad(method='vmap')"
+                    "read outside a hooked layer. Use clipped_grad(engine='vmap')"
                 )
         if not compared:
             raise BookkeepingInconclusiveError(
@@ -385,75 +370,3 @@ class BookkeepingRunner:
     ) -> str | None:
         """:func:`~._check.verify` example ``index`` of ``chunk`` against plain autograd."""
         return verify(self, per_example, args, chunk, index)
-
-
-def prepare(
-    loss_fn: Any,
-    method: object,
-    *,
-    argnums: int,
-    batch_argnums: tuple[int, ...],
-    has_aux: bool,
-    trusted: frozenset[str] = frozenset(),
-) -> tuple[Callable[..., Any], BookkeepingRunner | None]:
-    """Validate ``clipped_grad(method=...)``; return the one-example loss and the runner."""
-    if method not in ENGINES:
-        raise ConfigurationError(
-            f"clipped_grad(method={method!r}): expected one of {ENGINES} ('auto' uses "
-            "book-keeping where it is exact, vmap otherwise)"
-        )
-    if not isinstance(loss_fn, BatchedLoss):
-        if method == "bookkeeping":
-            raise ConfigurationError(
-                f"clipped_grad(method='bookkeeping') needs a BatchedLoss (per-example losses of "
-                f"a whole batch, and the model it runs); got {loss_fn!r}. Wrap it: "
-                "BatchedLoss(fn, fmodel) from opake.dpsgd.bookkeeping, or use method='vmap'"
-            )
-        return loss_fn, None
-    per_example = loss_fn.per_example(batch_argnums=batch_argnums, has_aux=has_aux)
-    if method == "vmap":
-        return per_example, None
-    runner = BookkeepingRunner(
-        loss_fn, argnums=argnums, batch_argnums=batch_argnums, has_aux=has_aux, trusted=trusted
-    )
-    return per_example, runner
-
-
-def choose(
-    runner: BookkeepingRunner | None,
-    method: str,
-    names: tuple[str, ...],
-    *,
-    differentiable: bool,
-    randomness: str,
-) -> tuple[BookkeepingRunner | None, str]:
-    """Pick the engine for one call: ``(runner or None, reason)``; explicit requests are loud.
-
-    Adapters (LoRA) take book-keeping like any other parameters: on the DP-step benchmark it
-    is the faster engine there too (see ``docs/guide/bookkeeping.md``).
-    """
-    if runner is None:
-        return None, (
-            "method='vmap'"
-            if method == "vmap"
-            else "loss_fn is a one-example loss (wrap a batched loss in BatchedLoss for "
-            "book-keeping)"
-        )
-    if runner.disabled is not None:
-        return None, runner.disabled
-    why = None
-    if differentiable:
-        why = "an outer torch.func transform differentiates through grad_fn"
-    elif method == "auto" and randomness != "error":
-        why = f"randomness={randomness!r} (random layers): the per-example check cannot run"
-    else:
-        plan = runner.plan(names)
-        if not plan.supported:
-            why = "no book-keeping rule for: " + "; ".join(
-                f"{what} ({reason})" for what, reason in plan.unsupported
-            )
-    if why is None:
-        return runner, "book-keeping: every differentiated parameter has a rule"
-    if method == "bookkeeping":
-        raise ConfigurationError(f"clipped_grad(method='bookkeeping'): {why}")
-    return None, why
