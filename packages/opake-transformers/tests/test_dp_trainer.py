@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from opake import accounting
-from opake.core.errors import ConfigurationError
+from opake.core.errors import ConfigurationError, OperationError
 
 _spec = importlib.util.spec_from_file_location(
     "_hf_helpers", Path(__file__).with_name("_hf_helpers.py")
@@ -362,3 +362,17 @@ def test_secure_randomness_is_the_default(tmp_path):
     assert trainer.dp_training.secure
     assert trainer.dp_training.sampler.seed is None
     assert trainer.args.reproducible is False
+
+
+def test_a_second_train_call_is_refused_with_the_way_to_continue(tmp_path):
+    # it raised RecursionError (the Trainer's accelerator wrapped the DP step again); a second
+    # run on the same data would also spend ε again: refused, saying how to continue
+    model = H.tiny_causal_lm()
+    trainer = _trainer(tmp_path, model=model, max_steps=2)
+    trainer.train()
+    spent = trainer.dp_training.epsilon()
+    after_first = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(OperationError, match="already called on this trainer"):
+        trainer.train()
+    assert trainer.dp_training.epsilon() == spent  # nothing more was spent
+    assert all(torch.equal(after_first[k], v) for k, v in model.state_dict().items())

@@ -12,7 +12,17 @@ from typing import Any
 
 from opake.core.errors import ConfigurationError
 
-__all__ = ["check_arguments", "check_model", "refused_settings"]
+__all__ = ["SECOND_RUN", "check_arguments", "check_model", "refused_settings"]
+
+
+#: why a second ``train()`` on the same ``DPTrainer`` is refused (it raised RecursionError)
+SECOND_RUN = (
+    "DPTrainer.train() was already called on this trainer: a second run would train the same "
+    "data again, and its ε adds to this run's. To continue this run, save a checkpoint and "
+    "resume it with a new DPTrainer (train(resume_from_checkpoint=...): its accountant goes on "
+    "from the saved history); to start another run knowingly, build a new DPTrainer (report "
+    "both runs' ε together)"
+)
 
 
 _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (

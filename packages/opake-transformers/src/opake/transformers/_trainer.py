@@ -35,7 +35,7 @@ from opake.transformers._collate import DPDataCollator, PoissonBatches
 from opake.transformers._hf_checks import make_checks_transform_safe
 from opake.transformers._losses import base_model, detect_task, has_dropout, per_example_losses
 from opake.transformers._microbatch import MicrobatchChoice, default_microbatch, longest_example
-from opake.transformers._refusals import check_arguments, check_model
+from opake.transformers._refusals import SECOND_RUN, check_arguments, check_model
 from opake.transformers._step import DPStep, PrivacyBudget
 from opake.transformers._train_loader import (
     BATCH_INDICES_KEY,
@@ -248,6 +248,8 @@ class DPTrainer(Trainer):
         """Build the Trainer's optimizer, then the DP step around it."""
         if isinstance(self.optimizer, DPStep):
             return self.optimizer
+        if self._dp is not None:  # a second train() of this trainer
+            raise OperationError(SECOND_RUN)
         inner = super().create_optimizer(model) if model is not None else super().create_optimizer()
         self._dp = self._build_training(inner)
         self.optimizer = DPStep(inner, self)
