@@ -119,6 +119,16 @@ def test_the_line_is_fitted_through_two_tuner_measurements():
     assert seen == [(1, (1, 64))] * 2 + [(16, (16, 64))] * 2
 
 
+def test_the_larger_probe_is_at_most_the_largest_batch():
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    step = _embedding_step(seen)
+    line = measure_memory_line(step, (), length=8, vocab=100, device=CPU, largest=5)
+    assert [k for k, _ in line.probes] == [1, 5]
+    assert seen[-1] == (5, (5, 8))
+    line = measure_memory_line(step, (), length=8, vocab=100, device=CPU, largest=1)
+    assert [k for k, _ in line.probes] == [1]
+
+
 def test_the_probe_is_random_tokens_of_the_shape_and_the_global_rng_is_untouched():
     batches: list[torch.Tensor] = []
 

@@ -34,12 +34,13 @@ def _trainer(tmp_path, **options):
 def test_a_batch_that_would_not_fit_is_computed_in_microbatches(tmp_path, monkeypatch, caplog):
     """The estimate (1 GB + 1 GB per example) puts a whole physical batch (up to 11 examples)
     over the 3.5 GB budget and 2 examples at a time within it; the step is the same."""
-    from opake.profiling import MemoryLine
+    from opake.profiling import PROBE_EXAMPLES, MemoryLine
     from opake.transformers import _microbatch
 
     measured = []
 
-    def line(make_grad_fn, params, *, length, vocab, device, examples, batch):
+    def line(make_grad_fn, params, *, length, vocab, device, largest, batch):
+        examples = min(PROBE_EXAMPLES, largest)  # what measure_memory_line probes
         probe = batch(torch.randint(0, vocab, (examples, length)))
         measured.append({k: tuple(v.shape) for k, v in probe.items()})
         return MemoryLine(base_gb=1.0, per_example_gb=1.0)

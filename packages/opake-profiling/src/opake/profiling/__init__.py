@@ -46,6 +46,7 @@ from opake.profiling._memory_line import (
     MemoryLine,
     available_memory_gb,
     choose_microbatch,
+    format_gb,
     largest_poisson_batch,
     measure_memory_line,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "choose_microbatch",
     "default_candidates",
     "empty_cache",
+    "format_gb",
     "get_memory_stats",
     "largest_poisson_batch",
     "measure_memory_line",

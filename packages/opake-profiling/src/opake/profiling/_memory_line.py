@@ -44,6 +44,7 @@ __all__ = [
     "MemoryLine",
     "available_memory_gb",
     "choose_microbatch",
+    "format_gb",
     "largest_poisson_batch",
     "measure_memory_line",
 ]
@@ -130,6 +131,15 @@ def choose_microbatch(
     return 1 << (fits.bit_length() - 1)
 
 
+def format_gb(value: float) -> str:
+    """A memory estimate for a message (an unbounded per-example cost reads as such).
+
+    >>> format_gb(1.234), format_gb(math.inf)
+    ('1.23 GB', 'more memory than measured')
+    """
+    return "more memory than measured" if math.isinf(value) else f"{value:.2f} GB"
+
+
 def available_memory_gb(device: torch.device | str) -> float | None:
     """Memory this process may grow to on *device*, in GiB: what it holds now plus what is free
     (CPU: resident set size plus the machine's or the cgroup's available memory); ``None`` when
@@ -157,6 +167,7 @@ def measure_memory_line(
     vocab: int,
     device: torch.device | str,
     examples: int = PROBE_EXAMPLES,
+    largest: int | None = None,
     batch: Callable[[torch.Tensor], Any] | None = None,
 ) -> MemoryLine:
     """Measure the step peak with 1 and *examples* examples at once and fit :class:`MemoryLine`
@@ -175,7 +186,9 @@ def measure_memory_line(
         length: tokens per probe example (the longest the step will see).
         vocab: token ids are drawn below it.
         device: where the step runs; its memory is measured.
-        examples: the larger probe's examples (at most the largest batch is enough).
+        examples: the larger probe's examples.
+        largest: the most examples the step will compute at once: the larger probe takes
+            no more (``None``: no cap).
         batch: builds the step's batch from the token ids (default: the ids themselves), e.g.
             ``lambda ids: {"input_ids": ids, "labels": ids}``.
 
@@ -197,6 +210,8 @@ def measure_memory_line(
 
     dev = torch.device(device)
     step_batch = batch if batch is not None else _identity
+    if largest is not None:
+        examples = max(1, min(examples, largest))
 
     def probe(k: int) -> float | None:
         return _probe(

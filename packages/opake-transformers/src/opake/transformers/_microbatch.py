@@ -27,18 +27,17 @@ for its task, the limit's fraction, the argument names in the reason, and its lo
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError
 from opake.profiling import (
-    PROBE_EXAMPLES,
     MemoryLine,
     NoMicrobatchFitsError,
     available_memory_gb,
     choose_microbatch,
+    format_gb,
     measure_memory_line,
 )
 
@@ -136,7 +135,7 @@ def measure_line(
             length=length,
             vocab=vocab,
             device=device,
-            examples=min(PROBE_EXAMPLES, largest),
+            largest=largest,
             batch=probe_batch(task, model_config),
         )
     except NoMicrobatchFitsError as err:
@@ -195,8 +194,9 @@ def default_microbatch(
     estimate = line.peak_gb(m)
     reason = (
         f"microbatch_size {m}: a whole physical batch (up to {largest} examples of {length} "
-        f"tokens) is estimated to peak at {_gb(peak)}, more than {of} ({limit:.2f} GB); {m} "
-        f"example{'s' if m > 1 else ''} at a time: {_gb(estimate)} estimated (privacy-neutral: "
+        f"tokens) is estimated to peak at {format_gb(peak)}, more than {of} ({limit:.2f} GB); "
+        f"{m} example{'s' if m > 1 else ''} at a time: {format_gb(estimate)} estimated "
+        "(privacy-neutral: "
         "it only chunks the clipped per-example sum; set microbatch_size or memory_budget_gb "
         "to choose otherwise)"
     )
@@ -208,7 +208,3 @@ def default_microbatch(
 def _chosen(m: int | None, reason: str) -> MicrobatchChoice:
     logger.info("per-device microbatch (microbatch_size not set): %s", reason)
     return MicrobatchChoice(m, reason)
-
-
-def _gb(value: float) -> str:
-    return "more memory than measured" if math.isinf(value) else f"{value:.2f} GB"

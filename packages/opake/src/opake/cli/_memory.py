@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError
 from opake.profiling import (
-    PROBE_EXAMPLES,
     MemoryLine,
     NoMicrobatchFitsError,
     available_memory_gb,
     choose_microbatch,
+    format_gb,
     largest_poisson_batch,
     measure_memory_line,
 )
@@ -123,7 +123,7 @@ def measure_line(
             length=block_size,
             vocab=vocab,
             device=device,
-            examples=min(PROBE_EXAMPLES, largest),
+            largest=largest,
         )
     except NoMicrobatchFitsError:
         raise ConfigurationError(
@@ -178,8 +178,8 @@ def default_choice(
         )
         reason = (
             f"--microbatch auto → {m}: a whole Poisson batch (up to {largest} examples) is "
-            f"estimated to peak at {_gb(whole)}, more than {of}; "
-            f"{m} example{'s' if m > 1 else ''} at a time: {_gb(estimate)} estimated, "
+            f"estimated to peak at {format_gb(whole)}, more than {of}; "
+            f"{m} example{'s' if m > 1 else ''} at a time: {format_gb(estimate)} estimated, "
             f"{sized} "
             "(privacy-neutral; --microbatch N or --memory-budget GB to choose otherwise)"
         )
@@ -250,7 +250,3 @@ def microbatch_for_run(
         expected_batch=max(1, math.ceil(expected)),
         largest=largest,
     )
-
-
-def _gb(value: float) -> str:
-    return "more memory than measured" if math.isinf(value) else f"{value:.2f} GB"
