@@ -148,6 +148,7 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
     """Build the model, its per-example loss and the DP step (:class:`DPTraining`)."""
     import torch
 
+    from opake.dpsgd.optimizer import lora_a_note
     from opake.dpsgd.training import DPTraining
     from opake.functional import make_functional
 
@@ -175,11 +176,7 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
         print(f"memory    {choice.reason}", file=sys.stderr, flush=True)
     expected_zero = _zero_partner_lora_a(trainable)
     if expected_zero:
-        plan.notes.append(
-            f"{len(expected_zero)} LoRA A matrices get no gradient on the first step (their B "
-            "partners start at zero), so that step moves them by noise alone; this is expected "
-            "and costs no privacy"
-        )
+        plan.notes.append(lora_a_note(sorted(expected_zero)))
     inner = inner_optimizer(plan, model)
     # the DP step, composed once: the sampler (every rank draws the global batch and keeps its
     # share; fixed-shape with B_max slots), the clipped-gradient function, the DP optimizer (the

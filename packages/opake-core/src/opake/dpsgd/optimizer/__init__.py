@@ -22,5 +22,6 @@ from __future__ import annotations
 
 from opake.dpsgd.optimizer._dp_optimizer import DPOptimizer, StepReport
 from opake.dpsgd.optimizer._precision import DEFAULT_FP16_LOSS_SCALE, autocast_loss
+from opake.dpsgd.optimizer._unused import lora_a_note
 
-__all__ = ["DEFAULT_FP16_LOSS_SCALE", "DPOptimizer", "StepReport", "autocast_loss"]
+__all__ = ["DEFAULT_FP16_LOSS_SCALE", "DPOptimizer", "StepReport", "autocast_loss", "lora_a_note"]

@@ -13,7 +13,7 @@ not private; ``unused_params="error"`` turns the report into an :class:`Operatio
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from opake.core.errors import ConfigurationError, OpakePrivacyWarning, OperationError
@@ -21,7 +21,7 @@ from opake.core.errors import ConfigurationError, OpakePrivacyWarning, Operation
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["UNUSED_MODES", "UnusedCheck"]
+__all__ = ["UNUSED_MODES", "UnusedCheck", "lora_a_note"]
 
 #: what ``DPOptimizer(unused_params=...)`` accepts
 UNUSED_MODES = ("warn", "error")
@@ -95,6 +95,21 @@ def _expected_lora_a(zero: tuple[str, ...], skipped: tuple[str, ...]) -> tuple[s
     )
 
 
+def lora_a_note(names: Sequence[str]) -> str:
+    """What the first step does to PEFT LoRA ``A`` matrices whose ``B`` partners start at zero
+    (the words of the optimizer's report and of ``opake train``'s plan).
+
+    >>> lora_a_note(["m.lora_A.default.weight"])[:52]
+    '1 LoRA A matrices get no gradient on the first step '
+    """
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return (
+        f"{len(names)} LoRA A matrices get no gradient on the first step (an all-zero gradient: "
+        "their B partners start at zero), so that step moves them by noise alone; this is "
+        f"expected and costs no privacy: {shown}"
+    )
+
+
 def unused_message(skipped: tuple[str, ...], zero: tuple[str, ...]) -> str | None:
     """The first-step report of parameters without gradient (``None``: nothing to report).
 
@@ -117,11 +132,7 @@ def unused_message(skipped: tuple[str, ...], zero: tuple[str, ...]) -> str | Non
             "batch in which other parameters did not (probably unused by the loss); it "
             "would be updated by noise alone"
         )
-    note = (
-        f"{len(lora)} LoRA A matrices get no gradient on the first step (an all-zero gradient: "
-        "their B partners start at zero), so that step moves them by noise alone; this is "
-        f"expected and costs no privacy: {', '.join(lora[:4])}{', ...' if len(lora) > 4 else ''}"
-    )
+    note = lora_a_note(lora)
     if not parts:
         return note if lora else None
     return (
