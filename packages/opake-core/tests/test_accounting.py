@@ -417,6 +417,40 @@ def test_max_batch_size_for_is_minimal() -> None:
         accounting.max_batch_size_for(dataset_size=n, sample_rate=q, steps=1, truncation_budget=0)
 
 
+@pytest.mark.parametrize("multiple", [1, 3, 8])
+def test_fixed_shape_slots_rounds_the_minimal_slots_up(multiple: int) -> None:
+    n, q, steps, delta, eps = 20_000, 0.005, 500, 1e-8, 8.0
+    needed = accounting.max_batch_size_for(
+        dataset_size=n,
+        sample_rate=q,
+        steps=steps,
+        truncation_budget=accounting.truncation_budget_for(delta, eps),
+    )
+    got = accounting.fixed_shape_slots(
+        dataset_size=n,
+        sample_rate=q,
+        steps=steps,
+        delta=delta,
+        target_epsilon=eps,
+        multiple_of=multiple,
+    )
+    assert got % multiple == 0
+    assert needed <= got < needed + multiple
+
+
+def test_fixed_shape_slots_never_exceed_the_dataset_and_check_the_multiple() -> None:
+    assert (
+        accounting.fixed_shape_slots(
+            dataset_size=10, sample_rate=0.9, steps=100, delta=1e-6, multiple_of=4
+        )
+        == 10
+    )
+    with pytest.raises(ConfigurationError, match="multiple_of"):
+        accounting.fixed_shape_slots(
+            dataset_size=10, sample_rate=0.5, steps=1, delta=1e-6, multiple_of=0
+        )
+
+
 @pytest.mark.parametrize("kind", ["pld", "rdp"])
 def test_truncated_poisson_adds_the_union_bound_to_delta(kind: str) -> None:
     n, q, sigma, steps, delta = 10_000, 0.01, 1.0, 1000, 1e-5

@@ -48,6 +48,7 @@ from opake.accounting._api import (
 from opake.accounting._phase import Phase
 from opake.accounting._rdp import DEFAULT_RDP_ORDERS
 from opake.accounting._truncation import (
+    fixed_shape_slots,
     max_batch_size_for,
     truncation_budget_for,
     truncation_probability,
@@ -66,6 +67,7 @@ __all__ = [
     "calibrate_noise",
     "effective_noise_multiplier",
     "epsilon",
+    "fixed_shape_slots",
     "gradient_noise_multiplier",
     "make_accountant",
     "max_batch_size_for",

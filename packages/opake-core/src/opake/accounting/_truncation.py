@@ -31,7 +31,12 @@ from opake.accounting._validate import (
 )
 from opake.core.errors import ConfigurationError
 
-__all__ = ["max_batch_size_for", "truncation_budget_for", "truncation_probability"]
+__all__ = [
+    "fixed_shape_slots",
+    "max_batch_size_for",
+    "truncation_budget_for",
+    "truncation_probability",
+]
 
 
 def truncation_probability(*, dataset_size: int, sample_rate: float, max_batch_size: int) -> float:
@@ -101,3 +106,38 @@ def max_batch_size_for(
     while dist.sf(b) > per_step:
         b += 1
     return b
+
+
+def fixed_shape_slots(
+    *,
+    dataset_size: int,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    target_epsilon: float | None = None,
+    multiple_of: int = 1,
+) -> int:
+    """The slots ``B_max`` of a fixed-shape sampler, as every Opake front end chooses them.
+
+    The smallest ``B_max`` whose truncation charge is at most :func:`truncation_budget_for`
+    (δ/1000 at the target ε) over *steps* steps, rounded up to a multiple of *multiple_of*
+    (e.g. the physical batches of all ranks, so every rank's batch has one static shape: more
+    slots only lower the truncation probability) and capped at the dataset (a batch never has
+    more slots than examples).
+
+    Example:
+        >>> fixed_shape_slots(dataset_size=10_000, sample_rate=0.01, steps=1000, delta=1e-8)
+        185
+        >>> fixed_shape_slots(dataset_size=10_000, sample_rate=0.01, steps=1000, delta=1e-8,
+        ...                   multiple_of=8)
+        192
+    """
+    n = check_positive_int(dataset_size, "dataset_size")
+    chunks = check_positive_int(multiple_of, "multiple_of")
+    needed = max_batch_size_for(
+        dataset_size=n,
+        sample_rate=sample_rate,
+        steps=steps,
+        truncation_budget=truncation_budget_for(delta, target_epsilon),
+    )
+    return min(n, -(-needed // chunks) * chunks)

@@ -333,17 +333,17 @@ class DPTrainer(Trainer):
         """The fixed-shape sampler's slots: truncation charge ≤ δ/1000 at the target ε, rounded
         up to a multiple of the physical batches of all ranks (one static shape everywhere;
         more slots only lower the truncation probability)."""
-        from opake.accounting import max_batch_size_for, truncation_budget_for
+        from opake.accounting import fixed_shape_slots
 
         a = self.args
-        chunks = int(a.gradient_accumulation_steps * a.world_size)
-        needed = max_batch_size_for(
+        return fixed_shape_slots(
             dataset_size=n,
             sample_rate=self._expected_batch_size() / n,
             steps=self._planned_steps(),
-            truncation_budget=truncation_budget_for(delta, a.target_epsilon),
+            delta=delta,
+            target_epsilon=a.target_epsilon,
+            multiple_of=int(a.gradient_accumulation_steps * a.world_size),
         )
-        return min(n, -(-needed // chunks) * chunks)
 
     def _default_microbatch(
         self, loss: Any, params: tuple[Any, ...], randomness: str, max_batch: int | None

@@ -118,11 +118,13 @@ def _max_batch(plan: RunPlan, total: int) -> int | None:
 
     if plan.max_batch_size is None:
         return None
-    budget = accounting.truncation_budget_for(plan.delta, plan.settings.target_epsilon)
-    max_batch = accounting.max_batch_size_for(
-        dataset_size=total, sample_rate=plan.sample_rate, steps=plan.steps, truncation_budget=budget
+    return accounting.fixed_shape_slots(
+        dataset_size=total,
+        sample_rate=plan.sample_rate,
+        steps=plan.steps,
+        delta=plan.delta,
+        target_epsilon=plan.settings.target_epsilon,
     )
-    return min(max_batch, total)
 
 
 def _dp_training(

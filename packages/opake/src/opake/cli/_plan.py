@@ -347,13 +347,13 @@ def _privacy(
     max_batch = None
     accounting_extra: dict[str, Any] = {}
     if settings.sampler == "fixed":
-        max_batch = accounting.max_batch_size_for(
+        max_batch = accounting.fixed_shape_slots(
             dataset_size=n,
             sample_rate=q,
             steps=steps,
-            truncation_budget=accounting.truncation_budget_for(delta, settings.target_epsilon),
+            delta=delta,
+            target_epsilon=settings.target_epsilon,
         )
-        max_batch = min(max_batch, n)
         accounting_extra = {"max_batch_size": max_batch, "dataset_size": n}
     options = dict(PLD_OPTIONS) if settings.accountant == "pld" else None
     schedule: dict[str, Any] = {
