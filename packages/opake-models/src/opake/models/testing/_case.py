@@ -159,15 +159,22 @@ def _unpatch(model: Any) -> None:
     remove_model_patches(model)
 
 
-def _loss_fn(fmodel: Any, task: str, *, loss_only: bool) -> Callable[..., torch.Tensor]:
+def _loss_fn(
+    fmodel: Any, task: str, *, loss_only: bool, unbatched: bool = False
+) -> Callable[..., torch.Tensor]:
+    """One example's loss; the model gets a batch of one (``x[None]``), or with ``unbatched``
+    the example as it is (the patched model adds the batch dimension itself)."""
+
     def loss_fn(
         params: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
     ) -> torch.Tensor:
         kwargs: dict[str, Any] = {
-            "input_ids": input_ids[None],
-            "attention_mask": attention_mask[None],
-            "labels": labels[None],
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": labels,
         }
+        if not unbatched:
+            kwargs = {k: v[None] for k, v in kwargs.items()}
         if task == "causal_lm":
             kwargs["use_cache"] = False
             if loss_only:
@@ -193,7 +200,12 @@ def _reference(case: ConformanceCase, model: Any, inputs: Mapping[str, torch.Ten
 
 
 def _vmapped_grads(
-    model: Any, inputs: Mapping[str, torch.Tensor], *, loss_only: bool, randomness: str = "error"
+    model: Any,
+    inputs: Mapping[str, torch.Tensor],
+    *,
+    loss_only: bool,
+    randomness: str = "error",
+    unbatched: bool = False,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     import torch
     from torch.func import grad_and_value, vmap
@@ -201,7 +213,7 @@ def _vmapped_grads(
     from opake.functional import make_functional
 
     fmodel, params = make_functional(model)
-    loss_fn = _loss_fn(fmodel, _task(model), loss_only=loss_only)
+    loss_fn = _loss_fn(fmodel, _task(model), loss_only=loss_only, unbatched=unbatched)
     with torch.no_grad():
         grads, losses = vmap(
             grad_and_value(loss_fn), in_dims=(None, 0, 0, 0), randomness=randomness

@@ -31,7 +31,12 @@ __all__ = [
     "check_outputs_match",
     "check_per_example_grads",
     "check_registered",
+    "check_unbatched_calls",
 ]
+
+#: how close an unbatched call must be to its ``[None]`` twin (the same operations on the same
+#: tensors: equal on the CPU; the margin only absorbs a device's non-deterministic kernels)
+UNBATCHED_RTOL = 1e-6
 
 
 def check_registered(case: ConformanceCase) -> None:
@@ -183,3 +188,65 @@ def check_clipped_grads(case: ConformanceCase) -> None:
     inputs = _inputs(case, stock)
     _patch(patched, case)
     _clipped_sum_check(case, stock, patched, inputs, what="clipped gradient sum")
+
+
+def check_unbatched_calls(case: ConformanceCase) -> None:
+    """An unbatched one-example call (1-D ``input_ids``, mask and labels, as under ``vmap``)
+    equals the ``[None]`` call: outputs without the batch dimension, the same losses and
+    per-example gradients under ``vmap(grad)`` — which equal the loop's."""
+    import torch
+
+    _check_factory(case)
+    stock, patched = _fresh(case), _fresh(case)
+    inputs = _inputs(case, stock)
+    expected, losses = _reference(case, stock, inputs)
+    _patch(patched, case)
+    causal = _task(patched) == "causal_lm"
+    with torch.no_grad():
+        for i in range(case.batch):
+            one = {k: v[i] for k, v in inputs.items()}
+            got = patched(**one, output_hidden_states=True)
+            ref = patched(**{k: v[None] for k, v in one.items()}, output_hidden_states=True)
+            _same_unbatched(f"example {i}", got, ref)
+            if causal:
+                got = patched(**one, loss_only=True)
+                ref = patched(**{k: v[None] for k, v in one.items()}, loss_only=True)
+                if got.logits is not None:
+                    raise ConformanceError("unbatched loss_only=True returned logits")
+                _same_unbatched(f"example {i}, loss_only=True", got, ref)
+    grads, got_losses = _vmapped_grads(patched, inputs, loss_only=causal, unbatched=True)
+    ref_grads, ref_losses = _vmapped_grads(patched, inputs, loss_only=causal)
+    assert_grads_close(
+        "unbatched vs [None] losses", {"loss": got_losses}, {"loss": ref_losses}, UNBATCHED_RTOL
+    )
+    assert_grads_close("unbatched vs [None] gradients", grads, ref_grads, UNBATCHED_RTOL)
+    assert_grads_close(
+        "unbatched per-example losses", {"loss": got_losses}, {"loss": torch.stack(losses)},
+        case.rtol,
+    )  # fmt: skip
+    assert_grads_close("unbatched per-example gradients", grads, _stack(expected), case.rtol)
+
+
+def _same_unbatched(what: str, got: Any, ref: Any) -> None:
+    """``got`` (an unbatched call's output) is ``ref`` (the ``[None]`` call's) without its
+    batch dimension: the loss a scalar, logits and every hidden state one dimension less."""
+    pairs: dict[str, tuple[Any, Any]] = {"loss": (got.loss, ref.loss)}
+    if ref.logits is not None:
+        pairs["logits"] = (got.logits, ref.logits[0])
+    for layer, (g, r) in enumerate(
+        zip(got.hidden_states or (), ref.hidden_states or (), strict=True)
+    ):
+        pairs[f"hidden_states[{layer}]"] = (g, r[0])
+    for name, (g, r) in pairs.items():
+        if g is None or tuple(g.shape) != tuple(r.shape):
+            shape = None if g is None else tuple(g.shape)
+            raise ConformanceError(
+                f"{what}: the unbatched call's {name} has shape {shape}; expected "
+                f"{tuple(r.shape)} (the [None] call's without the batch dimension)"
+            )
+    assert_grads_close(
+        f"{what}: unbatched vs [None] outputs",
+        {name: g for name, (g, _) in pairs.items()},
+        {name: r for name, (_, r) in pairs.items()},
+        UNBATCHED_RTOL,
+    )

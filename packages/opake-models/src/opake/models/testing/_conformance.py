@@ -24,6 +24,7 @@ from opake.models.testing._checks_grads import (
     check_outputs_match,
     check_per_example_grads,
     check_registered,
+    check_unbatched_calls,
 )
 from opake.models.testing._checks_model import (
     check_checkpointing,
@@ -50,6 +51,7 @@ CHECKS: dict[str, Callable[[ConformanceCase], None]] = {
     "loss_only": check_loss_only,
     "per_example_grads": check_per_example_grads,
     "clipped_grads": check_clipped_grads,
+    "unbatched_calls": check_unbatched_calls,
     "checkpointing": check_checkpointing,
     "lora": check_lora,
     "dropout": check_dropout,

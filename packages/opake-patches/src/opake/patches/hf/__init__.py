@@ -10,7 +10,9 @@ Everything here patches one model *instance* (never a class) and records its und
   non-reentrant path;
 * :func:`dropout_status` — active dropout (needs ``randomness="different"`` under ``vmap``);
 * :class:`LossOnlyHead` / :func:`install_loss_only` / :func:`per_example_lm_loss` — the
-  ``loss_only=True`` forward computing the loss with the ``linear_cross_entropy`` kernel.
+  ``loss_only=True`` forward computing the loss with the ``linear_cross_entropy`` kernel;
+* :func:`install_unbatched_calls` — a one-example call without its batch dimension (1-D
+  ``input_ids``, as under ``vmap``) runs as a batch of one and returns unbatched outputs.
 
 >>> import torch
 >>> from opake.patches.hf import additive_attention_mask
@@ -34,9 +36,17 @@ from opake.patches.hf._loss_only import (
     resolve_path,
 )
 from opake.patches.hf._mask import ATTENTION_KINDS, additive_attention_mask, install_mask_conversion
+from opake.patches.hf._unbatched import (
+    BATCHED_OUTPUTS,
+    UNBATCHED_RANKS,
+    install_unbatched_calls,
+    is_unbatched_call,
+)
 
 __all__ = [
     "ATTENTION_KINDS",
+    "BATCHED_OUTPUTS",
+    "UNBATCHED_RANKS",
     "LossKernel",
     "LossOnlyHead",
     "additive_attention_mask",
@@ -45,6 +55,8 @@ __all__ = [
     "dropout_status",
     "install_loss_only",
     "install_mask_conversion",
+    "install_unbatched_calls",
+    "is_unbatched_call",
     "per_example_lm_loss",
     "resolve_path",
     "route_gradient_checkpointing",

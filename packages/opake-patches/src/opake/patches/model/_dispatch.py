@@ -16,6 +16,7 @@ from opake.patches._patcher import Patcher
 from opake.patches.hf._compat import disable_kv_cache, dropout_status, route_gradient_checkpointing
 from opake.patches.hf._loss_only import install_loss_only
 from opake.patches.hf._mask import install_mask_conversion
+from opake.patches.hf._unbatched import install_unbatched_calls
 from opake.patches.model._contract import read_family_patch
 from opake.patches.model._options import (
     KernelsOption,
@@ -215,7 +216,9 @@ def apply_model_patches(
     3. ``compat``: KV cache off; HF gradient checkpointing routed to the vmap-safe path with
        ``use_reentrant=False`` (unless ``vmap_checkpointing=False``); the "inputs require grad"
        hooks made transform-safe; after the family, 2-D attention masks converted to 4-D float
-       additive masks.
+       additive masks, and unbatched per-example calls accepted (1-D ``input_ids`` — one
+       example without its batch dimension, as under ``vmap`` — runs as a batch of one and
+       returns unbatched outputs; :mod:`opake.patches.hf._unbatched`).
     4. The family's ``apply(model, options)`` (kernel replacements when ``performance``).
     5. ``performance``: the ``loss_only=True`` forward for causal LMs, using the
        ``linear_cross_entropy`` kernel chosen from ``fused_linear_cross_entropy`` (Triton, CUDA),
@@ -403,6 +406,12 @@ def _apply(base: Any, family: Any, options: PatchOptions, patcher: Patcher) -> d
     else:
         install_mask_conversion(base, attention, patcher)
         applied.append(f"attention_mask: 2-D masks become 4-D float additive ({attention})")
+    if options.compat:  # last: the outermost wrapper, so every other part sees a batch
+        install_unbatched_calls(base, patcher)
+        applied.append(
+            "unbatched_calls: a 1-D input_ids (one example, as under vmap) runs as a batch of "
+            "one; its outputs come back without the batch dimension"
+        )
     active = dropout_status(base)
     if active:
         notes.append(
