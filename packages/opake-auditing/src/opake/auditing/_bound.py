@@ -16,9 +16,13 @@ above β = 1 − confidence: every smaller ε is rejected at level β.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 from opake.core.errors import ConfigurationError, InputTypeError
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import ArrayLike, NDArray
 
 __all__ = ["EPSILON_CEILING", "NEGLIGIBLE", "epsilon_lower_bound", "p_value"]
 
@@ -62,7 +66,7 @@ def _probability(name: str, value: object, *, closed: bool) -> float:
     return x
 
 
-def _p_values(m: int, r: int, v: int, epsilons: Any, delta: float) -> Any:
+def _p_values(m: int, r: int, v: int, epsilons: ArrayLike, delta: float) -> NDArray[np.float64]:
     """:func:`p_value` at each ε of the array ``epsilons`` (one vectorised evaluation)."""
     import numpy as np
     from scipy import stats
@@ -71,11 +75,13 @@ def _p_values(m: int, r: int, v: int, epsilons: Any, delta: float) -> Any:
     q = expit(np.asarray(epsilons, dtype=np.float64))
     tail = stats.binom.sf(v - 1, r, q)  # f(v) = P[W >= v]
     if delta == 0.0 or v == 0:
-        return np.minimum(1.0, tail)
+        bare: NDArray[np.float64] = np.minimum(1.0, tail)  # scipy is untyped
+        return bare
     # f(v - i) - f(v) = P[v - i <= W < v] = Σ_{j=1..i} pmf(v - j): a running sum over i
     pmf = stats.binom.pmf(np.arange(v - 1, -1, -1)[:, None], r, q[None, :])
     steps = np.cumsum(pmf, axis=0) / np.arange(1, v + 1)[:, None]
-    return np.minimum(1.0, tail + 2.0 * m * delta * steps.max(axis=0))
+    bounded: NDArray[np.float64] = np.minimum(1.0, tail + 2.0 * m * delta * steps.max(axis=0))
+    return bounded
 
 
 def _p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:

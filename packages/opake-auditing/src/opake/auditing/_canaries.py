@@ -7,13 +7,18 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from opake.auditing._crafted import Geometry
+    from opake.dpsgd.clipping import ClippedGrads
+    from opake.dpsgd.optimizer import DPOptimizer, StepReport
+    from opake.dpsgd.training import DPTraining, StepResult
 
 __all__ = [
     "CANARY_ENGINES",
@@ -134,13 +139,13 @@ class GradientCanaries:
         self.crafted = crafted
         self.gradient_norm = _positive("gradient_norm", gradient_norm)
         self.seed = secrets.randbits(63) if seed is None else seed
-        self._geometry: Any = None
+        self._geometry: Geometry | None = None
 
     def __len__(self) -> int:
         return self.count
 
     @property
-    def geometry(self) -> Any:
+    def geometry(self) -> Geometry:
         """The canaries' shapes and vectors (built on first use)."""
         if self._geometry is None:
             from opake.auditing._crafted import geometry
@@ -329,7 +334,7 @@ class CanaryRun:
             )
         return self._grad_fns[engine]
 
-    def clipped_sum(self, canary_ids: Sequence[int], *, engine: str | None = None) -> Any:
+    def clipped_sum(self, canary_ids: Sequence[int], *, engine: str | None = None) -> ClippedGrads:
         """The clipped sum of the drawn canaries' gradients (a ``ClippedGrads`` with ``max_norm``
         C), to ``accumulate`` into ``DPOptimizer`` next to the data's.
 
@@ -359,7 +364,8 @@ class CanaryRun:
         self._grad_fns[method] = (grad_fn, state)
         used = str(grad_fn.engine)
         self.engines[used] = self.engines.get(used, 0) + 1
-        return grads
+        clipped: ClippedGrads = grads  # built without return_aux: the sum alone
+        return clipped
 
     def observe(self, *, expected_batch_size: float) -> None:
         """Record this step's noisy gradient along every canary direction (after ``step()``).
@@ -434,7 +440,11 @@ class CanaryRun:
         return out
 
 
-def step_quietly(optimizer: Any) -> Any:
+@overload
+def step_quietly(optimizer: DPTraining) -> StepResult: ...
+@overload
+def step_quietly(optimizer: DPOptimizer) -> StepReport: ...
+def step_quietly(optimizer: Any) -> StepResult | StepReport:
     """``optimizer.step()`` (or ``finish_step()`` of a :class:`~opake.dpsgd.training.DPTraining`),
     without the first-step "all-zero gradient" warning about the audit parameter alone (a step
     that draws no included canary gives it a zero sum, as expected). Every other warning is
@@ -444,7 +454,7 @@ def step_quietly(optimizer: Any) -> Any:
     finish = getattr(optimizer, "finish_step", None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = finish() if callable(finish) else optimizer.step()
+        report: StepResult | StepReport = finish() if callable(finish) else optimizer.step()
     for item in caught:
         if not _only_canary_zero(str(item.message)):
             warnings.warn_explicit(item.message, item.category, item.filename, item.lineno)

@@ -37,7 +37,7 @@ enough that the output-gradient Gram matrix is formed in fp64.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -85,11 +85,14 @@ class AuditLayer(torch.nn.Module):
         return out
 
 
-def canary_losses(fmodel: Any) -> Any:
+def canary_losses(
+    fmodel: Callable[..., Any],
+) -> Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor]:
     """The batched canary loss ``Σ_t ⟨W x_t, y_t⟩`` per example (``[B]``) over ``fmodel``."""
 
-    def losses(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
-        return (fmodel(params, x) * y).sum(dim=(1, 2))
+    def losses(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = (fmodel(params, x) * y).sum(dim=(1, 2))
+        return out
 
     return losses
 

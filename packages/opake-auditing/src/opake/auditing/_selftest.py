@@ -134,9 +134,10 @@ def self_test(
     ids, targets, model = _data(dataset_size, gen)
     fmodel, trainable = make_functional(model)
 
-    def losses(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+    def losses(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Per-example losses ``[B]``: each example's mean squared error over its tokens."""
-        return ((fmodel(params, x)[..., 0] - y) ** 2).mean(dim=1)
+        out: torch.Tensor = ((fmodel(params, x)[..., 0] - y) ** 2).mean(dim=1)
+        return out
 
     spec = GradientCanaries(canaries, kind="dirac", crafted=crafted, seed=master + 3)
     included = draw_inclusion(canaries, seed=master + 1)

@@ -21,6 +21,7 @@ from opake.core.errors import ConfigurationError, InputTypeError
 
 if TYPE_CHECKING:
     import numpy as np
+    from numpy.typing import NDArray
 
 __all__ = ["ATTACKS", "SubsampledGaussian", "likelihood_ratio"]
 
@@ -30,7 +31,9 @@ ATTACKS = ("all_steps", "likelihood_ratio", "replayed_steps")
 _CHUNK = 1 << 21
 
 
-def likelihood_ratio(table: Any, *, noise_multiplier: float, sample_rate: float) -> Any:
+def likelihood_ratio(
+    table: NDArray[np.floating[Any]], *, noise_multiplier: float, sample_rate: float
+) -> NDArray[np.floating[Any]]:
     """``Σ_t log(1 − q + q·exp((x_t − ½)/σ²))`` over the rows of ``table`` (``[T, m]``
     projections in units of C): the log likelihood ratio of "included" for one canary of the
     Poisson-subsampled Gaussian mechanism, the most powerful test (Neyman–Pearson).
@@ -43,9 +46,13 @@ def likelihood_ratio(table: Any, *, noise_multiplier: float, sample_rate: float)
     import numpy as np
 
     sigma, q = noise_multiplier, sample_rate
+    # annotated: numpy types a reduction over an axis as Any
     if q >= 1.0:
-        return ((table - 0.5) / sigma**2).sum(axis=0)
-    return np.logaddexp(math.log1p(-q), math.log(q) + (table - 0.5) / sigma**2).sum(axis=0)
+        ratio: NDArray[np.floating[Any]] = ((table - 0.5) / sigma**2).sum(axis=0)
+        return ratio
+    mixed = np.logaddexp(math.log1p(-q), math.log(q) + (table - 0.5) / sigma**2)
+    subsampled: NDArray[np.floating[Any]] = mixed.sum(axis=0)
+    return subsampled
 
 
 def _number(name: str, value: object, *, upper: float = math.inf) -> float:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Any
 
 from opake.core.errors import ConfigurationError
 
@@ -23,8 +22,8 @@ def is_dotted_path(value: object) -> bool:
     return isinstance(value, str) and bool(_DOTTED.match(value)) and (":" in value or "." in value)
 
 
-def resolve_dotted(path: str) -> Any:
-    """Import and return the object *path* names.
+def resolve_dotted(path: str) -> object:
+    """Import and return the object *path* names (callers check what they got: it is user input).
 
     >>> resolve_dotted("opake.core.errors:OpakeError").__name__
     'OpakeError'
@@ -39,7 +38,7 @@ def resolve_dotted(path: str) -> Any:
     else:
         module_name, _, attr_path = path.rpartition(".")
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: object = importlib.import_module(module_name)
     except ImportError as err:
         raise ConfigurationError(
             f"cannot import module {module_name!r} named by {path!r}: {err}. "

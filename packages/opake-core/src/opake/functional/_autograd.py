@@ -45,5 +45,6 @@ def cached_signature(cls: F) -> F:
             "decorate a torch.autograd.Function subclass that defines forward (and "
             "setup_context) as static methods"
         )
-    function.__signature__ = inspect.signature(function)  # type: ignore[attr-defined]
+    # through __dict__: typeshed's FunctionType declares no __signature__ (the same attribute)
+    vars(function)["__signature__"] = inspect.signature(function)
     return cls

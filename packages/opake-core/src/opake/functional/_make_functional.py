@@ -96,6 +96,7 @@ class FunctionalModel:
 
     def __call__(self, params: ParamDicts, /, *args: Any, **kwargs: Any) -> Any:
         """Run the module with ``params`` instead of its own parameters."""
+        # Any: whatever the module's forward returns (torch types Module.__call__ so too)
         from torch.func import functional_call
 
         merged = self._merge(params)

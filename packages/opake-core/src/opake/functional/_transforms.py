@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import ParamSpec, TypeVar
 
 __all__ = ["in_transform", "outside_transforms"]
 
 #: set on every wrapper :func:`outside_transforms` returns (so wrapping twice is a no-op)
 MARK = "_opake_outside_transforms"
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def in_transform() -> bool:
@@ -32,7 +35,7 @@ def in_transform() -> bool:
     return torch._C._functorch.maybe_current_level() is not None
 
 
-def outside_transforms(fn: Callable[..., Any]) -> Callable[..., Any]:
+def outside_transforms(fn: Callable[P, R]) -> Callable[P, R | None]:
     """``fn`` skipped inside ``torch.func`` transforms (it returns ``None`` there) and called
     unchanged outside them; the stock callable stays reachable as ``__wrapped__``.
 
@@ -49,7 +52,7 @@ def outside_transforms(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn
 
     @functools.wraps(fn)
-    def skipped_inside_transforms(*args: Any, **kwargs: Any) -> Any:
+    def skipped_inside_transforms(*args: P.args, **kwargs: P.kwargs) -> R | None:
         if in_transform():
             return None
         return fn(*args, **kwargs)

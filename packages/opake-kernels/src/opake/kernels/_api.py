@@ -17,6 +17,8 @@ from opake.core.plugins import KernelChoice, select_kernel
 if TYPE_CHECKING:
     import torch
 
+    from opake.dpsgd.bookkeeping import ImplicitGrad
+
 __all__ = [
     "clip_accumulate",
     "cross_entropy",
@@ -168,7 +170,7 @@ def linear_cross_entropy_example_grads(
     chunk_size: bool | int = True,
     route: str = "auto",
     backend: str | None = None,
-) -> Any:
+) -> ImplicitGrad:
     """Per-example gradients of *weight* (and *bias*) in :func:`linear_cross_entropy`, implicit.
 
     Example ``i``'s gradient of ``Σ_t token_grads[i, t] · loss[i, t]`` is never formed: the
@@ -205,7 +207,7 @@ def linear_cross_entropy_example_grads(
         [4.8, 4.8]
     """
     impl = _impl(ops.LINEAR_CROSS_ENTROPY_EXAMPLE_GRADS, "hidden", hidden, backend)
-    return impl(
+    grads: ImplicitGrad = impl(
         hidden,
         weight,
         labels,
@@ -219,6 +221,7 @@ def linear_cross_entropy_example_grads(
         chunk_size=chunk_size,
         route=route,
     )
+    return grads
 
 
 def cross_entropy(

@@ -308,6 +308,7 @@ def check_rope_tensors(x: object, cos: object, sin: object) -> None:
             f"cos has shape {tuple(cos.shape)} but sin has {tuple(sin.shape)}; they must match."
         )
     try:
+        # torch leaves broadcast_shapes unannotated
         shape = torch.broadcast_shapes(x.shape, cos.shape)  # type: ignore[no-untyped-call]
     except RuntimeError as err:
         raise ConfigurationError(

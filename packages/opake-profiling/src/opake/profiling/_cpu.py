@@ -13,8 +13,9 @@ import ctypes.util
 import errno
 import os
 import sys
+from collections.abc import Callable
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from opake.profiling._devices import _log, _Sampled
 
@@ -127,7 +128,7 @@ def _cgroup_limit() -> tuple[int, int] | None:
 
 
 @lru_cache(maxsize=1)
-def _malloc_trim() -> Any:
+def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim`` (returns freed heap pages to the OS), or None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None
@@ -151,7 +152,7 @@ class _Cpu(_Sampled):
         super().__init__(torch.device("cpu"))
 
     @property
-    def source(self) -> str:  # type: ignore[override]
+    def source(self) -> str:
         mode = _CPU_PEAK_MODE["mode"]
         if mode == "proc":
             return "process RSS (peak: kernel VmHWM since last reset)"

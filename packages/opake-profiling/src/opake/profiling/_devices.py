@@ -94,13 +94,18 @@ class _Backend:
     """Reads one device's memory figures (bytes). Subclasses override what they can measure."""
 
     available: bool = True
-    source: str = "not available"
+    _source: str = "not available"
     process_level: bool = False
     allocated_exact: bool = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.key = str(device)
+
+    @property
+    def source(self) -> str:
+        """Where the figures come from, in words (``_source``, or a subclass's property)."""
+        return self._source
 
     @property
     def peak_exact(self) -> bool:
@@ -135,7 +140,7 @@ class _Backend:
 
 class _Unavailable(_Backend):
     available = False
-    source = "not available (backend missing in this torch build or machine)"
+    _source = "not available (backend missing in this torch build or machine)"
 
 
 # Sampled peaks (MPS before torch 2.13, CPU where the kernel peak cannot be reset), by device key.
@@ -164,7 +169,7 @@ class _Sampled(_Backend):
 
 
 class _Cuda(_Backend):
-    source = "CUDA caching allocator"
+    _source = "CUDA caching allocator"
     allocated_exact = True
 
     def __init__(self, device: torch.device) -> None:
@@ -229,7 +234,7 @@ class _Mps(_Sampled):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.exact = _torch_at_least(2, 13) and _accelerator_is("mps")
-        self.source = (
+        self._source = (
             "torch.accelerator memory statistics (MPS)"
             if self.exact
             else "MPS current allocation (peak sampled at entry, marks and exit)"
@@ -302,7 +307,7 @@ class _Accelerator(_Backend):
         index = torch.accelerator.current_device_index() if device.index is None else device.index
         super().__init__(torch.device(device.type, index))
         self.index = index
-        self.source = f"torch.accelerator memory statistics ({device.type})"
+        self._source = f"torch.accelerator memory statistics ({device.type})"
 
     @property
     def peak_exact(self) -> bool:

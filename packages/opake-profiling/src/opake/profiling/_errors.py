@@ -25,29 +25,35 @@ __all__ = [
     "OperationError",
 ]
 
-if TYPE_CHECKING:
-    from opake.profiling._tuner import TuneResult
-
-try:
+if TYPE_CHECKING:  # type checking runs with opake-core installed: its classes
     from opake.core.errors import (
         ConfigurationError,
         InputTypeError,
         OpakeError,
         OperationError,
     )
-except ImportError:  # opake-core is not installed: same names, same builtin bases
+    from opake.profiling._tuner import TuneResult
+else:
+    try:
+        from opake.core.errors import (
+            ConfigurationError,
+            InputTypeError,
+            OpakeError,
+            OperationError,
+        )
+    except ImportError:  # opake-core is not installed: same names, same builtin bases
 
-    class OpakeError(Exception):  # type: ignore[no-redef]
-        """Base class of every error Opake raises on purpose."""
+        class OpakeError(Exception):
+            """Base class of every error Opake raises on purpose."""
 
-    class ConfigurationError(OpakeError, ValueError):  # type: ignore[no-redef]
-        """A value, option or combination of options is invalid (also a ``ValueError``)."""
+        class ConfigurationError(OpakeError, ValueError):
+            """A value, option or combination of options is invalid (also a ``ValueError``)."""
 
-    class InputTypeError(OpakeError, TypeError):  # type: ignore[no-redef]
-        """An argument has the wrong type (also a ``TypeError``)."""
+        class InputTypeError(OpakeError, TypeError):
+            """An argument has the wrong type (also a ``TypeError``)."""
 
-    class OperationError(OpakeError, RuntimeError):  # type: ignore[no-redef]
-        """An operation cannot run in the current state or context (also a ``RuntimeError``)."""
+        class OperationError(OpakeError, RuntimeError):
+            """An operation cannot run in the current state or context (also a ``RuntimeError``)."""
 
 
 class NoMicrobatchFitsError(OperationError):

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     import torch
 
     from opake.cli._plan import RunPlan
+    from opake.dpsgd.clipping import ClippedGradFn, ClipState
 
 __all__ = [
     "AUTO_FRACTION",
@@ -205,7 +206,7 @@ def microbatch_for_run(
         return MicrobatchChoice(s.microbatch, f"--microbatch {s.microbatch} (given)")
     from opake.dpsgd.clipping import clipped_grad
 
-    def make(microbatch: int | None) -> Any:
+    def make(microbatch: int | None) -> tuple[ClippedGradFn, ClipState]:
         # the same gradient function as the run's, on a probe that is not the private data
         return clipped_grad(
             loss,

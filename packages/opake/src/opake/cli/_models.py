@@ -22,6 +22,7 @@ from opake.core.errors import ConfigurationError
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["NAMED_MODELS", "LoadedModel", "load_model", "load_tokenizer", "resolve_model"]
 
@@ -85,7 +86,7 @@ def resolve_model(spec: str) -> tuple[str, bool]:
     return str(source.directory), True
 
 
-def load_tokenizer(spec: str) -> Any:
+def load_tokenizer(spec: str) -> ByteTokenizer | PreTrainedTokenizerBase:
     """The tokenizer for *spec*: the byte tokenizer for a named config, else the model's own
     (``opake_tokenizer.json`` of an Opake byte-level model, or the Hugging Face tokenizer)."""
     source = locate_model(spec)
@@ -154,6 +155,7 @@ def load_model(
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
+            # _from_config (unannotated in transformers) also applies attn_implementation
             model = LlamaForCausalLM._from_config(  # type: ignore[no-untyped-call]
                 config, attn_implementation="eager"
             )
@@ -163,6 +165,7 @@ def load_model(
 
         lora = LoraConfig(
             r=lora_r,
+            # peft annotates lora_alpha as int, but scales by alpha / r: a float is fine
             lora_alpha=lora_alpha if lora_alpha is not None else 2 * lora_r,  # type: ignore[arg-type]
             lora_dropout=0.0,
             target_modules="all-linear",

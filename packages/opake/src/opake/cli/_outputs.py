@@ -63,7 +63,7 @@ def write_metrics(path: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
     return _atomic_text(path, "".join(lines))
 
 
-def _cell(value: Any) -> Any:
+def _cell(value: object) -> object:
     if value is None:
         return ""
     if isinstance(value, float) and not math.isfinite(value):
@@ -74,7 +74,7 @@ def _cell(value: Any) -> Any:
 def write_json(path: Path, data: Mapping[str, Any]) -> Path:
     """Write *data* as indented JSON (atomically); non-finite floats become strings."""
 
-    def clean(value: Any) -> Any:
+    def clean(value: object) -> object:
         if isinstance(value, float) and not math.isfinite(value):
             return str(value)
         if isinstance(value, Mapping):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Any, Protocol, TextIO
+from typing import Protocol, TextIO
 
 __all__ = ["LineProgress", "Progress", "make_progress"]
 
@@ -39,7 +39,7 @@ class Progress(Protocol):
 
     def set_postfix_str(self, s: str = "", refresh: bool = True) -> None: ...
 
-    def update(self, n: int = 1) -> Any: ...
+    def update(self, n: int = 1) -> object: ...
 
     def close(self) -> None: ...
 
@@ -105,7 +105,8 @@ def make_progress(
 
     out = stream if stream is not None else sys.stderr
     if not enabled:
-        return tqdm(total=total, initial=initial, disable=True)  # type: ignore[no-any-return]
+        silent: Progress = tqdm(total=total, initial=initial, disable=True)  # tqdm is untyped
+        return silent
     columns = _columns(out)
     if columns is None:
         step = every if every is not None else math.ceil(total / LINES_PER_RUN)
@@ -114,7 +115,7 @@ def make_progress(
     if not wide_enough:
         env = os.environ.get("COLUMNS", "")
         columns = int(env) if env.isdigit() and int(env) >= _MIN_COLUMNS else _FALLBACK_COLUMNS
-    return tqdm(  # type: ignore[no-any-return]
+    bar: Progress = tqdm(
         total=total,
         initial=initial,
         desc=desc,
@@ -123,3 +124,4 @@ def make_progress(
         dynamic_ncols=wide_enough,
         ncols=None if wide_enough else columns,
     )
+    return bar

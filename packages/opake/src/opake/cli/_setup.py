@@ -57,10 +57,10 @@ def _autocast_factory(precision: str, device: torch.device) -> Callable[[], Any]
 
 
 def _build_model(plan: RunPlan, device: torch.device) -> tuple[Any, Any, Any]:
-    from transformers.utils import logging as hf_logging
+    from opake.cli._hf import quiet_transformers
 
     s = plan.settings
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
+    quiet_transformers()
     with warnings.catch_warnings():
         # peft and transformers deprecate each other's helpers; not the user's business
         warnings.simplefilter("ignore", FutureWarning)
@@ -82,7 +82,12 @@ def _build_model(plan: RunPlan, device: torch.device) -> tuple[Any, Any, Any]:
         from opake.patches import apply_runtime_patches
 
         apply_runtime_patches()
-        base: Any = model.get_base_model() if s.lora_r is not None else model  # type: ignore[operator]
+        base: Any = model
+        if s.lora_r is not None:
+            from peft import PeftModel
+
+            assert isinstance(model, PeftModel)  # load_model wraps it when LoRA is on
+            base = model.get_base_model()
         kwargs = {"use_reentrant": False}
         if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x
             base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -197,7 +202,7 @@ def forward_options(patch_report: Any) -> dict[str, Any]:
 
 def per_example_loss(
     plan: RunPlan, fmodel: Any, forward_kwargs: dict[str, Any], autocast: Callable[[], Any]
-) -> Any:
+) -> Callable[..., Any]:
     """The loss given to the clipped-gradient function: one example's loss (vmap engine), or a
     :class:`~opake.dpsgd.bookkeeping.BatchedLoss` (book-keeping where exact, else vmap)."""
     import torch
@@ -226,7 +231,8 @@ def per_example_loss(
                 # from the chunked kernel's recorded loss, vocabulary tile by tile
                 params = (trainable, frozen)
                 out = fmodel(params, input_ids=x, labels=x, per_example_loss=True, **forward_kwargs)
-                return out.loss.float()  # type: ignore[no-any-return]
+                loss: torch.Tensor = out.loss.float()
+                return loss
             out = fmodel((trainable, frozen), input_ids=x, use_cache=False)
             return causal_lm_losses(out.logits, x)
 

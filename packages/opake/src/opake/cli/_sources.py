@@ -167,7 +167,8 @@ def _convert_gguf(path: Path, target: Path, spec: str) -> Path:
     """De-quantise *path* to fp32 and save it with its tokenizer as an HF directory *target*."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+
+    from opake.cli._hf import quiet_transformers
 
     _LOG.info("de-quantising %s into %s (once)", path.name, target)
     print(
@@ -175,7 +176,7 @@ def _convert_gguf(path: Path, target: Path, spec: str) -> Path:
         file=sys.stderr,
         flush=True,
     )
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
+    quiet_transformers()
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from opake.core.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 __all__ = ["EOS_TOKEN", "TOKENIZER_FILE", "ByteTokenizer"]
 
@@ -76,7 +79,7 @@ class ByteTokenizer:
             )
         return bytes(i for i in ids if i != self.eos_token_id).decode("utf-8", errors="replace")
 
-    def to_transformers(self) -> Any:
+    def to_transformers(self) -> PreTrainedTokenizerFast:
         """The same tokenizer as a Hugging Face ``PreTrainedTokenizerFast`` (ids ``0..255`` the
         bytes, ``256`` = ``<|endoftext|>``, its EOS token): a byte-level BPE without merges.
 

@@ -30,6 +30,9 @@ from opake.core.errors import ConfigurationError
 if TYPE_CHECKING:
     import torch
 
+    from opake.cli._models import LoadedModel
+    from opake.dpsgd.clipping import ClippedGradFn, ClipState
+
 __all__ = ["build_parser", "register", "run_tune"]
 
 #: the default model of ``opake tune``: smaller than ``opake train``'s, so that a first sweep of
@@ -186,14 +189,12 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _load(args: argparse.Namespace, source: str, *, is_dir: bool) -> Any:
+def _load(args: argparse.Namespace, source: str, *, is_dir: bool) -> LoadedModel:
     """The model of ``--model`` (random token ids: no tokenizer), its positions checked."""
-    from transformers.utils import logging as hf_logging
-
+    from opake.cli._hf import quiet_transformers
     from opake.cli._models import load_model
 
-    # errors stay one line on stderr
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
+    quiet_transformers()  # errors stay one line on stderr
     if is_dir:
         from transformers import AutoConfig
 
@@ -232,7 +233,7 @@ def _step_factory(model: Any, clip: float) -> tuple[Callable[[int], Any], Any, A
         ).loss
         return loss
 
-    def make_grad_fn(microbatch: int) -> Any:
+    def make_grad_fn(microbatch: int) -> tuple[ClippedGradFn, ClipState]:
         return clipped_grad(
             loss_fn, argnums=0, clipping_norm=clip, batch_argnums=2, microbatch_size=microbatch
         )

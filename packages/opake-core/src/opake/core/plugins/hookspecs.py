@@ -39,7 +39,7 @@ hookspec = pluggy.HookspecMarker("opake")
 
 
 @hookspec
-def opake_model_families() -> Iterable[ModelFamily]:  # type: ignore[empty-body]
+def opake_model_families() -> Iterable[ModelFamily]:
     """Return the Hugging Face model families this plugin can patch.
 
     Called once, the first time :func:`opake.core.plugins.model_families` is queried after
@@ -52,10 +52,11 @@ def opake_model_families() -> Iterable[ModelFamily]:  # type: ignore[empty-body]
 
     Since: 0.1.0
     """
+    raise NotImplementedError  # a specification: pluggy calls the implementations, never this
 
 
 @hookspec
-def opake_kernel_backends() -> Iterable[KernelBackend]:  # type: ignore[empty-body]
+def opake_kernel_backends() -> Iterable[KernelBackend]:
     """Return the kernel backends this plugin provides.
 
     Called once, the first time :func:`opake.core.plugins.kernel_backends` is queried after
@@ -67,10 +68,11 @@ def opake_kernel_backends() -> Iterable[KernelBackend]:  # type: ignore[empty-bo
 
     Since: 0.1.0
     """
+    raise NotImplementedError  # a specification: pluggy calls the implementations, never this
 
 
 @hookspec
-def opake_bookkeeping_rules() -> Iterable[BookkeepingRule]:  # type: ignore[empty-body]
+def opake_bookkeeping_rules() -> Iterable[BookkeepingRule]:
     """Return the book-keeping layer rules this plugin provides (for its own layers).
 
     Called once, the first time :func:`opake.core.plugins.bookkeeping_rules` is queried after
@@ -85,3 +87,4 @@ def opake_bookkeeping_rules() -> Iterable[BookkeepingRule]:  # type: ignore[empt
 
     Since: 0.1.0
     """
+    raise NotImplementedError  # a specification: pluggy calls the implementations, never this

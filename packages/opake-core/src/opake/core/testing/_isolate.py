@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,7 +24,9 @@ def exact_norm(grads: Mapping[str, torch.Tensor]) -> float:
     return math.sqrt(math.fsum(squares))
 
 
-def contribution(grad_fn: Any, args: tuple[Any, ...], *, state: Any, index: int, batch: int) -> Any:
+def contribution(
+    grad_fn: Callable[..., Any], args: tuple[object, ...], *, state: object, index: int, batch: int
+) -> dict[str, torch.Tensor]:
     """What example ``index`` alone adds to ``grad_fn``'s clipped sum: the call with an
     ``example_mask`` that keeps only that example (the others then add exact zeros). Returns
     the gradients (without the aux of a ``return_aux`` ``grad_fn``).
@@ -42,4 +44,5 @@ def contribution(grad_fn: Any, args: tuple[Any, ...], *, state: Any, index: int,
     mask = torch.zeros(batch, dtype=torch.bool)
     mask[index] = True
     out, _ = grad_fn(*args, state=state, example_mask=mask)
-    return out[0] if isinstance(out, tuple) else out
+    grads: dict[str, torch.Tensor] = out[0] if isinstance(out, tuple) else out
+    return grads

@@ -7,11 +7,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from peft import PeftModel
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
 __all__ = ["causal_lm_loss", "tiny_gpt2", "tiny_llama", "tiny_mlp", "with_lora"]
 
 
-def tiny_mlp(in_features: int = 8, hidden: int = 16, classes: int = 4, *, seed: int = 0) -> Any:
+def tiny_mlp(
+    in_features: int = 8, hidden: int = 16, classes: int = 4, *, seed: int = 0
+) -> torch.nn.Sequential:
     """A two-layer tanh MLP (``torch.nn.Sequential``), deterministic for ``seed``.
 
     >>> tiny_mlp()[0]
@@ -38,7 +42,7 @@ def tiny_llama(
     attn_implementation: str = "eager",
     seed: int = 0,
     **config: Any,
-) -> Any:
+) -> LlamaForCausalLM:
     """A randomly initialised ``LlamaForCausalLM`` from a ``LlamaConfig`` (eval mode).
 
     Needs ``transformers``. Extra keyword arguments go to the config.
@@ -58,9 +62,9 @@ def tiny_llama(
         "attn_implementation": attn_implementation,
         **config,
     }
-    # Any: transformers leaves eval() unannotated
-    model: Any = LlamaForCausalLM(LlamaConfig(**options))
-    return model.eval()
+    model = LlamaForCausalLM(LlamaConfig(**options))
+    model.train(False)  # eval(), which transformers leaves unannotated
+    return model
 
 
 def tiny_gpt2(
@@ -73,7 +77,7 @@ def tiny_gpt2(
     attn_implementation: str = "eager",
     seed: int = 0,
     **config: Any,
-) -> Any:
+) -> GPT2LMHeadModel:
     """A randomly initialised ``GPT2LMHeadModel`` (tied ``lm_head``/``wte``), dropout off."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -91,9 +95,9 @@ def tiny_gpt2(
         "attn_implementation": attn_implementation,
         **config,
     }
-    # Any: transformers leaves eval() unannotated
-    model: Any = GPT2LMHeadModel(GPT2Config(**options))
-    return model.eval()
+    model = GPT2LMHeadModel(GPT2Config(**options))
+    model.train(False)  # eval(), which transformers leaves unannotated
+    return model
 
 
 def with_lora(
@@ -102,7 +106,7 @@ def with_lora(
     r: int = 4,
     target_modules: tuple[str, ...] = ("q_proj", "v_proj"),
     seed: int = 0,
-) -> Any:
+) -> PeftModel:
     """Wrap ``model`` with PEFT LoRA adapters; only the adapters are trainable.
 
     The adapters get random (not zero) ``lora_B`` weights so every adapter receives a

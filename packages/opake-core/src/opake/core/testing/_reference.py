@@ -19,7 +19,7 @@ __all__ = [
 ]
 
 
-def _example(value: Any, i: int) -> Any:
+def _example(value: object, i: int) -> object:
     import torch
     from torch.utils._pytree import tree_map
 

@@ -242,10 +242,10 @@ def check_rule_example(
         params64 = {k: v.double() for k, v in params.items()}
         x64 = x if x.dtype == torch.int64 else x.double()
         model.double()
-        want = testing.reference_clipped_grad(
+        reference = testing.reference_clipped_grad(
             one_loss, (params64, x64, y.double()), clipping_norm=clip, batch_argnums=(1, 2)
         )
-        testing.assert_grads_close(total, want, rtol=2e-3, atol=2e-3 * clip * batch)
+        testing.assert_grads_close(total, reference, rtol=2e-3, atol=2e-3 * clip * batch)
     return worst
 
 

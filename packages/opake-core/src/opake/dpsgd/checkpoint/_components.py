@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING, Any
 from opake.core.errors import ConfigurationError, InputTypeError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
+    from numpy.typing import NDArray
+
 from opake.dpsgd.checkpoint._file import CheckpointError
 
 
@@ -113,7 +116,8 @@ def _encode_value(value: Any) -> dict[str, Any]:
     return {"kind": "plain", "type": type(value).__name__, "state": value}
 
 
-def _decode_value(template: Any, saved: Any) -> Any:
+def _decode_value(template: Any, saved: Any) -> object:
+    """The clip state ``saved`` describes: an Opake clip state, or an object like ``template``."""
     if not isinstance(saved, Mapping) or not {"kind", "type", "state"} <= set(saved):
         raise CheckpointError("checkpoint component 'clip_state' is malformed")
     kind, type_name, state = saved["kind"], saved["type"], saved["state"]
@@ -161,11 +165,33 @@ def _decode_value(template: Any, saved: Any) -> Any:
     raise CheckpointError(f"checkpoint clip_state has unknown kind {kind!r}")
 
 
+def numpy_legacy_state() -> tuple[str, NDArray[np.uint32], int, int, float]:
+    """numpy's global ``RandomState`` as ``(name, keys, pos, has_gauss, cached_gaussian)``."""
+    import numpy as np
+
+    state = np.random.get_state(legacy=True)
+    if isinstance(state, dict):  # pragma: no cover - only for a non-MT19937 bit generator
+        raise CheckpointError(
+            f"numpy's global RandomState uses {state.get('bit_generator')!r}, not MT19937: "
+            "its state cannot be recorded"
+        )
+    return state
+
+
+def cuda_rng_states() -> list[torch.Tensor] | None:
+    """Every CUDA device's RNG state; ``None`` while CUDA is not initialised (nothing to keep)."""
+    import torch
+
+    # the one call of torch.cuda.is_initialized, which torch leaves unannotated
+    initialized: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    return torch.cuda.get_rng_state_all() if initialized else None
+
+
 def _rng_state() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    np_state: tuple[Any, ...] = np.random.get_state(legacy=True)  # type: ignore[assignment]
+    np_state = numpy_legacy_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
@@ -176,11 +202,7 @@ def _rng_state() -> dict[str, Any]:
             "has_gauss": int(np_state[3]),
             "cached_gaussian": float(np_state[4]),
         },
-        "cuda": (
-            torch.cuda.get_rng_state_all()
-            if torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-            else None
-        ),
+        "cuda": cuda_rng_states(),
     }
     return state
 
@@ -192,7 +214,7 @@ def _restore_rng(saved: Any) -> Callable[[], None]:
     if not isinstance(saved, Mapping) or not {"torch", "python", "numpy", "cuda"} <= set(saved):
         raise CheckpointError("checkpoint component 'rng' is malformed")
 
-    def to_tuple(value: Any) -> Any:
+    def to_tuple(value: Any) -> Any:  # Any: random.setstate's nested tuple, untyped
         return tuple(to_tuple(v) for v in value) if isinstance(value, list | tuple) else value
 
     def apply() -> None:

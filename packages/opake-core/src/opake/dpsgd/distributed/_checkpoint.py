@@ -34,8 +34,9 @@ def _local_rng() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    state: tuple[Any, ...] = np.random.get_state(legacy=True)  # type: ignore[assignment]
-    name, keys, pos, has_gauss, cached = state
+    from opake.dpsgd.checkpoint._components import cuda_rng_states, numpy_legacy_state
+
+    name, keys, pos, has_gauss, cached = numpy_legacy_state()
     version, internal, gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),
@@ -47,11 +48,7 @@ def _local_rng() -> dict[str, Any]:
             int(has_gauss),
             float(cached),
         ],
-        "cuda": (
-            torch.cuda.get_rng_state_all()
-            if torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-            else None
-        ),
+        "cuda": cuda_rng_states(),
     }
 
 

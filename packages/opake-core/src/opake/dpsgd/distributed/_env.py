@@ -22,6 +22,8 @@ from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 if TYPE_CHECKING:
     import torch
 
+    from opake.dpsgd.randomness import Randomness
+
 __all__ = ["DistributedContext", "current_context", "init_distributed"]
 
 #: Default collective timeout (seconds): long enough for a slow checkpoint write, short enough
@@ -110,7 +112,7 @@ class DistributedContext:
         """``rank``/``world_size`` for :class:`opake.dpsgd.sampling.PoissonSampler` (shards)."""
         return {"rank": self.rank, "world_size": self.world_size}
 
-    def shared_randomness(self) -> Any:
+    def shared_randomness(self) -> Randomness:
         """A secure :class:`~opake.dpsgd.randomness.Randomness` whose key rank 0 drew and every
         rank received (see :func:`shared_randomness`)."""
         return shared_randomness(self.group if self.is_distributed else None)
@@ -156,12 +158,13 @@ def _device_for(backend: str | None, local_rank: int, device: object) -> torch.d
     import torch
 
     if device is not None:
+        wrong = f"device={device!r}: expected a torch.device or a string like 'cpu' or 'cuda'"
+        if not isinstance(device, torch.device | str | int):
+            raise InputTypeError(wrong)
         try:
-            resolved: torch.device = torch.device(device)  # type: ignore[call-overload]
+            resolved = torch.device(device)
         except (TypeError, RuntimeError) as err:
-            raise InputTypeError(
-                f"device={device!r}: expected a torch.device or a string like 'cpu' or 'cuda'"
-            ) from err
+            raise InputTypeError(wrong) from err
         if resolved.type == "cuda" and resolved.index is None:
             resolved = torch.device("cuda", local_rank)
         return resolved
@@ -306,7 +309,7 @@ def init_distributed(
     )
 
 
-def shared_randomness(group: Any = None) -> Any:
+def shared_randomness(group: Any = None) -> Randomness:
     """One secure random source for every rank of a run: rank 0 draws a 256-bit key from the
     operating system and sends it to the others (over the process group, inside the cluster).
 

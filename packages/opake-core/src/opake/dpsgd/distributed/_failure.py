@@ -26,10 +26,13 @@ import sys
 import threading
 import time
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.dpsgd.distributed._env import _world
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import Store
 
 __all__ = ["FailFast", "fail_fast"]
 
@@ -62,7 +65,7 @@ def _is_collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in text for m in _COLLECTIVE_MARKERS)
 
 
-def _default_store() -> Any:
+def _default_store() -> Store:
     import torch.distributed as dist
 
     getter = getattr(dist.distributed_c10d, "_get_default_store", None)
@@ -71,7 +74,8 @@ def _default_store() -> Any:
             "fail_fast() could not find the process group's store; pass store= (a "
             "torch.distributed.Store shared by all ranks)"
         )
-    return getter()
+    store: Store = getter()
+    return store
 
 
 class FailFast:
@@ -124,7 +128,8 @@ class FailFast:
         base = self._store_arg if self._store_arg is not None else _default_store()
         # every rank enters its guards in the same order, so generation numbers line up
         prefix = f"{_PREFIX}/{generation}"
-        self._store = dist.PrefixStore(prefix, base)  # type: ignore[attr-defined]
+        # distributed_c10d: torch.distributed re-exports PrefixStore without declaring it
+        self._store = dist.distributed_c10d.PrefixStore(prefix, base)
         self._key = "failed"
         self._ack = "acks"
 

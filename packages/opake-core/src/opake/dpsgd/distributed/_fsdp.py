@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, TypeGuard, overload
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.dpsgd.distributed._comm import broadcast_tensors
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from typing import Literal
 
     import torch
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["ShardedDPOptimizer", "compute_template", "gather_full_params"]
 
@@ -49,14 +50,14 @@ def _dtensor_type() -> type | None:
     return DTensor
 
 
-def _is_sharded(tensor: Any) -> bool:
+def _is_sharded(tensor: object) -> TypeGuard[DTensor]:
     kind = _dtensor_type()
     return kind is not None and isinstance(tensor, kind)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a ``DTensor`` (the tensor itself when it is not sharded)."""
-    return tensor.to_local() if _is_sharded(tensor) else tensor  # type: ignore[attr-defined]
+    return tensor.to_local() if _is_sharded(tensor) else tensor
 
 
 def compute_template(model: torch.nn.Module) -> torch.nn.Module:
@@ -130,7 +131,7 @@ def gather_full_params(
     trainable: dict[str, torch.Tensor] = {}
     frozen: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
-        full = param.full_tensor() if _is_sharded(param) else param  # type: ignore[attr-defined]
+        full = param.full_tensor() if _is_sharded(param) else param
         (trainable if param.requires_grad else frozen)[name] = full.detach()
     if partition_trainable:
         return trainable, frozen
@@ -143,9 +144,9 @@ def _like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return full
     from torch.distributed.tensor import DTensor, Replicate
 
-    mesh = like.device_mesh  # type: ignore[attr-defined]
+    mesh = like.device_mesh
     replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return replicated.redistribute(mesh, like.placements)  # type: ignore[attr-defined]
+    return replicated.redistribute(mesh, like.placements)
 
 
 class _ShardedNoise(_NoiseProxy):
@@ -238,8 +239,8 @@ class ShardedDPOptimizer(DistributedDPOptimizer):
                 "ShardedDPOptimizer: the module has no DTensor parameters (it was not "
                 "fully_shard-ed); use DistributedDPOptimizer for replicated parameters"
             )
-        meshes = {id(p.device_mesh) for p in sharded}  # type: ignore[attr-defined]
-        mesh = sharded[0].device_mesh  # type: ignore[attr-defined]
+        meshes = {id(p.device_mesh) for p in sharded}
+        mesh = sharded[0].device_mesh
         if len(meshes) != 1 or mesh.ndim != 1:
             raise ConfigurationError(
                 "ShardedDPOptimizer supports one 1-D device mesh (data-parallel sharding); got "
@@ -350,9 +351,9 @@ class ShardedDPOptimizer(DistributedDPOptimizer):
             return buffer.to(full.device)
         from torch.distributed.tensor import DTensor, Partial
 
-        mesh = like.device_mesh  # type: ignore[attr-defined]
+        mesh = like.device_mesh
         partial = DTensor.from_local(full, mesh, [Partial()] * mesh.ndim, run_check=False)
-        return partial.redistribute(mesh, like.placements)  # type: ignore[attr-defined]
+        return partial.redistribute(mesh, like.placements)
 
     def _clear(self) -> None:
         super()._clear()

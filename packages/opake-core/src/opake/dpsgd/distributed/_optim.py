@@ -49,7 +49,7 @@ class _NoiseProxy:
         self._device = device
 
     @property
-    def inner(self) -> Any:
+    def inner(self) -> Any:  # Any: the user's noise object is duck-typed, like DPOptimizer's
         """The noise object that draws."""
         return self._inner
 
@@ -61,7 +61,7 @@ class _NoiseProxy:
     def noise_multiplier(self, value: float) -> None:
         self._inner.noise_multiplier = value
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # Any: whatever the inner object holds
         if name.startswith("__") or name == "_inner":
             raise AttributeError(name)
         return getattr(self._inner, name)
@@ -409,7 +409,7 @@ class DistributedDPOptimizer(DPOptimizer):
                 "integer seed shared by all ranks"
             )
 
-        def local_grad_fn(*args: Any, end_step: bool = True, **kwargs: Any) -> Any:
+        def local_grad_fn(*args: Any, end_step: bool = True, **kwargs: Any) -> object:
             return grad_fn(*args, end_step=False, **kwargs)
 
         report, state = super().logical_step(local_grad_fn, params, batches, state=state)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from opake.core.errors import InputTypeError, OperationError
 from opake.dpsgd.distributed._comm import fingerprint
@@ -15,8 +15,16 @@ if TYPE_CHECKING:
 
 __all__ = ["check_replicas_in_sync", "unwrap_ddp"]
 
+T = TypeVar("T")
 
-def unwrap_ddp(module: Any) -> Any:
+
+@overload
+def unwrap_ddp(module: torch.nn.Module) -> torch.nn.Module: ...
+@overload
+def unwrap_ddp(module: T) -> T: ...
+
+
+def unwrap_ddp(module: object) -> object:
     """The module inside a ``DistributedDataParallel`` wrapper (any other object unchanged).
 
     Build ``make_functional`` on the unwrapped module: DDP's ``forward`` may run collectives

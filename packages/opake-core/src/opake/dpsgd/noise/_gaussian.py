@@ -14,7 +14,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsFloat, SupportsIndex
 
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.dpsgd.noise._noisy import NoisyGrads
@@ -61,12 +61,13 @@ def _resolve_sensitivity(grads: Mapping[str, Any], sensitivity: object) -> float
         )
     resolved = []
     for name, value in values:
+        wrong = f"{name}={value!r} ({type(value).__name__}): expected a float"
+        if not isinstance(value, SupportsFloat | SupportsIndex | str | bytes):
+            raise InputTypeError(wrong)  # what float() would refuse with a TypeError
         try:
-            number = float(value)  # type: ignore[arg-type]
+            number = float(value)
         except (TypeError, ValueError) as err:
-            raise InputTypeError(
-                f"{name}={value!r} ({type(value).__name__}): expected a float"
-            ) from err
+            raise InputTypeError(wrong) from err
         if not math.isfinite(number) or number <= 0.0:
             raise ConfigurationError(
                 f"{name}={value!r}: expected a finite sensitivity > 0 (the clipping bound C "
@@ -470,9 +471,10 @@ class GaussianNoise:
 def _as_device(device: object) -> torch.device:
     import torch
 
+    wrong = f"device={device!r}: expected a torch.device or a string like 'cpu' or 'cuda:0'"
+    if not isinstance(device, torch.device | str | int):
+        raise InputTypeError(wrong)
     try:
-        return torch.device(device)  # type: ignore[call-overload,no-any-return]
+        return torch.device(device)
     except (TypeError, RuntimeError) as err:
-        raise InputTypeError(
-            f"device={device!r}: expected a torch.device or a string like 'cpu' or 'cuda:0'"
-        ) from err
+        raise InputTypeError(wrong) from err

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 __all__ = ["NoisyGrads"]
 
 
-class NoisyGrads(dict):  # type: ignore[type-arg]
+class NoisyGrads(dict[str, "torch.Tensor"]):
     """``name -> tensor`` dict of noised gradient sums, with the noise actually used.
 
     Attributes:
@@ -40,7 +40,9 @@ class NoisyGrads(dict):  # type: ignore[type-arg]
         self.noise_std = noise_multiplier * sensitivity
         self.secure = secure
 
-    def __reduce__(self) -> Any:
+    def __reduce__(
+        self,
+    ) -> tuple[Callable[..., NoisyGrads], tuple[dict[str, torch.Tensor], float, float, bool]]:
         return (
             _rebuild_noisy,
             (dict(self), self.noise_multiplier, self.sensitivity, self.secure),
@@ -48,7 +50,7 @@ class NoisyGrads(dict):  # type: ignore[type-arg]
 
 
 def _rebuild_noisy(
-    values: dict[str, Any], noise_multiplier: float, sensitivity: float, secure: bool
+    values: dict[str, torch.Tensor], noise_multiplier: float, sensitivity: float, secure: bool
 ) -> NoisyGrads:
     return NoisyGrads(
         values, noise_multiplier=noise_multiplier, sensitivity=sensitivity, secure=secure

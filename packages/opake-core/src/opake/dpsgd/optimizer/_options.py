@@ -15,6 +15,8 @@ from opake.core.errors import ConfigurationError, InputTypeError
 if TYPE_CHECKING:
     import torch
 
+    from opake.dpsgd.noise import GaussianNoise
+
 
 def _positive_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -184,7 +186,7 @@ def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
 
 def _default_noise(
     noise_multiplier: float, seed: int | None, secure: bool | None, randomness: Any
-) -> Any:
+) -> GaussianNoise:
     from opake.dpsgd.noise import GaussianNoise
 
     return GaussianNoise(noise_multiplier, seed=seed, secure=secure, randomness=randomness)
@@ -236,7 +238,7 @@ def _resolve_noise(
     seed: int | None,
     secure: bool | None,
     randomness: Any,
-) -> Any:
+) -> Any:  # Any: the user's noise object is duck-typed (add() and noise_multiplier)
     """The noise object: the one given (checked against σ) or a default ``GaussianNoise``."""
     if noise is None:
         if noise_multiplier is None:

@@ -21,9 +21,10 @@ overflow counts would make a training hyperparameter depend on private data.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.functional._autograd import cached_signature
@@ -36,10 +37,17 @@ __all__ = ["DEFAULT_FP16_LOSS_SCALE", "autocast_loss"]
 #: static loss scale used for fp16 when none is given
 DEFAULT_FP16_LOSS_SCALE = 2.0**10
 
-_GRAD_SCALE: Any = None
+
+class _GradScale(Protocol):
+    """The ``GradScale`` Function class as used here (torch leaves ``Function.apply`` untyped)."""
+
+    def apply(self, x: torch.Tensor, factor: float, /) -> torch.Tensor: ...
 
 
-def _grad_scale_function() -> Any:
+_GRAD_SCALE: _GradScale | None = None
+
+
+def _grad_scale_function() -> _GradScale:
     """``apply(x, factor)``: identity forward, gradient multiplied by ``factor`` (vmap-safe)."""
     global _GRAD_SCALE
     if _GRAD_SCALE is None:
@@ -157,7 +165,7 @@ def autocast_loss(
     scaler = _grad_scale_function() if scale != 1.0 else None
     inv_scale = 1.0 / scale
 
-    def unscale_at_leaf(leaf: Any) -> Any:
+    def unscale_at_leaf(leaf: object) -> object:
         assert scaler is not None  # only mapped when a scale is set
         if not isinstance(leaf, torch.Tensor):
             return leaf
@@ -169,7 +177,7 @@ def autocast_loss(
             )
         return scaler.apply(leaf, inv_scale)
 
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, object]:
         if max(positions) >= len(args):
             raise InputTypeError(
                 f"autocast_loss(argnums={argnums!r}) but the loss got {len(args)} positional "
@@ -194,6 +202,6 @@ def autocast_loss(
             loss = scaler.apply(loss, scale)
         return (loss, aux) if has_aux else loss
 
-    wrapped.__wrapped__ = loss_fn  # type: ignore[attr-defined]
-    wrapped.__doc__ = loss_fn.__doc__
+    # __wrapped__ and __doc__ only (not functools.wraps: the name stays "wrapped")
+    functools.update_wrapper(wrapped, loss_fn, assigned=("__doc__",), updated=())
     return wrapped

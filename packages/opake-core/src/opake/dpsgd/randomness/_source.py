@@ -31,7 +31,7 @@ import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,6 +39,7 @@ from opake.core.errors import ConfigurationError, InputTypeError
 
 if TYPE_CHECKING:
     import torch
+    from cryptography.hazmat.primitives.ciphers import CipherContext
 
 __all__ = ["STREAMS", "Randomness", "resolve_randomness"]
 
@@ -68,7 +69,7 @@ _BLOCK_BYTES = 64
 _ZEROS = memoryview(bytes(1 << 20))
 
 
-def _cipher(key: bytes, stream: int, index: int, block: int = 0) -> Any:
+def _cipher(key: bytes, stream: int, index: int, block: int = 0) -> CipherContext:
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
     # cryptography's 16-byte ChaCha20 "nonce" is the 32-bit block counter, then the 96-bit nonce

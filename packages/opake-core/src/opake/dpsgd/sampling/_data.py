@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from opake.core.errors import ConfigurationError, InputTypeError
 
@@ -96,14 +96,14 @@ class EmptyBatchCollate:
         self.collate_fn = collate_fn
         self._template: Any = None
 
-    def _collate(self, batch: list[Any]) -> Any:
+    def _collate(self, batch: list[Any]) -> Any:  # Any: what collate_fn returns
         if self.collate_fn is not None:
             return self.collate_fn(batch)
         from torch.utils.data import default_collate
 
         return default_collate(batch)
 
-    def __call__(self, batch: list[Any]) -> Any:
+    def __call__(self, batch: list[Any]) -> Any:  # Any: the batch as collate_fn builds it
         if len(batch):
             return self._collate(batch)
         if self._template is None:
@@ -113,15 +113,19 @@ class EmptyBatchCollate:
         return _emptied(self._template)
 
 
-def _emptied(value: Any) -> Any:
+def _emptied(value: object) -> object:
     import torch
 
     if isinstance(value, torch.Tensor):
         return value[:0].clone()
     if isinstance(value, Mapping):
-        return type(value)({k: _emptied(v) for k, v in value.items()})  # type: ignore[call-arg]
+        # collated mappings are dict-like classes built from a dict (dict, OrderedDict, ...);
+        # the Mapping protocol itself says nothing about constructors
+        rebuild = cast("Callable[[dict[object, object]], object]", type(value))
+        return rebuild({k: _emptied(v) for k, v in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_emptied(v) for v in value))
+        fields = cast("Callable[..., object]", type(value))  # a namedtuple: one arg per field
+        return fields(*(_emptied(v) for v in value))
     if isinstance(value, tuple | list):
         # A list of collated fields (tensors, dicts, …) keeps its structure; a list of plain
         # values (strings, ids) is itself the batch, so it becomes empty.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, NoReturn, Protocol
 
 import torch
 
@@ -24,7 +24,7 @@ __all__ = [
 Tensor = torch.Tensor
 
 
-def _no_double_backward(ctx: Any, *grad_outputs: Any) -> Any:
+def _no_double_backward(ctx: Any, *grad_outputs: Any) -> NoReturn:
     raise OperationError(
         "opake kernels are first-order: the backward of a fused kernel cannot be differentiated "
         "again (no Hessians or double backward through it). Use backend='torch' for that."
@@ -42,7 +42,7 @@ def _front(t: Tensor, dim: int | None, batch: int) -> Tensor:
     return t.unsqueeze(0).expand(batch, *t.shape) if dim is None else t.movedim(dim, 0)
 
 
-def _pick(t: Any, dim: int | None, i: int) -> Any:
+def _pick(t: object, dim: int | None, i: int) -> object:
     return t.select(dim, i) if isinstance(t, torch.Tensor) and isinstance(dim, int) else t
 
 
@@ -79,11 +79,19 @@ per_example = _per_example
 squeeze_group = _squeeze_group
 
 
-def apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)``: torch leaves ``Function.apply`` untyped."""
-    return fn.apply(*args)  # type: ignore[no-untyped-call]
+class FunctionClass(Protocol):
+    """A ``torch.autograd.Function`` subclass, as called here: torch leaves ``apply`` untyped."""
+
+    def apply(self, *args: Any) -> Any: ...
 
 
-def apply_tensor(fn: type[torch.autograd.Function], *args: Any) -> Tensor:
+def apply(fn: FunctionClass, *args: Any) -> Any:
+    """``fn.apply(*args)``: the Function's outputs (a tensor, or a tuple of tensors and
+    ``None`` for the inputs that get no gradient: Any, each Function has its own)."""
+    return fn.apply(*args)
+
+
+def apply_tensor(fn: FunctionClass, *args: Any) -> Tensor:
     """``fn.apply(*args)`` for a Function with one tensor output."""
-    return cast("Tensor", fn.apply(*args))  # type: ignore[no-untyped-call]
+    out: Tensor = fn.apply(*args)
+    return out

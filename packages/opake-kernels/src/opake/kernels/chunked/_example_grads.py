@@ -22,7 +22,8 @@ per example with a loss-only forward (no logits tensor anywhere).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +44,9 @@ from opake.kernels.chunked._kept import (
     kept_norms,
     kept_weighted_sum,
 )
+
+if TYPE_CHECKING:
+    from opake.dpsgd.bookkeeping import PieceCert
 
 __all__ = [
     "ROUTES",
@@ -143,7 +147,7 @@ class LinearCEExampleGrads:
         tg: Tensor,
         hidden: Tensor | None = None,
         lse_all: Tensor | None = None,
-    ) -> Any:
+    ) -> Iterator[tuple[int, int, Tensor]]:
         """Yield ``(v0, v1, d)``: the raw-logit gradients ``[e1-e0, T, vt]`` (fp32) per tile.
 
         ``d`` lives in a reused buffer: consume it before advancing.
@@ -180,7 +184,7 @@ class LinearCEExampleGrads:
                 self._norms = self._sq_norms(None)
         return self._norms
 
-    def certificate(self) -> Any:
+    def certificate(self) -> PieceCert:
         """The clipping certificate (:mod:`._example_certify`; kept logit gradients only)."""
         return _example_certify.certificate(self)
 

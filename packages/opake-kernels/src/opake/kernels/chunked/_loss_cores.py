@@ -76,7 +76,6 @@ def lce_forward(
         if pre[2] and bias is not None:
             gb = torch.zeros(groups, v, dtype=_F32, device=dev)
     bufs = _TileBuffers(tt, vt, hidden.dtype, dev, extra=fused and spec.softcap is not None)
-    fp32 = hidden.dtype == _F32
     for g in range(groups):
         for t0 in range(g * per, (g + 1) * per if fused else n, tt):
             t1 = min((g + 1) * per if fused else n, t0 + tt)
@@ -94,7 +93,8 @@ def lce_forward(
                     zs += z.sum(1)
                 t = None
                 if fused and spec.softcap is not None:
-                    t = torch.div(z, spec.softcap, out=bufs.view(bufs.t, *z.shape))  # type: ignore[arg-type]
+                    assert bufs.t is not None  # allocated for a fused softcap (extra=)
+                    t = torch.div(z, spec.softcap, out=bufs.view(bufs.t, *z.shape))
                 if not fused:  # running log-sum-exp across vocabulary tiles
                     m_new = torch.maximum(m, z.amax(1))
                     s.mul_(torch.exp(m - m_new)).add_(z.sub_(m_new.unsqueeze(1)).exp_().sum(1))
@@ -106,7 +106,8 @@ def lce_forward(
                     d = _dprobs_(z, y, tgrad[t0:t1], v0, v, spec, t, norm=s)
                     if gb is not None:
                         gb[g] += d.sum(0)
-                    dc = d if fp32 else bufs.view(bufs.raw, *d.shape).copy_(d)  # type: ignore[arg-type]
+                    # raw: the input-dtype scratch, which exists when the inputs are not fp32
+                    dc = d if bufs.raw is None else bufs.view(bufs.raw, *d.shape).copy_(d)
                     if gh is not None:
                         _accumulate(gh[t0:t1], dc, w, first=True)
                     if gw is not None:
@@ -146,7 +147,6 @@ def lce_backward(
     if per == 0:
         return _cast_grads(gh, gw, gb, hidden, weight, bias)
     tt, vt = _tiles(opts, per, v)
-    fp32 = hidden.dtype == _F32
     bufs = _TileBuffers(tt, vt, hidden.dtype, dev, extra=spec.softcap is not None)
     for g in range(groups):
         for t0 in range(g * per, (g + 1) * per, tt):
@@ -161,8 +161,8 @@ def lce_backward(
                 if gb is not None:
                     gb[g, v0:v1] += d.sum(0)
                 dc = d
-                if not fp32:
-                    dc = bufs.view(bufs.raw, *d.shape).copy_(d)  # type: ignore[arg-type]
+                if bufs.raw is not None:  # the inputs are not fp32
+                    dc = bufs.view(bufs.raw, *d.shape).copy_(d)
                 if gh is not None:
                     _accumulate(gh[t0:t1], dc, w, first=v0 == 0)
                 if gw is not None:

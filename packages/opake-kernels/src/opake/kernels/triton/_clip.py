@@ -35,6 +35,8 @@ _reported: set[str] = set()
 _DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
+# a Triton kernel: triton.jit is untyped, and the kernel's parameters (pointers, constexprs)
+# are specialised by Triton at launch, not annotated
 @triton.jit  # type: ignore[untyped-decorator]
 def _scale_sum(  # type: ignore[no-untyped-def]
     grad_ptrs,
