@@ -3,7 +3,7 @@
     python tools/run_tests.py                 # lint, every distribution's tests, integration, docs
     python tools/run_tests.py --package opake-core   # one distribution's tests only
     python tools/run_tests.py --only pytest   # just the pytest stage
-    python tools/run_tests.py --only typecheck  # mypy --strict over every distribution's src/
+    python tools/run_tests.py --only typecheck  # mypy --strict: every src/ and tools/bench/
 
 Stages fail loudly: any failing stage makes the exit code non-zero, and pytest's exit code 5
 ("no tests collected") counts as a failure, never a silent pass.
@@ -24,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
 STAGES = ("lint", "typecheck", "pytest", "docs")
+#: the benchmark scripts ``opake bench`` runs and the opake wheel ships: typed like src/
+BENCH = ROOT / "tools" / "bench"
 
 
 def _env() -> dict[str, str]:
@@ -42,18 +44,30 @@ def _env() -> dict[str, str]:
 
 
 def typecheck_command(python: str) -> list[str]:
-    """``mypy --strict`` over every distribution's top-level module (derived from the tree)."""
+    """``mypy --strict`` over every distribution's top-level module and every shipped benchmark
+    script, ``tools/bench/*.py`` (both derived from the tree). The scripts are top-level modules
+    of their folder (they import each other so), which :func:`typecheck_env` puts on mypy's
+    path."""
     modules = sorted(
         f"opake.{sub.name}"
         for sub in ROOT.glob("packages/*/src/opake/*")
         if (sub / "__init__.py").exists()
     )
-    return [python, "-m", "mypy", "--strict", *(arg for mod in modules for arg in ("-p", mod))]
+    scripts = sorted(path.stem for path in BENCH.glob("*.py"))
+    packages = (arg for mod in modules for arg in ("-p", mod))
+    return [python, "-m", "mypy", "--strict", *packages, *(a for s in scripts for a in ("-m", s))]
 
 
-def _run(cmd: list[str], stage: str) -> int:
+def typecheck_env() -> dict[str, str]:
+    """What :func:`typecheck_command` needs in its environment: ``tools/bench`` as a module root,
+    where ``-m x`` finds ``tools/bench/x.py`` and ``import _dpsgd_workload`` resolves."""
+    paths = [str(BENCH), os.environ.get("MYPYPATH", "")]
+    return {"MYPYPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def _run(cmd: list[str], stage: str, extra_env: dict[str, str] | None = None) -> int:
     print(f"\n=== {stage}: {' '.join(cmd)}", flush=True)
-    rc = subprocess.call(cmd, cwd=ROOT, env=_env())
+    rc = subprocess.call(cmd, cwd=ROOT, env=_env() | (extra_env or {}))
     if stage.startswith("pytest") and rc == 5:
         print(f"=== {stage}: no tests were collected (pytest exit 5): FAIL", flush=True)
         return 1
@@ -76,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         if _run([py, "-m", "ruff", "format", "--check", "."], "format") != 0:
             failures.append("format")
     typecheck = "typecheck" in stages and not args.package
-    if typecheck and _run(typecheck_command(py), "typecheck") != 0:
+    if typecheck and _run(typecheck_command(py), "typecheck", typecheck_env()) != 0:
         failures.append("typecheck")
     if "pytest" in stages:
         selected = args.package or [*PACKAGES, "integration"]

@@ -3,6 +3,10 @@
 The wheel holds them as package data, ``opake/cli/_bench_scripts/*.py``, where ``opake bench``
 finds them when it is not run from a checkout; the sdist holds them as ``bench/*.py``, so a wheel
 built from the sdist ships them too. An editable install reads the checkout's ``tools/bench``.
+
+Every module of the folder ships: the benchmarks and their ``_*.py`` helper modules, which the
+benchmarks import from their own folder (``opake bench`` lists and runs only the former). The
+developer profilers of ``tools/profile`` (they reach into Opake's internals) never ship.
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ def bench_source(root: Path) -> Path:
     )
 
 
+def shipped_files(source: Path, destination: str) -> dict[str, str]:
+    """``{file: path in the archive}`` for every module (``*.py``) of the folder *source*."""
+    return {str(script): f"{destination}/{script.name}" for script in sorted(source.glob("*.py"))}
+
+
 class BenchScriptsHook(BuildHookInterface):  # type: ignore[type-arg]
     """Adds every ``*.py`` of the benchmark folder to the wheel or sdist being built."""
 
@@ -36,5 +45,5 @@ class BenchScriptsHook(BuildHookInterface):  # type: ignore[type-arg]
         destination = DESTINATIONS.get(self.target_name)
         if destination is None or version == "editable":
             return
-        for script in sorted(bench_source(Path(self.root).resolve()).glob("*.py")):
-            build_data["force_include"][str(script)] = f"{destination}/{script.name}"
+        source = bench_source(Path(self.root).resolve())
+        build_data["force_include"].update(shipped_files(source, destination))

@@ -6,7 +6,7 @@
 
 A linear layer with input width d and output width p, applied to B sequences of T tokens, has
 per-example gradients ``G_i = Σ_t g_{i,t} ⊗ x_{i,t}`` (a ``p × d`` matrix). The engine
-(:mod:`opake.dpsgd.bookkeeping._pieces`) gets ``‖G_i‖²`` one of two ways:
+(choosing with :func:`opake.dpsgd.bookkeeping.ghost_is_cheaper`) gets ``‖G_i‖²`` one of two ways:
 
 * **ghost** (Gram identity): ``Σ_{t,s} (g_t·g_s)(x_t·x_s)`` — ``opake.dpsgd.certify.gram``
   of both sides, two ``[B, T, T]`` Gram matrices, about ``2·B·T²·(d + p)`` flops;
@@ -157,7 +157,8 @@ def _measure_memory(args: argparse.Namespace) -> dict[str, dict[str, float | Non
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"memory worker failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    peaks: dict[str, dict[str, float | None]] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return peaks
 
 
 def _machine() -> dict[str, Any]:
@@ -196,8 +197,8 @@ def _crossover(points: list[dict[str, Any]], key: str) -> tuple[int | None, floa
     return None, None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--widths", nargs="+", type=int, default=list(WIDTHS), help="d = p")
     parser.add_argument(
         "--rect",
@@ -213,23 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the measured peaks")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.repeats < 5:
-        parser.error("--repeats must be at least 5 (the median of ≥ 5 calls is reported)")
-    for spec in args.rect:
-        parts = spec.split("x")
-        if len(parts) != 2 or not all(x.isdigit() for x in parts):
-            parser.error(f"--rect {spec!r}: expected DxP, e.g. 256x4096")
-    if args.memory_worker:
-        print(json.dumps(memory_worker(args)))
-        return 0
+    return parser
 
-    import torch
 
-    from opake.dpsgd.bookkeeping._pieces import ghost_is_cheaper
+def _measure_times(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each (d, p, T) point: both routes' CPU and wall medians, and the rule's choice."""
+    from opake.dpsgd.bookkeeping import ghost_is_cheaper
 
-    torch.set_num_threads(1)
-    machine = _machine()
     results: list[dict[str, Any]] = []
     for d, p in _shapes(args):
         for steps in args.steps:
@@ -244,13 +235,17 @@ def main(argv: list[str] | None = None) -> int:
             row["materialised_floats"] = args.batch * d * p
             results.append(row)
             print(json.dumps(row), file=sys.stderr)
-    machine["load_end"] = os.getloadavg()
-    memory = {} if args.no_memory else _measure_memory(args)
-    for row in results:
-        peak = memory.get(f"{row['d']}x{row['p']}x{row['T']}", {})
-        row["ghost_peak_mib"] = peak.get("ghost")
-        row["materialised_peak_mib"] = peak.get("materialised")
+    return results
 
+
+def _mib(floats: int, measured: float | None) -> str:
+    got = "–" if measured is None else f"{measured:.1f}"
+    return f"{floats * 4 / MIB:.1f}, {got}"
+
+
+def _print_points(
+    results: list[dict[str, Any]], machine: dict[str, Any], args: argparse.Namespace
+) -> None:
     load = ", ".join(f"{x:.1f}" for x in machine["load_start"])
     print(
         f"python {machine['python']}, torch {machine['torch']}, {machine['cpu']}, "
@@ -264,11 +259,6 @@ def main(argv: list[str] | None = None) -> int:
         " materialised extra MiB (Bdp, measured) |"
     )
     print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|")
-
-    def mib(floats: int, measured: float | None) -> str:
-        got = "–" if measured is None else f"{measured:.1f}"
-        return f"{floats * 4 / MIB:.1f}, {got}"
-
     for row in results:
         ratio_cpu = row["materialised_cpu_s"] / row["ghost_cpu_s"]
         ratio_wall = row["materialised_wall_s"] / row["ghost_wall_s"]
@@ -276,10 +266,20 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['d']} × {row['p']} | {row['T']} | {1e3 * row['ghost_cpu_s']:.2f} | "
             f"{1e3 * row['materialised_cpu_s']:.2f} | {ratio_cpu:.2f} | {ratio_wall:.2f} | "
             f"{'materialised' if ratio_cpu < 1 else 'ghost'} | {row['rule']} | "
-            f"{mib(row['ghost_floats'], row['ghost_peak_mib'])} | "
-            f"{mib(row['materialised_floats'], row['materialised_peak_mib'])} |"
+            f"{_mib(row['ghost_floats'], row['ghost_peak_mib'])} | "
+            f"{_mib(row['materialised_floats'], row['materialised_peak_mib'])} |"
         )
     print()
+
+
+def _show(x: float | None, beyond: str) -> str:
+    return beyond if x is None else f"{x:.0f}"
+
+
+def _print_crossovers(
+    results: list[dict[str, Any]], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Per layer shape: where the rule switches routes and where the measurement does."""
     print(
         "| d × p | rule T* = dp/(d+p) | rule switches at grid T | measured: materialised"
         " faster from grid T (CPU) | interpolated T (CPU) | interpolated T (wall) |"
@@ -308,18 +308,41 @@ def main(argv: list[str] | None = None) -> int:
                 "measured_over_rule": factor,
             }
         )
-        last = points[-1]["T"]
-
-        def show(x: float | int | None, beyond: str = f"> {last}") -> str:
-            if x is None:
-                return beyond
-            return f"{x:.0f}"
-
+        beyond = f"> {points[-1]['T']}"
         print(
-            f"| {d} × {p} | {t_rule:.0f} | {show(rule_grid)} | {show(grid_cpu)} | "
-            f"{show(interp_cpu, '–')} | {show(interp_wall, '–')} | "
-            f"{'–' if factor is None else f'{factor:.2f}'} |"
+            f"| {d} × {p} | {t_rule:.0f} | {_show(rule_grid, beyond)} | "
+            f"{_show(grid_cpu, beyond)} | {_show(interp_cpu, '–')} | "
+            f"{_show(interp_wall, '–')} | {'–' if factor is None else f'{factor:.2f}'} |"
         )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.repeats < 5:
+        parser.error("--repeats must be at least 5 (the median of ≥ 5 calls is reported)")
+    for spec in args.rect:
+        parts = spec.split("x")
+        if len(parts) != 2 or not all(x.isdigit() for x in parts):
+            parser.error(f"--rect {spec!r}: expected DxP, e.g. 256x4096")
+    if args.memory_worker:
+        print(json.dumps(memory_worker(args)))
+        return 0
+
+    import torch
+
+    torch.set_num_threads(1)
+    machine = _machine()
+    results = _measure_times(args)
+    machine["load_end"] = os.getloadavg()
+    memory = {} if args.no_memory else _measure_memory(args)
+    for row in results:
+        peak = memory.get(f"{row['d']}x{row['p']}x{row['T']}", {})
+        row["ghost_peak_mib"] = peak.get("ghost")
+        row["materialised_peak_mib"] = peak.get("materialised")
+    _print_points(results, machine, args)
+    summary = _print_crossovers(results, args)
     if args.json:
         payload: dict[str, Any] = {
             "machine": machine,

@@ -48,6 +48,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _dpsgd_methods import opacus_step
+from _dpsgd_workload import Workload, llama
+
 METHODS = (
     "nonprivate",
     "nonprivate-lossonly",
@@ -65,20 +68,17 @@ def _peak_rss_mib() -> float:
 
 def _build(args: argparse.Namespace, *, patched: bool) -> tuple[Any, Any]:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=max(1, args.hidden // 64),
-        num_key_value_heads=max(1, args.hidden // 64),
-        intermediate_size=round(args.hidden * 2.6875),  # 688 for hidden 256
-        vocab_size=args.vocab,
-        max_position_embeddings=args.seq,
-        attn_implementation="eager",
-    )
-    model = LlamaForCausalLM(cfg).to(args.device)
+    config = {
+        "hidden_size": args.hidden,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": max(1, args.hidden // 64),
+        "num_key_value_heads": max(1, args.hidden // 64),
+        "intermediate_size": round(args.hidden * 2.6875),  # 688 for hidden 256
+        "vocab_size": args.vocab,
+    }
+    model = llama(config, args.seq).to(args.device)
     model.train()
     if patched:
         from opake.patches import apply_model_patches
@@ -95,19 +95,16 @@ def _step(method: str, args: argparse.Namespace) -> Callable[[], None]:
     patched = method.endswith("lossonly")
     model, ids = _build(args, patched=patched)
     if method == "opacus-ghost":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from dpsgd_step import Workload, _opacus
-
         work = Workload({"vocab_size": args.vocab}, args.batch, args.seq, CLIP)
-        return _opacus(model, ids, args, True, work)[0]
+        return opacus_step(model, ids, True, work)[0]
     if method.startswith("nonprivate"):
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        sgd = torch.optim.SGD(model.parameters(), lr=LR)
         extra = {"loss_only": True} if patched else {}
 
         def plain() -> None:
-            opt.zero_grad(set_to_none=True)
+            sgd.zero_grad(set_to_none=True)
             model(input_ids=ids, labels=ids, use_cache=False, **extra).loss.backward()
-            opt.step()
+            sgd.step()
 
         return plain
 
@@ -251,11 +248,12 @@ def _worker(method: str, args: argparse.Namespace) -> dict[str, Any] | None:
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{method} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--batch", type=int, default=16)
@@ -283,20 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(run_one(args.worker, args)))
-        return 0
-    import torch
+    return parser
 
-    print(
-        f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} cores, "
-        f"load {os.getloadavg()[0]:.2f}; device {args.device}; Llama h{args.hidden} "
-        f"L{args.layers} vocab {args.vocab}, batch {args.batch} × "
-        f"seq {args.seq}, full fine-tuning, 1 thread, median of {args.steps} steps, "
-        f"{args.rounds} round(s)",
-        flush=True,
-    )
+
+def _rounds(args: argparse.Namespace) -> list[dict[str, dict[str, Any]]]:
+    """Every method in its own worker, ``--rounds`` times, interleaved."""
     rounds: list[dict[str, dict[str, Any]]] = []
     for r in range(args.rounds):
         results = {}
@@ -313,31 +302,51 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         rounds.append(results)
+    return rounds
+
+
+def _row(method: str, base: str, rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Medians over rounds, and per-round ratios to *base* (then their median)."""
+
+    def med(key: str) -> float:
+        return float(statistics.median(rd[method][key] for rd in rounds))
+
+    def ratio(key: str) -> float:
+        return float(statistics.median(rd[method][key] / rd[base][key] for rd in rounds))
+
+    return {
+        "method": method,
+        "wall": med("wall"),
+        "cpu": med("cpu"),
+        "rss_mib": med("rss_mib"),
+        "wall_ratio": ratio("wall"),
+        "cpu_ratio": ratio("cpu"),
+        "rss_ratio": ratio("rss_mib"),
+        "resident_mib": med("resident_mib"),
+        "step_peak_mib": med("step_peak_mib"),
+        "step_peak_ratio": ratio("step_peak_mib"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.worker:
+        print(json.dumps(run_one(args.worker, args)))
+        return 0
+    import torch
+
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} cores, "
+        f"load {os.getloadavg()[0]:.2f}; device {args.device}; Llama h{args.hidden} "
+        f"L{args.layers} vocab {args.vocab}, batch {args.batch} × "
+        f"seq {args.seq}, full fine-tuning, 1 thread, median of {args.steps} steps, "
+        f"{args.rounds} round(s)",
+        flush=True,
+    )
+    rounds = _rounds(args)
     ran = [m for m in args.methods if all(m in rd for rd in rounds)]
     base = "nonprivate" if "nonprivate" in ran else ran[0]
-    rows = []
-    for method in ran:
-
-        def med(key: str, m: str = method) -> float:
-            return statistics.median(rd[m][key] for rd in rounds)
-
-        def ratio(key: str, m: str = method) -> float:
-            return statistics.median(rd[m][key] / rd[base][key] for rd in rounds)
-
-        rows.append(
-            {
-                "method": method,
-                "wall": med("wall"),
-                "cpu": med("cpu"),
-                "rss_mib": med("rss_mib"),
-                "wall_ratio": ratio("wall"),
-                "cpu_ratio": ratio("cpu"),
-                "rss_ratio": ratio("rss_mib"),
-                "resident_mib": med("resident_mib"),
-                "step_peak_mib": med("step_peak_mib"),
-                "step_peak_ratio": ratio("step_peak_mib"),
-            }
-        )
+    rows = [_row(method, base, rounds) for method in ran]
     print(
         f"\n| method | wall s/step | CPU s/step | × {base} (CPU) | step peak MiB | × {base} "
         f"(step peak) | resident before MiB | step peak − resident MiB | lifetime peak RSS MiB "

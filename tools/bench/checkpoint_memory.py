@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def _rss_mib() -> float:
@@ -76,19 +77,20 @@ def run_one(args: argparse.Namespace) -> dict[str, object]:
 
     apply_runtime_patches()
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        max_position_embeddings=args.seq,
-        use_cache=False,
-        attn_implementation="eager",
-    )
+    options: dict[str, Any] = {
+        "vocab_size": args.vocab,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.heads,
+        "max_position_embeddings": args.seq,
+        "use_cache": False,
+        "attn_implementation": "eager",
+    }
     device = torch.device(args.device)
-    model = LlamaForCausalLM(cfg).to(device)
+    model: Any = LlamaForCausalLM(LlamaConfig(**options))
+    model.to(device)
     model.train()
     if args.checkpoint:
         with warnings.catch_warnings():
@@ -100,7 +102,8 @@ def run_one(args: argparse.Namespace) -> dict[str, object]:
 
     def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         out = functional_call(model, p, (x[None],), {"labels": x[None], "use_cache": False})
-        return out.loss
+        value: torch.Tensor = out.loss
+        return value
 
     per_example = vmap(grad(loss), in_dims=(None, 0))
     if device.type == "cuda":
@@ -120,15 +123,16 @@ def run_one(args: argparse.Namespace) -> dict[str, object]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    peak_rss = round(_peak_rss_mib(), 1)
     result: dict[str, object] = {
         "checkpoint": args.checkpoint,
         "save_on_cpu": args.offload_child,
         "seconds": round(seconds, 2),
         "rss_before_step_mib": round(base_rss, 1),
-        "peak_rss_mib": round(_peak_rss_mib(), 1),
+        "peak_rss_mib": peak_rss,
     }
     # the step's own peak: VmHWM was reset just before it (falls back to the process peak)
-    step_peak = _hwm_mib() if hwm_reset else float(result["peak_rss_mib"])
+    step_peak = _hwm_mib() if hwm_reset else peak_rss
     result["step_rss_increase_mib"] = round(step_peak - base_rss, 1)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
@@ -142,8 +146,8 @@ def run_one(args: argparse.Namespace) -> dict[str, object]:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--intermediate", type=int, default=1024)
@@ -165,29 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         help="set MALLOC_MMAP_THRESHOLD_ (bytes) in the child processes",
     )
     parser.add_argument("--child", choices=["on", "off", "offload"], help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
 
-    if args.child is not None:
-        args.checkpoint = args.child in ("on", "offload")
-        args.offload_child = args.child == "offload"
-        print(json.dumps(run_one(args)))
-        return 0
 
-    shape = [
-        f"--{k}={getattr(args, k)}"
-        for k in ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch", "device")
-    ]
-    results = {}
-    for mode in ("off", "on", "offload") if args.offload else ("off", "on"):
-        cmd = [sys.executable, __file__, *shape, f"--child={mode}"]
-        env = dict(os.environ)
-        if args.mmap_threshold is not None:
-            env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-        if out.returncode != 0:
-            print(out.stderr, file=sys.stderr)
-            return out.returncode
-        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+def _report(
+    results: dict[str, dict[str, Any]], shape: list[str], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The children's results, their ratios and how far the gradients' fingerprints differ."""
     off, on = results["off"], results["on"]
     fp_off = off.pop("grad_fingerprint")
     max_rel = 0.0
@@ -199,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    report = {
-        "shape": dict(a.lstrip("-").split("=") for a in shape),
+    report: dict[str, Any] = {
+        "shape": dict(a.split("=", 1) for a in (s.lstrip("-") for s in shape)),
         "machine": (
             f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
         ),
@@ -222,6 +210,33 @@ def main(argv: list[str] | None = None) -> int:
                     / float(results[mode]["cuda_peak_allocated_mib"]),
                     2,
                 )
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.child is not None:
+        args.checkpoint = args.child in ("on", "offload")
+        args.offload_child = args.child == "offload"
+        print(json.dumps(run_one(args)))
+        return 0
+
+    shape = [
+        f"--{k}={getattr(args, k)}"
+        for k in ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch", "device")
+    ]
+    results = {}
+    for mode in ("off", "on", "offload") if args.offload else ("off", "on"):
+        cmd = [sys.executable, __file__, *shape, f"--child={mode}"]
+        env = dict(os.environ)
+        if args.mmap_threshold is not None:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+        if out.returncode != 0:
+            print(out.stderr, file=sys.stderr)
+            return out.returncode
+        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    report = _report(results, shape, args)
     print(json.dumps(report, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

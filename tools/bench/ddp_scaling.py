@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-FULL = {
+FULL: dict[str, Any] = {
     "config": {
         "hidden_size": 256,
         "num_hidden_layers": 4,
@@ -57,7 +57,7 @@ FULL = {
     "batch": 32,
     "seq": 64,
 }
-SMALL = {
+SMALL: dict[str, Any] = {
     "config": {
         "hidden_size": 128,
         "num_hidden_layers": 2,
@@ -89,9 +89,12 @@ def _worker(args: argparse.Namespace) -> None:
     workload = SMALL if args.small else FULL
     ctx = init_distributed(backend="gloo", timeout=600)
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        **workload["config"], max_position_embeddings=workload["seq"], attn_implementation="eager"
-    )
+    options: dict[str, Any] = {
+        **workload["config"],
+        "max_position_embeddings": workload["seq"],
+        "attn_implementation": "eager",
+    }
+    cfg = LlamaConfig(**options)
     model = LlamaForCausalLM(cfg)
     model.train()
     gen = torch.Generator().manual_seed(1)
@@ -178,7 +181,7 @@ def _run(config: str, args: argparse.Namespace) -> dict[str, Any]:
     steps = data["steps"]
 
     def median_max(key: str) -> float:
-        return statistics.median(max(rank.get(key, 0.0) for rank in step) for step in steps)
+        return float(statistics.median(max(rank.get(key, 0.0) for rank in step) for step in steps))
 
     return {
         "config": config,

@@ -39,7 +39,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 CPU_METHODS = ("naive", "chunked", "torch_chunked")
 CUDA_METHODS = ("naive", "chunked", "triton", "liger", "torch_chunked")
@@ -80,18 +79,20 @@ def _dtype(name: str) -> Any:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def _bootstrap() -> None:
-    """Make ``opake`` importable and its kernels registered, also from a bare checkout."""
+def _require_kernels() -> None:
+    """Opake's kernel backends come from the installed ``opake-kernels`` distribution (its
+    plugin entry point); say how to install it when they are missing."""
     try:
-        import opake.kernels  # noqa: F401
+        from opake.core.plugins import kernel_backends
+
+        found = "chunked" in kernel_backends()
     except ImportError:
-        sys.path[:0] = [str(d / "src") for d in sorted((ROOT / "packages").iterdir())]
-    from opake.core.plugins import kernel_backends, register_plugin
-
-    if "chunked" not in kernel_backends():  # not pip-installed: no entry point to find it
-        import opake.kernels._plugin as plugin
-
-        register_plugin(plugin, name="kernels")
+        found = False
+    if not found:
+        raise SystemExit(
+            "linear_ce.py needs Opake's kernels: pip install -e packages/opake-kernels (a "
+            "checkout) or pip install opake-kernels"
+        )
 
 
 def _loss_fn(method: str) -> Callable[..., Any]:
@@ -202,8 +203,8 @@ def _measure_cuda(res: Result, args: argparse.Namespace) -> None:
     for _ in range(args.warmup):
         step()
     for _ in range(args.repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
         step()
         end.record()
@@ -347,8 +348,8 @@ def _verdict(results: list[Result]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
     p.add_argument("--methods", default=None, help="comma-separated; default depends on device")
@@ -369,10 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", type=Path, default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mode", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """The sizes not given: the issue's setting on CPU, a Llama-3-8B-sized head on CUDA."""
     cuda = args.device == "cuda"
     defaults = {
-        # CPU: the issue's setting. CUDA: a Llama-3-8B-sized head.
         "dtype": "bf16" if cuda else "fp32",
         "hidden": 4096 if cuda else 512,
         "vocab": 128256 if cuda else 32000,
@@ -386,13 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    _bootstrap()
-    if args.worker:
-        _worker(args)
-        return 0
-    args.modes = [m for m in args.modes.split(",") if m]
-    default_methods = CUDA_METHODS if cuda else CPU_METHODS
-    methods = args.methods.split(",") if args.methods else list(default_methods)
+
+
+def _measure(args: argparse.Namespace, methods: list[str]) -> list[Result]:
+    """Every (mode, method), ``--rounds`` times interleaved; all steps and the largest peak."""
+    cuda = args.device == "cuda"
     results: list[Result] = []
     for mode in args.modes:
         merged: dict[str, Result] = {}
@@ -410,6 +412,20 @@ def main(argv: list[str] | None = None) -> int:
                     merged[method].times_s += res.times_s
                     merged[method].extra_bytes = max(merged[method].extra_bytes, res.extra_bytes)
         results += [merged[m] for m in methods]
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _fill_defaults(args)
+    _require_kernels()
+    if args.worker:
+        _worker(args)
+        return 0
+    args.modes = [m for m in args.modes.split(",") if m]
+    default_methods = CUDA_METHODS if args.device == "cuda" else CPU_METHODS
+    methods = args.methods.split(",") if args.methods else list(default_methods)
+    results = _measure(args, methods)
     given = sys.argv[1:] if argv is None else argv
     command = " ".join(["python tools/bench/linear_ce.py", *given])
     text = "\n".join(

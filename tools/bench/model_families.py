@@ -95,7 +95,8 @@ def worker(family: str, mode: str, steps: int, warmup: int) -> dict[str, Any]:
             kwargs["use_cache"] = False
             if patched:
                 kwargs["loss_only"] = True
-        return fmodel(p, **kwargs).loss
+        loss: torch.Tensor = fmodel(p, **kwargs).loss
+        return loss
 
     g = torch.Generator().manual_seed(0)
     vocab = int(model.config.vocab_size)

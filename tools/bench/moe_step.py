@@ -32,11 +32,9 @@ median over rounds is reported.
     python tools/bench/moe_step.py --methods nonprivate bookkeeping --threads 1 --train experts
 
 ``--train experts`` (``no-experts``) trains only the fused experts (everything but them) in
-every method, which isolates the experts rule's share of the overhead. ``--breakdown`` adds,
-per model, the book-keeping step's process time inside its main calls (:data:`BREAKDOWN`,
-median over rounds; the calls nest, so the rows do not add up).
-
-    python tools/bench/moe_step.py --methods nonprivate bookkeeping --threads 1 --breakdown
+every method, which isolates the experts rule's share of the overhead. Where the book-keeping
+step's time goes inside the engine is a developer profiler, not shipped:
+``tools/profile/moe_breakdown.py``.
 
 ``--processes N`` repeats the whole run in N fresh processes and reports, per row, the median
 and range of their ratios (one process's memory layout can shift its ratio by more than the
@@ -82,53 +80,21 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 METHODS = ("nonprivate", "bookkeeping", "vmap", "opacus")
 #: ``--train`` choices: which parameters are trained (the rest frozen, for every method)
-TRAIN = {
+TRAIN: dict[str, Callable[[str], bool]] = {
     "all": lambda name: True,
     "experts": lambda name: ".experts." in name,
     "no-experts": lambda name: ".experts." not in name,
 }
 _TRAIN = ["all"]
-#: ``--breakdown``: (module, attribute) timed inside each book-keeping step
-BREAKDOWN = (
-    ("opake.dpsgd.bookkeeping._runner", "BookkeepingRunner._forward_backward"),
-    ("opake.dpsgd.bookkeeping._runner", "leaf_bounds"),
-    ("opake.dpsgd.bookkeeping._chunk", "BookkeepingChunk.accumulate"),
-    ("opake.models.bookkeeping._record", "experts_forward"),
-    ("opake.models.bookkeeping._record", "_Saved.build"),
-    ("opake.models.bookkeeping._grads", "ExpertGrads.certificate"),
-    ("opake.models.bookkeeping._grads", "ExpertGrads.weighted_sum"),
-)
-_SPENT: dict[str, float] = {}
 
 
-def _instrument() -> None:
-    """Wrap every :data:`BREAKDOWN` call to add its process time to ``_SPENT``."""
-    import functools
-    import importlib
-
-    for module_name, path in BREAKDOWN:
-        owner: Any = importlib.import_module(module_name)
-        *parents, attr = path.split(".")
-        for parent in parents:
-            owner = getattr(owner, parent)
-        original = getattr(owner, attr)
-
-        def timed(*args: Any, _f: Any = original, _key: str = path, **kwargs: Any) -> Any:
-            start = time.process_time()
-            try:
-                return _f(*args, **kwargs)
-            finally:
-                _SPENT[_key] = _SPENT.get(_key, 0.0) + time.process_time() - start
-
-        setattr(owner, attr, functools.wraps(original)(timed))
-
-
-def _model(name: str) -> torch.nn.Module:
+def _model(name: str) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(name, **MODELS[name])
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
+    build: Any = AutoModelForCausalLM.from_config  # unannotated in transformers
+    model = build(config, attn_implementation="eager").train()
     for param_name, param in model.named_parameters():
         param.requires_grad_(TRAIN[_TRAIN[0]](param_name))
     return model
@@ -171,7 +137,8 @@ def _private(name: str, args: argparse.Namespace, method: str) -> Callable[[], N
             loss_only=True,
             per_example_loss=True,
         )
-        return out.loss
+        loss: torch.Tensor = out.loss
+        return loss
 
     grad_fn, state = clipped_grad(
         BatchedLoss(losses, fmodel),
@@ -202,7 +169,7 @@ def _opacus(name: str, _: argparse.Namespace) -> Callable[[], None]:
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)
         )
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         norms = torch.stack(
             [p.grad_sample.reshape(BATCH, -1).norm(dim=1) for p in model.parameters()], dim=1
         ).norm(dim=1)
@@ -213,7 +180,8 @@ def _opacus(name: str, _: argparse.Namespace) -> Callable[[], None]:
     return step
 
 
-def _build(name: str, method: str, args: argparse.Namespace) -> Callable[[], None]:
+def build_step(name: str, method: str, args: argparse.Namespace) -> Callable[[], None]:
+    """The step of *method* on the model *name* (``step()`` runs one)."""
     if method == "nonprivate":
         return _nonprivate(name, args)
     if method == "opacus":
@@ -221,9 +189,9 @@ def _build(name: str, method: str, args: argparse.Namespace) -> Callable[[], Non
     return _private(name, args, method)
 
 
-def _time(step: Callable[[], None], steps: int) -> tuple[float, float]:
+def time_step(step: Callable[[], None], steps: int) -> tuple[float, float]:
+    """One warm-up step, then the medians of *steps* steps: (wall s, process CPU s)."""
     step()  # warm-up (and book-keeping's first-call check)
-    _SPENT.clear()
     walls, cpus = [], []
     for _ in range(steps):
         w, c = time.perf_counter(), time.process_time()
@@ -280,8 +248,9 @@ def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    """The command line (``tools/profile/moe_breakdown.py`` takes the same)."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--rounds", type=int, default=3)
@@ -292,43 +261,46 @@ def main() -> None:
     parser.add_argument(
         "--train", default="all", choices=list(TRAIN), help="trained parameters (rest frozen)"
     )
-    parser.add_argument("--breakdown", action="store_true", help="book-keeping's main calls")
     parser.add_argument(
         "--processes",
         type=int,
         default=1,
         help="repeat the whole run in this many fresh processes; report the median of their ratios",
     )
-    args = parser.parse_args()
-    if args.processes > 1:
-        _across_processes(args)
-        return
+    return parser
+
+
+def configure(args: argparse.Namespace) -> None:
+    """Apply ``--train`` and ``--threads`` to the models built from now on."""
     _TRAIN[0] = args.train
-    if args.breakdown:
-        _instrument()
     if args.threads:
         torch.set_num_threads(args.threads)
+
+
+def build_steps(
+    args: argparse.Namespace,
+) -> tuple[dict[tuple[str, str], Callable[[], None]], dict[tuple[str, str], str]]:
+    """Every (model, method) step, and why each one that cannot run this model was skipped."""
     steps: dict[tuple[str, str], Callable[[], None]] = {}
     skipped: dict[tuple[str, str], str] = {}
     for name in args.models:
         for method in args.methods:
             try:
-                step = _build(name, method, args)
+                step = build_step(name, method, args)
                 if method == "opacus":
                     step()  # Opacus fails on layers it cannot hook on first use
                 steps[name, method] = step
             except Exception as err:  # a method that cannot run this model is reported
                 first = str(err).splitlines()[0][:160] if str(err) else ""
                 skipped[name, method] = f"{type(err).__name__}: {first}"
-    results: dict[tuple[str, str], list[tuple[float, float]]] = {k: [] for k in steps}
-    inside: dict[str, dict[str, list[float]]] = {}
-    for _ in range(args.rounds):
-        for key, step in steps.items():
-            results[key].append(_time(step, args.steps))
-            if args.breakdown and key[1] == "bookkeeping":  # per step: mean of the timed
-                per = inside.setdefault(key[0], {})
-                for call, spent in _SPENT.items():
-                    per.setdefault(call, []).append(spent / args.steps)
+    return steps, skipped
+
+
+def _report(
+    results: dict[tuple[str, str], list[tuple[float, float]]],
+    skipped: dict[tuple[str, str], str],
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
     rows = []
     print(
         f"batch {BATCH} × {SEQ}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
@@ -353,10 +325,21 @@ def main() -> None:
             rows.append({"model": name, "method": method, "wall": wall, "cpu": cpu,
                          "wall_ratio": rw, "cpu_ratio": rc})  # fmt: skip
             print(f"| {name} | {method} | {wall:.3f} | {cpu:.3f} | {rw:.2f} | {rc:.2f} |")
-    for name, per in inside.items():
-        print(f"\n{name}, book-keeping step, CPU ms inside (median over rounds):")
-        for call, values in per.items():
-            print(f"- {call}: {1000 * statistics.median(values):.1f}")
+    return rows
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if args.processes > 1:
+        _across_processes(args)
+        return
+    configure(args)
+    steps, skipped = build_steps(args)
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {k: [] for k in steps}
+    for _ in range(args.rounds):
+        for key, step in steps.items():
+            results[key].append(time_step(step, args.steps))
+    rows = _report(results, skipped, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

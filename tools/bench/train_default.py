@@ -35,9 +35,26 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 BUDGET_SEC = 300.0
 TARGET_EPSILON = 8.0
+#: the figures of the run's summary.json reported as they are (in this order, before and after
+#: the margin below the baseline)
+SUMMARY_FIGURES = (
+    "train_time_sec",
+    "steps",
+    "dataset_size",
+    "expected_batch_size",
+    "epsilon",
+    "delta",
+    "noise_multiplier",
+    "sample_rate",
+    "initial_val_loss",
+    "val_loss",
+    "unigram_baseline",
+)
+AFTER_MARGIN = ("samples_per_second", "peak_memory_gb", "parameters")
 
 
 def _cpu_model() -> str:
@@ -50,8 +67,8 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", help="output directory of the run (default: a temporary one)")
     parser.add_argument("--json", help="write the figures to this JSON file")
     parser.add_argument("--threads", type=int, help="torch threads (OMP_NUM_THREADS) in the run")
@@ -59,8 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         "--margin", type=float, default=0.2, help="required nats/token below the baseline"
     )
     parser.add_argument("train_args", nargs="*", help="extra arguments for opake train (after --)")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def _train(args: argparse.Namespace) -> tuple[dict[str, Any], float, float] | int:
+    """Run ``opake train`` in a child process: its ``summary.json``, wall and CPU seconds; or
+    its exit code when it failed."""
     env = dict(os.environ)
     env.setdefault("MPLBACKEND", "Agg")
     if args.threads:
@@ -79,47 +100,17 @@ def main(argv: list[str] | None = None) -> int:
         if proc.returncode != 0:
             print(f"opake train failed with exit code {proc.returncode}", file=sys.stderr)
             return proc.returncode
-        summary = json.loads((out / "summary.json").read_text())
+        summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    margin = summary["unigram_baseline"] - summary["val_loss"]
-    figures = {
-        "command": "opake train " + " ".join(args.train_args),
-        "machine": f"{_cpu_model()}, {os.cpu_count()} logical CPUs, torch threads "
-        f"{args.threads or 'default'}",
-        "wall_time_sec": wall,
-        "cpu_time_sec": cpu,
-        "load_average_1min": os.getloadavg()[0],
-        "train_time_sec": summary["train_time_sec"],
-        "steps": summary["steps"],
-        "dataset_size": summary["dataset_size"],
-        "expected_batch_size": summary["expected_batch_size"],
-        "epsilon": summary["epsilon"],
-        "delta": summary["delta"],
-        "noise_multiplier": summary["noise_multiplier"],
-        "sample_rate": summary["sample_rate"],
-        "initial_val_loss": summary["initial_val_loss"],
-        "val_loss": summary["val_loss"],
-        "unigram_baseline": summary["unigram_baseline"],
-        "below_baseline": margin,
-        "samples_per_second": summary["samples_per_second"],
-        "peak_memory_gb": summary["peak_memory_gb"],
-        "parameters": summary["parameters"],
-    }
-    checks = {
-        f"wall time < {BUDGET_SEC:.0f} s": wall < BUDGET_SEC,
-        f"CPU time < {BUDGET_SEC:.0f} s": cpu < BUDGET_SEC,
-        f"ε ≤ {TARGET_EPSILON:g}": summary["epsilon"] <= TARGET_EPSILON,
-        f"val loss ≥ {args.margin} below baseline": margin >= args.margin,
-    }
-    figures["checks"] = checks
-    print(f"\n`{figures['command'].strip()}` on {figures['machine']}")
-    print(f"(1-minute load average at the end: {figures['load_average_1min']:.1f})\n")
-    print("| figure | value |")
-    print("|---|---|")
-    s = summary
+    return summary, wall, cpu
+
+
+def _rows(s: dict[str, Any], wall: float, cpu: float) -> list[tuple[str, str]]:
+    """The table's (figure, value) rows."""
     one_over_n2 = abs(s["delta"] * s["dataset_size"] ** 2 - 1) < 1e-9
     delta_text = f"δ = {s['delta']:.2e}" + (" (= 1/N²)" if one_over_n2 else "")
-    rows = [
+    margin = s["unigram_baseline"] - s["val_loss"]
+    return [
         ("wall time", f"{wall:.0f} s"),
         ("CPU time (user + system)", f"{cpu:.0f} s"),
         ("training steps (time in steps)", f"{s['steps']} ({s['train_time_sec']:.0f} s)"),
@@ -139,7 +130,38 @@ def main(argv: list[str] | None = None) -> int:
         ("peak memory", f"{s['peak_memory_gb']:.2f} GB ({s['peak_memory_scope']})"),
         ("parameters", f"{s['parameters']:,}"),
     ]
-    for name, value in rows:
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    ran = _train(args)
+    if isinstance(ran, int):
+        return ran
+    summary, wall, cpu = ran
+    margin = summary["unigram_baseline"] - summary["val_loss"]
+    figures: dict[str, Any] = {
+        "command": "opake train " + " ".join(args.train_args),
+        "machine": f"{_cpu_model()}, {os.cpu_count()} logical CPUs, torch threads "
+        f"{args.threads or 'default'}",
+        "wall_time_sec": wall,
+        "cpu_time_sec": cpu,
+        "load_average_1min": os.getloadavg()[0],
+        **{key: summary[key] for key in SUMMARY_FIGURES},
+        "below_baseline": margin,
+        **{key: summary[key] for key in AFTER_MARGIN},
+    }
+    checks = {
+        f"wall time < {BUDGET_SEC:.0f} s": wall < BUDGET_SEC,
+        f"CPU time < {BUDGET_SEC:.0f} s": cpu < BUDGET_SEC,
+        f"ε ≤ {TARGET_EPSILON:g}": summary["epsilon"] <= TARGET_EPSILON,
+        f"val loss ≥ {args.margin} below baseline": margin >= args.margin,
+    }
+    figures["checks"] = checks
+    print(f"\n`{figures['command'].strip()}` on {figures['machine']}")
+    print(f"(1-minute load average at the end: {figures['load_average_1min']:.1f})\n")
+    print("| figure | value |")
+    print("|---|---|")
+    for name, value in _rows(summary, wall, cpu):
         print(f"| {name} | {value} |")
     print()
     for name, ok in checks.items():

@@ -42,9 +42,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from dpsgd_step import BENCH, CLIP, LR, SIGMA
+from _dpsgd_workload import BENCH, CLIP, LR, SIGMA, llama
 
 METHODS = ("dptrainer", "composition", "nonprivate")
 N = 2048
@@ -53,13 +51,9 @@ SEED = 0
 
 def _model() -> Any:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        **BENCH.config, max_position_embeddings=BENCH.seq, attn_implementation="eager"
-    )
-    return LlamaForCausalLM(cfg).train()
+    return llama(BENCH.config, BENCH.seq).train()
 
 
 def _data() -> list[dict[str, list[int]]]:
@@ -140,15 +134,21 @@ def run_dptrainer(data: list[Any], args: argparse.Namespace) -> list[tuple[float
 def run_composition(data: list[Any], args: argparse.Namespace) -> list[tuple[float, float]]:
     import torch
 
-    from opake.dpsgd.bookkeeping import BatchedLoss
+    from opake.dpsgd.bookkeeping import BatchedLoss, causal_lm_losses
     from opake.dpsgd.training import DPTraining
     from opake.functional import make_functional
     from opake.transformers import DPDataCollator
-    from opake.transformers._losses import has_dropout, per_example_losses
 
     model = _model()
     fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
-    loss = BatchedLoss(per_example_losses(fmodel, model, task="causal_lm"), fmodel)
+
+    def losses(trainable: Any, frozen: Any, batch: dict[str, Any]) -> Any:
+        """Each example's mean token loss, as DPTrainer computes it for a causal LM."""
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        out = fmodel((trainable, frozen), **inputs, use_cache=False)
+        return causal_lm_losses(out.logits, batch["labels"])
+
+    loss = BatchedLoss(losses, fmodel)
     training = DPTraining(
         loss,
         torch.optim.SGD(model.parameters(), lr=LR),
@@ -161,7 +161,7 @@ def run_composition(data: list[Any], args: argparse.Namespace) -> list[tuple[flo
         delta=1.0 / len(data) ** 2,
         clipping_norm=CLIP,
         engine=args.engine,
-        randomness="different" if has_dropout(model) else "error",
+        randomness="error",  # the benchmark Llama has no dropout (DPTrainer chooses the same)
         accountant="rdp",
         seed=SEED,
     )

@@ -2,7 +2,9 @@
 
 From a checkout the scripts are its ``tools/bench/``; a wheel of the ``opake`` distribution ships
 the same scripts (as ``opake/cli/_bench_scripts/``), so the command also works where Opake is
-installed from a wheel.
+installed from a wheel. The folder's ``_*.py`` files are helper modules the scripts import from
+their own folder, not benchmarks; the developer profilers of ``tools/profile`` (which time
+Opake's internals) are neither shipped nor run by this command.
 
 Each script runs in a fresh Python process (so no state, warm cache or imported kernel leaks
 between benchmarks); its standard output — the tables it records in ``docs/benchmarks.md`` — is
@@ -75,7 +77,8 @@ def _checkout_benches(origin: Path) -> list[Path]:
 
 
 def find_scripts(directory: Path) -> list[Path]:
-    """The benchmark scripts in *directory*: ``*.py`` files not starting with ``_``, by name."""
+    """The benchmark scripts in *directory*: ``*.py`` files not starting with ``_`` (those are
+    the scripts' helper modules), by name."""
     return sorted(p for p in directory.glob("*.py") if not p.name.startswith("_"))
 
 

@@ -1,7 +1,7 @@
 """Where one book-keeping DP step's time goes, stage by stage, on the DP-step benchmark model.
 
-    python tools/bench/bk_stages.py                     # documented path, 1 thread, 3 steps
-    python tools/bench/bk_stages.py --method opake-bk --threads 2 --steps 5
+    python tools/profile/bk_stages.py                     # documented path, 1 thread, 3 steps
+    python tools/profile/bk_stages.py --method opake-bk --threads 2 --steps 5
 
 Builds the model and the step of ``tools/bench/dpsgd_step.py`` (``opake-user``: patched model,
 loss-only head, ``BatchedLoss``, ``engine="auto"``; or ``opake-bk``: the stock model with its
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the DP-step workload
 
 
 def _wrap(owner: Any, name: str, label: str, acc: dict[str, float], clock: Any) -> None:
@@ -96,19 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
 
-    import dpsgd_step as bench
     import torch
+    from _dpsgd_methods import nonprivate_step, opake_step, opake_user_step
+    from _dpsgd_workload import BENCH, build
 
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.threads == 1 else time.perf_counter
     options = argparse.Namespace(microbatch_size=None)
-    model, ids = bench._build(args.mode)
+    model, ids = build(args.mode)
     if args.method == "opake-user":
-        step, _ = bench._opake_user(model, ids, options, bench.BENCH, "auto")
+        step, _ = opake_user_step(model, ids, options, BENCH, "auto")
     else:
-        step, _ = bench._opake(model, ids, options, bench.BENCH, engine="bookkeeping")
-    stock, stock_ids = bench._build(args.mode)
-    plain, _ = bench._nonprivate(stock, stock_ids, options)
+        step, _ = opake_step(model, ids, options, BENCH, engine="bookkeeping")
+    stock, stock_ids = build(args.mode)
+    plain, _ = nonprivate_step(stock, stock_ids)
     for _ in range(2):
         step()
         plain()

@@ -1,9 +1,9 @@
 """What the proven clipping bounds cost on ordinary data: how far each certified bound exceeds
 the computed norm, and how often the exact route runs.
 
-    python tools/bench/certified_bounds.py                       # the DP-step benchmark model
-    python tools/bench/certified_bounds.py --model smollm2 --batch 8 --seq 128
-    python tools/bench/certified_bounds.py --model smollm2 --batch 4 --seq 512 --steps 1
+    python tools/profile/certified_bounds.py                       # the DP-step benchmark model
+    python tools/profile/certified_bounds.py --model smollm2 --batch 8 --seq 128
+    python tools/profile/certified_bounds.py --model smollm2 --batch 4 --seq 512 --steps 1
 
 Runs the documented path (``apply_model_patches(chunked_linear_cross_entropy=True)``, a
 ``BatchedLoss`` over the loss-only head, ``clipped_grad(engine="bookkeeping")``) on real text —
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the DP-step workload
 
 
 def _kind(name: str) -> str:
@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
 
-    import dpsgd_step as bench
     import torch
+    from _dpsgd_workload import build, workload
+    from _pretrained import resolve_model
 
     from opake.dpsgd.bookkeeping import BatchedLoss, _runner
     from opake.dpsgd.clipping import clipped_grad
@@ -71,12 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     tok = None
     label = args.model or "benchmark Llama (hidden 256, 4 layers, vocab 4096)"
     if args.model is not None:
-        args.model = bench._resolve_model(args.model)
+        args.model = resolve_model(args.model)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(args.model)
-    work = bench._workload(args)
-    model, _ = bench._build("full", work)
+    work = workload(args)
+    model, _ = build("full", work)
     apply_model_patches(model, chunked_linear_cross_entropy=True)
     fmodel, params = make_functional(model)
 

