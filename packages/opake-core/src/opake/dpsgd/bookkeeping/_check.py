@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import OperationError
@@ -21,6 +21,8 @@ from opake.dpsgd.bookkeeping._certify import TINY
 from opake.dpsgd.bookkeeping._recording import holding
 
 if TYPE_CHECKING:
+    import torch
+
     from opake.dpsgd.bookkeeping._chunk import BookkeepingChunk
     from opake.dpsgd.bookkeeping._runner import BookkeepingRunner
 
@@ -78,22 +80,74 @@ def verify(
     args: tuple[Any, ...],
     chunk: BookkeepingChunk,
     index: int = 0,
+    *,
+    rows: Sequence[int] | None = None,
 ) -> str | None:
     """Compare example ``index``'s per-leaf norms with plain autograd on it alone, both
     ways: autograd's norm must lie below the certified bound and above the computed norm
     less the bound's margin (within the tolerance of two fp32 computations of a model).
+
+    With privacy units, ``index`` is a unit and ``rows`` its rows: autograd runs on each row
+    alone and their gradients are summed in fp64 (the tolerance then scales with the sum of
+    the rows' norms, which is what fp32 rounding scales with when rows cancel).
 
     Guards against what no rule can see: a loss that mixes examples, a model that moves
     the batch dimension, a parameter read outside its layer. Returns the mismatch, ``None``
     if every leaf agrees, or ``"inconclusive"`` when autograd's norm is not finite.
     """
     import torch
+
+    diff = args[runner.argnums]
+    total: list[torch.Tensor | None] = [None] * len(diff)
+    scale = 0.0
+    for row in [index] if rows is None else rows:
+        got = _autograd(runner, per_example, args, row)
+        row_sq = 0.0
+        for k, grad in enumerate(got):
+            if grad is None:
+                continue
+            g = grad.double()
+            row_sq += float(g.square().sum())
+            prev = total[k]
+            total[k] = g if prev is None else prev + g
+        scale += math.sqrt(row_sq) if math.isfinite(row_sq) else math.inf
+    want = [0.0 if g is None else float(g.square().sum()) for g in total]
+    if rows is None:
+        scale = math.sqrt(sum(want))
+    have = [float(v) for v in chunk.leaf_sq[index].detach().double().cpu()]
+    clip = chunk.leaf_sq if chunk.clip_sq is None else chunk.clip_sq
+    bounds = [float(v) for v in clip[index].detach().double().cpu()]
+    if not all(math.isfinite(v) for v in want + have + bounds):
+        return INCONCLUSIVE
+    if not (sum(want) > 0.0 or sum(have) > 0.0):  # zero on both sides proves nothing
+        return INCONCLUSIVE
+    low = runner._half or any(v.dtype not in (torch.float32, torch.float64) for v in diff.values())
+    tol = (5e-2 if low else 1e-4) * max(scale, 1e-12)
+    zero = [0.0] * len(want)
+    rounding = zero if chunk.rounding is None else chunk.rounding[index].cpu().tolist()
+    for name, w, h, b, r in zip(diff, want, have, bounds, rounding, strict=True):
+        got_norm, norm, bound = math.sqrt(w), math.sqrt(h), math.sqrt(b)
+        margin = tol + (r if math.isfinite(r) else 0.0)  # autograd's own fp32 rounding
+        if got_norm > bound + margin or got_norm < norm - (bound - norm) - margin:
+            what = "example" if rows is None else "unit"
+            return (
+                f"{what} {index}, {name!r}: book-keeping norm {norm:.6g} (certified "
+                f"bound {bound:.6g}), per-example autograd norm {got_norm:.6g}"
+            )
+    return None
+
+
+def _autograd(
+    runner: BookkeepingRunner, per_example: Callable[..., Any], args: tuple[Any, ...], row: int
+) -> tuple[torch.Tensor | None, ...]:
+    """Plain autograd of row ``row``'s loss alone (``None`` for a leaf it does not use)."""
+    import torch
     from torch.utils._pytree import tree_map
 
     diff = args[runner.argnums]
     leaves = {k: v.detach().requires_grad_(True) for k, v in diff.items()}
     call = [
-        tree_map(lambda x: x[index] if isinstance(x, torch.Tensor) else x, a)
+        tree_map(lambda x: x[row] if isinstance(x, torch.Tensor) else x, a)
         if i in runner.batch_argnums
         else a
         for i, a in enumerate(args)
@@ -104,24 +158,4 @@ def verify(
         loss = out[0] if runner.has_aux else out
         with holding(runner.loss.module, leaves):
             got = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-    want = [0.0 if g is None else float(g.double().square().sum()) for g in got]
-    have = [float(v) for v in chunk.leaf_sq[index].detach().double().cpu()]
-    clip = chunk.leaf_sq if chunk.clip_sq is None else chunk.clip_sq
-    bounds = [float(v) for v in clip[index].detach().double().cpu()]
-    if not all(math.isfinite(v) for v in want + have + bounds):
-        return INCONCLUSIVE
-    if not (sum(want) > 0.0 or sum(have) > 0.0):  # zero on both sides proves nothing
-        return INCONCLUSIVE
-    low = runner._half or any(v.dtype not in (torch.float32, torch.float64) for v in diff.values())
-    tol = (5e-2 if low else 1e-4) * max(math.sqrt(sum(want)), 1e-12)
-    zero = [0.0] * len(want)
-    rounding = zero if chunk.rounding is None else chunk.rounding[index].cpu().tolist()
-    for name, w, h, b, r in zip(diff, want, have, bounds, rounding, strict=True):
-        got_norm, norm, bound = math.sqrt(w), math.sqrt(h), math.sqrt(b)
-        margin = tol + (r if math.isfinite(r) else 0.0)  # autograd's own fp32 rounding
-        if got_norm > bound + margin or got_norm < norm - (bound - norm) - margin:
-            return (
-                f"example {index}, {name!r}: book-keeping norm {norm:.6g} (certified "
-                f"bound {bound:.6g}), per-example autograd norm {got_norm:.6g}"
-            )
-    return None
+    return tuple(got)

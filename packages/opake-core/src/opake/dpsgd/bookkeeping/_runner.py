@@ -42,6 +42,7 @@ from opake.dpsgd.bookkeeping._recording import (
     rule_pieces,
 )
 from opake.dpsgd.bookkeeping._trust import TRUST_ENV, trusted_names
+from opake.dpsgd.bookkeeping._units import RowUnits, UnitsUnsupportedError, regroup
 from opake.dpsgd.bookkeeping._use import LayerRule, LayerUse
 from opake.dpsgd.certify import (
     FINAL,
@@ -89,6 +90,8 @@ class BookkeepingRunner:
         self._verified: dict[tuple[Any, ...], int] = {}  # structure -> call of its last check
         self.verified = False
         self.disabled: str | None = None  # set when the check failed (auto falls back)
+        #: why privacy units cannot run here (an implicit piece): unit calls use vmap
+        self.units_refused: str | None = None
 
     def plan(self, names: tuple[str, ...]) -> BookkeepingPlan:
         """The (cached) plan for these differentiated names."""
@@ -231,18 +234,48 @@ class BookkeepingRunner:
             f"{TRUST_ENV} to use it anyway"
         )
 
-    def run(self, args: tuple[Any, ...], batch: int) -> BookkeepingChunk:
-        """Forward + backward on one microbatch; certified bounds per leaf and the pieces."""
+    def _unit_pieces(
+        self, uses: list[LayerUse], batch: int, units: RowUnits
+    ) -> dict[str, list[Piece]]:
+        """The pieces regrouped per privacy unit (:mod:`._units`), each use's recording let go
+        as soon as its pieces are regrouped."""
+        pieces: dict[str, list[Piece]] = {}
+        try:
+            for use in uses:
+                for name, piece in self._pieces(use, batch):
+                    self._vet(use, piece)
+                    pieces.setdefault(name, []).append(regroup(piece, units))
+                use.args, use.kwargs, use.grad, use.output, use.built = (), {}, None, None, None
+        except UnitsUnsupportedError as err:
+            self.units_refused = str(err)
+            raise
+        finally:
+            units.release()
+            uses.clear()
+        return pieces
+
+    def run(
+        self, args: tuple[Any, ...], batch: int, units: RowUnits | None = None
+    ) -> BookkeepingChunk:
+        """Forward + backward on one microbatch; certified bounds per leaf and the pieces.
+
+        With ``units`` every result but the losses and aux is per unit (:mod:`._units`): the
+        pieces are regrouped before any norm, bound or sum is computed from them.
+        """
         import torch
 
         diff = args[self.argnums]
         names = tuple(diff)
         losses, aux, uses = self._forward_backward(args, batch)
         pieces: dict[str, list[Piece]] = {}
-        for use in uses:
-            for name, piece in self._pieces(use, batch):
-                self._vet(use, piece)
-                pieces.setdefault(name, []).append(piece)
+        if units is not None:
+            pieces = self._unit_pieces(uses, batch, units)
+            batch = units.count
+        else:
+            for use in uses:
+                for name, piece in self._pieces(use, batch):
+                    self._vet(use, piece)
+                    pieces.setdefault(name, []).append(piece)
         device = losses.device
         zeros = torch.zeros(batch, dtype=torch.float64, device=device)
         sq, bound, slack, loose, rounding = [], [], [], [], []
@@ -314,20 +347,23 @@ class BookkeepingRunner:
         per_example: Callable[..., Any],
         *,
         check: bool,
+        units: RowUnits | None = None,
     ) -> BookkeepingChunk:
-        """:meth:`run`, then (when ``check`` and due) :meth:`verify` on an example with a
-        non-zero gradient.
+        """:meth:`run`, then (when ``check`` and due) :meth:`verify` on an example (a unit,
+        with ``units``: its rows' gradients summed) with a non-zero gradient.
 
         Due: on every structure not yet verified (:meth:`structure`), and every
         ``RECHECK_EVERY`` calls. Raises :class:`BookkeepingMismatchError` (book-keeping is then
         off for good) or :class:`BookkeepingInconclusiveError` (no example could be compared:
         this call must not use the unchecked result). An :class:`OperationError` while
         recording (a layer its rule cannot handle) turns book-keeping off for good and is
-        re-raised as :class:`BookkeepingUnsupportedError` (a mismatch: ``"auto"`` falls back).
+        re-raised as :class:`BookkeepingUnsupportedError` (a mismatch: ``"auto"`` falls back);
+        pieces that cannot be regrouped per unit raise :class:`UnitsUnsupportedError` (unit
+        calls then take the vmap engine; book-keeping stays on for the others).
         """
         try:
-            chunk = self.run(args, batch)
-        except (BookkeepingMismatchError, BookkeepingInconclusiveError):
+            chunk = self.run(args, batch, units)
+        except (BookkeepingMismatchError, BookkeepingInconclusiveError, UnitsUnsupportedError):
             raise
         except OperationError as err:
             self.disabled = f"recording failed ({err})"
@@ -335,13 +371,14 @@ class BookkeepingRunner:
         if not check or batch == 0:
             return chunk
         self._calls += 1
-        key = self.structure(args)
+        key = (*self.structure(args), units is not None)
         last = self._verified.get(key)
         if last is not None and self._calls - last < RECHECK_EVERY:
             return chunk
         compared = 0
         for index in check_examples(chunk):
-            mismatch = self.verify(per_example, args, chunk, index)
+            rows = None if units is None else units.members(index)
+            mismatch = self.verify(per_example, args, chunk, index, rows=rows)
             if mismatch == INCONCLUSIVE:
                 continue
             compared += 1
@@ -367,6 +404,9 @@ class BookkeepingRunner:
         args: tuple[Any, ...],
         chunk: BookkeepingChunk,
         index: int = 0,
+        *,
+        rows: list[int] | None = None,
     ) -> str | None:
-        """:func:`~._check.verify` example ``index`` of ``chunk`` against plain autograd."""
-        return verify(self, per_example, args, chunk, index)
+        """:func:`~._check.verify` example ``index`` of ``chunk`` against plain autograd
+        (``rows``: the rows of unit ``index``, each example's gradient summed)."""
+        return verify(self, per_example, args, chunk, index, rows=rows)

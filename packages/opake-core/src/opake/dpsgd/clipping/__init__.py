@@ -3,6 +3,7 @@
 :func:`clipped_grad` builds ``grad_fn``; ``grad_fn(*args, state=state)`` returns the fp32 sum of
 per-example gradients, each clipped, as a :class:`ClippedGrads` dict whose ``max_norm`` is the
 sum's L2 sensitivity (calibrate noise as ``σ · grads.max_norm``), plus the next clip state.
+``grad_fn(..., units=ids)`` clips privacy units instead (each unit's rows summed, then clipped).
 
 Clipping methods (each a frozen, serialisable dataclass that is both configuration and state):
 :class:`FixedClipping` (``clipping_norm=1.0`` is shorthand), :class:`GroupClipping`

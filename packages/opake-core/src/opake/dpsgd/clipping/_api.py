@@ -233,6 +233,8 @@ def clipped_grad(
     counted in ``ClipAux.nonfinite_count``; the bound holds regardless. An empty batch gives
     zero gradients. The call runs under ``torch.no_grad()`` unless an outer ``torch.func``
     transform differentiates through it. Nothing mixes examples before clipping.
+    ``grad_fn(..., units=ids)`` clips privacy units (a user's rows, a DPO pair) as wholes: each
+    unit's summed gradient to C, same sensitivity (see :class:`ClippedGradFn`).
 
     Example:
         >>> import torch

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from opake.dpsgd.bookkeeping._runner import BookkeepingRunner
+    from opake.dpsgd.bookkeeping._units import RowUnits
     from opake.dpsgd.clipping._base import ClipFactors
 
 __all__ = ["BookkeepingEngine"]
@@ -45,9 +46,10 @@ class BookkeepingEngine:
         self.names = names
         self.check = check
 
-    def chunk(self, args: tuple[Any, ...], m: int) -> ChunkOut:
-        """One batched forward/backward: losses, per-leaf squared norms, aux."""
-        record = self.runner.run_checked(args, m, self.per_example, check=self.check)
+    def chunk(self, args: tuple[Any, ...], m: int, units: RowUnits | None = None) -> ChunkOut:
+        """One batched forward/backward: losses, per-leaf squared norms (per unit with
+        ``units``: the pieces are regrouped first), aux."""
+        record = self.runner.run_checked(args, m, self.per_example, check=self.check, units=units)
         # clip with bounds that rounding cannot shrink (see bookkeeping._certify)
         bound_sq = record.leaf_sq if record.clip_sq is None else record.clip_sq
         return ChunkOut(

@@ -58,8 +58,13 @@ def choose(
     *,
     differentiable: bool,
     randomness: str,
+    units: bool = False,
 ) -> tuple[BookkeepingRunner | None, str]:
     """Pick the engine for one call: ``(runner or None, reason)``; explicit requests are loud.
+
+    ``units``: the call groups rows into privacy units, which a model whose pieces cannot be
+    regrouped per unit (``runner.units_refused``, found on an earlier unit call) clips on the
+    vmap engine.
 
     Adapters (LoRA) take book-keeping like any other parameters: on the DP-step benchmark it
     is the faster engine there too (see ``docs/guide/bookkeeping.md``).
@@ -76,6 +81,8 @@ def choose(
     why = None
     if differentiable:
         why = "an outer torch.func transform differentiates through grad_fn"
+    elif units and runner.units_refused is not None:
+        why = runner.units_refused
     elif engine == "auto" and randomness != "error":
         why = f"randomness={randomness!r} (random layers): the per-example check cannot run"
     else:

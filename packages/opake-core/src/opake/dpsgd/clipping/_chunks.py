@@ -1,5 +1,5 @@
-"""The engine protocol (a chunk in → losses, squared norms, aux; then the weighted sum) and the
-per-call record of diagnostics.
+"""The engine protocol (a chunk in → losses, squared norms, aux; then the weighted sum), the
+per-call record of diagnostics and the running sums.
 
 An engine turns one chunk of ``m`` examples into a :class:`ChunkOut`; the clip state turns its
 squared norms into factors (:mod:`._base`); the engine then adds the factor-weighted sum of
@@ -18,9 +18,16 @@ from opake.dpsgd.clipping._grads import ClipAux
 if TYPE_CHECKING:
     import torch
 
+    from opake.dpsgd.bookkeeping._units import RowUnits
     from opake.dpsgd.clipping._base import ChunkNorms, ClipFactors
 
-__all__ = ["CallRecord", "ChunkEngine", "ChunkOut"]
+__all__ = [
+    "CallRecord",
+    "ChunkEngine",
+    "ChunkOut",
+    "LazySums",
+    "outer_transform_differentiates",
+]
 
 
 @dataclass(frozen=True)
@@ -51,8 +58,13 @@ class ChunkEngine(Protocol):
     #: ``"vmap"`` or ``"bookkeeping"`` (reported as ``grad_fn.engine``)
     name: str
 
-    def chunk(self, args: tuple[Any, ...], m: int) -> ChunkOut:
-        """Losses, per-leaf squared norms and aux of the ``m`` examples in ``args``."""
+    def chunk(self, args: tuple[Any, ...], m: int, units: RowUnits | None = None) -> ChunkOut:
+        """Losses, per-leaf squared norms and aux of the ``m`` examples in ``args``.
+
+        With ``units`` (privacy units, :class:`~opake.dpsgd.bookkeeping._units.RowUnits`),
+        ``loss`` and ``aux`` stay per row while the norms, bounds, slack and payload are per
+        unit: ``accumulate`` then adds each unit's summed gradient, whose norm was bounded.
+        """
         ...
 
     def accumulate(
@@ -134,3 +146,40 @@ class CallRecord:
             loss_aux=loss_aux,
             group_grad_norms=group_norms,
         )
+
+
+class LazySums(dict):  # type: ignore[type-arg]
+    """Running fp32 sums by leaf name, each allocated (zeros) on its first lookup.
+
+    The book-keeping engine frees each layer's recorded tensors as it adds that layer's sum,
+    so a sum allocated on its first add replaces the recording instead of sitting beside it
+    through the forward and the backward (one parameter-sized fp32 tensor per leaf).
+
+    >>> import torch
+    >>> sums = LazySums({"w": (2,)}, torch.device("cpu"))
+    >>> len(sums), sums["w"].tolist(), len(sums)
+    (0, [0.0, 0.0], 1)
+    """
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], device: torch.device) -> None:
+        super().__init__()
+        self._shapes = shapes
+        self._device = device
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        import torch
+
+        value = torch.zeros(self._shapes[name], dtype=torch.float32, device=self._device)
+        self[name] = value
+        return value
+
+
+def outer_transform_differentiates() -> bool:
+    """True when a ``torch.func`` grad/vjp/jvp transform is active around this call."""
+    try:
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    except ImportError:  # pragma: no cover - private API moved: assume the safe default
+        return False
+    keys = {TransformType.Grad, TransformType.Jvp}
+    return any(interp.key() in keys for interp in retrieve_all_functorch_interpreters())

@@ -18,14 +18,22 @@ from typing import TYPE_CHECKING, Any
 from opake.core.errors import ConfigurationError, InputTypeError, OpakePrivacyWarning
 from opake.dpsgd.bookkeeping._check import BookkeepingInconclusiveError, BookkeepingMismatchError
 from opake.dpsgd.bookkeeping._runner import BookkeepingRunner
+from opake.dpsgd.bookkeeping._units import RowUnits, UnitsUnsupportedError
 from opake.dpsgd.certify import adjust_factors, division_slack, divisor_up, full_precision
 from opake.dpsgd.clipping import _vmap_engine as vmap_engine
 from opake.dpsgd.clipping._base import ChunkNorms, ClipState, GroupSpec
 from opake.dpsgd.clipping._bookkeeping import BookkeepingEngine
 from opake.dpsgd.clipping._choice import choose as choose_engine
-from opake.dpsgd.clipping._chunks import CallRecord, ChunkEngine, ChunkOut
+from opake.dpsgd.clipping._chunks import (
+    CallRecord,
+    ChunkEngine,
+    ChunkOut,
+    LazySums,
+    outer_transform_differentiates,
+)
 from opake.dpsgd.clipping._grads import ClipAux, ClippedGrads
 from opake.dpsgd.clipping._tree import DiffTree
+from opake.dpsgd.clipping._units import UnitCall, check_units
 
 if TYPE_CHECKING:
     import torch
@@ -33,32 +41,6 @@ if TYPE_CHECKING:
 __all__ = ["ClippedGradFn"]
 
 _log = logging.getLogger("opake.core")
-
-
-class _LazySums(dict):  # type: ignore[type-arg]
-    """Running fp32 sums by leaf name, each allocated (zeros) on its first lookup.
-
-    The book-keeping engine frees each layer's recorded tensors as it adds that layer's sum,
-    so a sum allocated on its first add replaces the recording instead of sitting beside it
-    through the forward and the backward (one parameter-sized fp32 tensor per leaf).
-
-    >>> import torch
-    >>> sums = _LazySums({"w": (2,)}, torch.device("cpu"))
-    >>> len(sums), sums["w"].tolist(), len(sums)
-    (0, [0.0, 0.0], 1)
-    """
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]], device: torch.device) -> None:
-        super().__init__()
-        self._shapes = shapes
-        self._device = device
-
-    def __missing__(self, name: str) -> torch.Tensor:
-        import torch
-
-        value = torch.zeros(self._shapes[name], dtype=torch.float32, device=self._device)
-        self[name] = value
-        return value
 
 
 @dataclass(frozen=True)
@@ -73,17 +55,7 @@ class _Call:
     mask: torch.Tensor | None
     differentiable: bool
     small: bool
-
-
-def _outer_transform_differentiates() -> bool:
-    """True when a ``torch.func`` grad/vjp/jvp transform is active around this call."""
-    try:
-        from torch._C._functorch import TransformType
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-    except ImportError:  # pragma: no cover - private API moved: assume the safe default
-        return False
-    keys = {TransformType.Grad, TransformType.Jvp}
-    return any(interp.key() in keys for interp in retrieve_all_functorch_interpreters())
+    units: UnitCall | None = None
 
 
 class ClippedGradFn:
@@ -96,6 +68,13 @@ class ClippedGradFn:
       Pass ``False`` for every physical batch but the last when accumulating gradients.
     - ``example_mask``: optional ``[B]`` bool tensor; ``False`` rows (padding of a fixed-shape
       batch) contribute exactly zero and are not counted anywhere.
+    - ``units``: optional ``[B]`` integer tensor, each row's privacy unit (equal ids form a
+      unit, its rows anywhere in the batch). Each unit's gradient — the sum of its real rows'
+      gradients — is clipped as a whole, on either engine, under the same proof: the result
+      is ``Σ_u clip(Σ_{i∈u} g_i)``, ``max_norm`` unchanged (C per unit). ``ClipAux`` norms
+      are per unit (see ``unit_ids``); adaptive clipping counts units. Chunks hold whole
+      units (a unit larger than ``microbatch_size`` gets its own). Never split a unit across
+      calls that are summed (physical batches of a step, ranks). ``None``: one row, one unit.
     """
 
     def __init__(
@@ -228,7 +207,7 @@ class ClippedGradFn:
         return vmap_engine.small_fraction(diff, other)
 
     def _choose(
-        self, tree: DiffTree, small: bool, differentiable: bool
+        self, tree: DiffTree, small: bool, differentiable: bool, units: bool = False
     ) -> BookkeepingRunner | None:
         """The book-keeping runner for this call, or ``None`` for the vmap engine (logged)."""
         if self._bookkeeping is not None and not tree.plain:
@@ -250,6 +229,7 @@ class ClippedGradFn:
                 tree.names,
                 differentiable=differentiable,
                 randomness=self.randomness,
+                units=units,
             )
             if runner is not None and small:
                 reason += (
@@ -290,6 +270,7 @@ class ClippedGradFn:
         state: ClipState,
         end_step: bool = True,
         example_mask: torch.Tensor | None = None,
+        units: torch.Tensor | None = None,
     ) -> Any:
         """Clipped, summed per-example gradients of ``loss_fn`` over the batch arguments."""
         import torch
@@ -307,7 +288,9 @@ class ClippedGradFn:
         device = next(iter(tree.leaves.values())).device
         groups = self._groups(tree.names, state)
         mask = self._check_mask(example_mask, batch, device)
-        differentiable = _outer_transform_differentiates()
+        ids = check_units(units, batch, device)
+        plan = None if ids is None else UnitCall.plan(ids, mask, self.microbatch_size)
+        differentiable = outer_transform_differentiates()
         if self.compute_dtype is not None:
             args = self._cast(args)
             tree = DiffTree.of(args[self.argnums], argnums=self.argnums)
@@ -315,8 +298,10 @@ class ClippedGradFn:
         call[self.argnums] = tree.leaves
         args = tuple(call)
         small = self._prefer_expanded(args, differentiable)
-        runner = self._choose(tree, small, differentiable)
-        run = self._runner(_Call(args, tree, state, batch, groups, mask, differentiable, small))
+        runner = self._choose(tree, small, differentiable, plan is not None)
+        run = self._runner(
+            _Call(args, tree, state, batch, groups, mask, differentiable, small, plan)
+        )
         with contextlib.nullcontext() if differentiable else torch.no_grad():
             try:
                 sums, aux, count, engine = run(runner)
@@ -324,6 +309,11 @@ class ClippedGradFn:
                 if self.requested_engine == "bookkeeping":
                     raise
                 _log.warning("clipped_grad: %s; using the vmap engine from now on", err)
+                self._report("vmap", str(err))
+                sums, aux, count, engine = run(None)
+            except UnitsUnsupportedError as err:  # pieces that cannot be summed per unit
+                if self.requested_engine == "bookkeeping":
+                    raise ConfigurationError(f"clipped_grad(engine='bookkeeping'): {err}") from err
                 self._report("vmap", str(err))
                 sums, aux, count, engine = run(None)
             except BookkeepingInconclusiveError as err:  # never an unchecked result
@@ -403,6 +393,24 @@ class ClippedGradFn:
                 tuple(tree_map(cut, arg) if i in batched else arg for i, arg in enumerate(args)),
             )
 
+    def _parts(
+        self, call: _Call, device: torch.device
+    ) -> Iterator[tuple[Any, int, torch.Tensor, RowUnits | None]]:
+        """``(chunk_args, rows, is_real, units)`` per chunk: slices of ``microbatch_size``
+        rows, or whole privacy units (``units``: per unit, then)."""
+        import torch
+
+        if call.units is not None:
+            yield from call.units.parts(call.args, self.batch_argnums)
+            return
+        for start, stop, chunk_args in self._chunks(call.args, call.batch):
+            is_real = (
+                torch.ones(stop - start, dtype=torch.bool, device=device)
+                if call.mask is None
+                else call.mask[start:stop]
+            )
+            yield chunk_args, stop - start, is_real, None
+
     def _run(
         self, engine: ChunkEngine, call: _Call
     ) -> tuple[dict[str, torch.Tensor], ClipAux, torch.Tensor]:
@@ -411,18 +419,15 @@ class ClippedGradFn:
 
         leaves, mask, state = call.tree.leaves, call.mask, call.state
         device = next(iter(leaves.values())).device
-        sums: dict[str, torch.Tensor] = _LazySums(
+        sums: dict[str, torch.Tensor] = LazySums(
             {n: tuple(v.shape) for n, v in leaves.items()}, device
         )
         real = torch.tensor(call.batch, device=device) if mask is None else mask.sum()
+        if call.units is not None:
+            real = call.units.real_count()
         record = CallRecord(device, real, call.differentiable)
-        for start, stop, chunk_args in self._chunks(call.args, call.batch):
-            out = engine.chunk(chunk_args, stop - start)
-            is_real = (
-                torch.ones(stop - start, dtype=torch.bool, device=device)
-                if mask is None
-                else mask[start:stop]
-            )
+        for chunk_args, m, is_real, units in self._parts(call, device):
+            out = engine.chunk(chunk_args, m, units) if units else engine.chunk(chunk_args, m)
             norms = ChunkNorms(out.leaf_sq, out.bound_sq, is_real, call.groups)
             factors = state.factors(norms)
             slack = self._slack(out, call)
@@ -436,7 +441,10 @@ class ClippedGradFn:
             divisor = divisor_up(self.normalize_by, device)
             with full_precision():
                 sums = {name: value / divisor for name, value in sums.items()}
-        return sums, record.result(state.group_names()), record.count
+        aux = record.result(state.group_names())
+        if call.units is not None:
+            aux = call.units.finish(aux)
+        return sums, aux, record.count
 
     def _slack(self, out: ChunkOut, call: _Call) -> torch.Tensor | None:
         """The chunk's slack plus what the final division by ``normalize_by`` can add."""

@@ -26,7 +26,8 @@ class ClippedGrads(dict[str, "torch.Tensor"]):
             ``sqrt(Σ C_k²) / normalize_by`` for group clipping, ``R / normalize_by`` for AUTO-S.
             Calibrate Gaussian noise as ``σ · max_norm``.
         batch_size: number of real examples summed (padding excluded by ``example_mask``;
-            examples with non-finite gradients are included but contribute zero), as a 0-d
+            examples with non-finite gradients are included but contribute zero; with
+            ``units=``, the number of units with a real row), as a 0-d
             int64 tensor on the gradients' device (read it with ``int()`` only when a host
             sync is acceptable).
         count_noise_multiplier: σ_b of the noisy count adaptive clipping released while
@@ -35,7 +36,8 @@ class ClippedGrads(dict[str, "torch.Tensor"]):
 
     Adding two results (``a + b``, e.g. accumulating physical batches of one logical step)
     sums the tensors and batch sizes; the sum's sensitivity is ``max(a.max_norm, b.max_norm)``
-    because an example belongs to one physical batch only.
+    because an example (a privacy unit, with ``units=``: keep each unit's rows in one physical
+    batch) belongs to one physical batch only.
 
     >>> import torch
     >>> a = ClippedGrads({"w": torch.ones(2)}, max_norm=1.0, batch_size=torch.tensor(3))
@@ -110,6 +112,11 @@ class ClipAux:
         loss_aux: what ``loss_fn`` returned next to the loss (``has_aux=True``), stacked over
             the batch; ``None`` without ``has_aux`` or for an empty batch.
         group_grad_norms: fp32 ``[B]`` per-group norms before clipping (group clipping only).
+        unit_ids: with privacy units (``grad_fn(..., units=ids)``), the distinct ids ``[U]`` in
+            ascending order, else ``None``. Then ``grad_norms``, ``clipped_grad_norms`` and
+            ``group_grad_norms`` are per unit ``[U]`` in that order (the norm of the unit's
+            summed gradient), ``clipping_rate``, ``batch_size`` and ``nonfinite_count`` count
+            units; ``loss_values`` and ``loss_aux`` stay per row ``[B]``, in row order.
     """
 
     loss_values: torch.Tensor
@@ -120,3 +127,4 @@ class ClipAux:
     nonfinite_count: torch.Tensor
     loss_aux: Any = None
     group_grad_norms: Mapping[str, torch.Tensor] | None = None
+    unit_ids: torch.Tensor | None = None

@@ -32,6 +32,7 @@ from opake.dpsgd.clipping._kernel import clip_accumulate, kernel_runs_on
 if TYPE_CHECKING:
     import torch
 
+    from opake.dpsgd.bookkeeping._units import RowUnits
     from opake.dpsgd.clipping._base import ClipFactors
 
 __all__ = [
@@ -199,8 +200,12 @@ class VmapEngine:
         detached = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
         return per_example, loss.detach(), detached
 
-    def chunk(self, args: tuple[Any, ...], m: int) -> ChunkOut:
-        """Per-example gradients of the chunk and their per-leaf squared norms."""
+    def chunk(self, args: tuple[Any, ...], m: int, units: RowUnits | None = None) -> ChunkOut:
+        """Per-example gradients of the chunk and their per-leaf squared norms.
+
+        With ``units``, each unit's rows' gradients are summed (fp32; fp64 kept) and the norms
+        are those of the summed tensors: the very tensors :meth:`accumulate` adds.
+        """
         torch = self._torch
         out = None
         if self.expanded:
@@ -218,6 +223,9 @@ class VmapEngine:
             out = self._vmapped(*args)
         grads, loss = out[0], out[1]
         aux = out[2] if self.has_aux else None
+        if units is not None and not units.identity:
+            grads = {n: units.sum_rows(grads[n]) for n in self.names}
+            m = units.count
         # certified per-leaf norms of the very tensors that are summed (fp32 blocks summed in
         # fp64: no length of leaf can hide mass from them), and what scaling them by a factor,
         # then dividing by normalize_by, can add (see opake.dpsgd.certify)

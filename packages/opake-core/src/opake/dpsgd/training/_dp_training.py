@@ -28,21 +28,20 @@ from opake.dpsgd.training._options import (
     _rate,
 )
 from opake.dpsgd.training._result import PrivacyBudgetExhausted, StepResult, _result
+from opake.dpsgd.training._units import StepUnits
+from opake.dpsgd.training._views import TrainingViews
 
 if TYPE_CHECKING:
     import os
 
     import torch
 
-    from opake.accounting import PrivacyAccountant
-    from opake.dpsgd.clipping import ClipAux, ClippedGradFn, ClipState
-    from opake.dpsgd.distributed import DistributedDPOptimizer
-    from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler
+    from opake.dpsgd.clipping import ClipAux
 
 __all__ = ["DPTraining", "PrivacyBudgetExhausted", "StepResult"]
 
 
-class DPTraining:
+class DPTraining(TrainingViews):
     """The DP-SGD training step: sampling, clipping, noise, update, accounting, budget.
 
     One object holds the sampler, the clipped-gradient function, the DP optimizer, the
@@ -192,84 +191,9 @@ class DPTraining:
         )
         accounting = _accounting_of(self._sampler, extra, self._clip_state)
         self._spending = Spending(self._accountant, accounting, delta, budget)
-        self._hooks = []
+        self._hooks, self._units = [], StepUnits()
         self._after_load()  # no step pending, no budget or ε computed yet
         self._check_budget()
-
-    # -- read-only views --------------------------------------------------------------------
-
-    @property
-    def sampler(self) -> PoissonSampler | FixedShapePoissonSampler:
-        """The Poisson sampler (this rank's shard of the global batches)."""
-        return self._sampler
-
-    @property
-    def optimizer(self) -> DistributedDPOptimizer:
-        """The DP optimizer (a ``DistributedDPOptimizer``, a plain one in a single process)."""
-        return self._optimizer
-
-    @property
-    def grad_fn(self) -> ClippedGradFn:
-        """The clipped-gradient function (``grad_fn.engine`` names the engine it took)."""
-        return self._grad_fn
-
-    @property
-    def accountant(self) -> PrivacyAccountant:
-        """The accountant every logical step is recorded in."""
-        return self._accountant
-
-    @property
-    def clip_state(self) -> ClipState:
-        """The clipping state after the last step."""
-        return self._clip_state
-
-    @property
-    def noise_multiplier(self) -> float:
-        return self._optimizer.noise_multiplier
-
-    @property
-    def sample_rate(self) -> float:
-        return float(self._sampler.sample_rate)
-
-    @property
-    def expected_batch_size(self) -> float:
-        """``q·N``, the divisor of the noisy sum (global, over all ranks)."""
-        return float(self._sampler.expected_batch_size)
-
-    @property
-    def dataset_size(self) -> int:
-        return int(self._sampler.dataset_size)
-
-    @property
-    def delta(self) -> float:
-        return self._delta
-
-    @property
-    def target_epsilon(self) -> float | None:
-        return self._spending.budget.target
-
-    @property
-    def secure(self) -> bool:
-        """Noise and sampling from OS entropy (``seed=None``)."""
-        return self._secure
-
-    @property
-    def steps(self) -> int:
-        """Logical steps taken."""
-        return int(self._optimizer.steps)
-
-    @property
-    def world_size(self) -> int:
-        return int(self._context.world_size)
-
-    @property
-    def rank(self) -> int:
-        return int(self._context.rank)
-
-    @property
-    def process_group(self) -> Any:
-        """The ``torch.distributed`` group the ranks reduce over (``None``: one process)."""
-        return self._context.group
 
     # -- privacy -----------------------------------------------------------------------------
 
@@ -305,16 +229,25 @@ class DPTraining:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def accumulate(self, *batch: Any, example_mask: torch.Tensor | None = None) -> ClipAux:
+    def accumulate(
+        self,
+        *batch: Any,
+        example_mask: torch.Tensor | None = None,
+        units: torch.Tensor | None = None,
+    ) -> ClipAux:
         """Clip and sum one physical batch into the pending logical step (no noise yet).
 
-        Returns the batch's ``ClipAux`` (per-example losses and norms: **not private**).
+        ``units``: each row's privacy unit (int ``[B]`` on the batch's device), clipped as a
+        whole (``grad_fn(..., units=)``); a unit's rows must all be in one physical batch of
+        the step (a unit seen again raises ``ConfigurationError``), and one process (refused
+        under ``torch.distributed``). Returns the batch's ``ClipAux`` (**not private**).
         """
         if len(batch) != self._batch_args:
             raise ConfigurationError(
                 f"accumulate() got {len(batch)} batched argument(s); this training was built "
                 f"with batch_args={self._batch_args}"
             )
+        ids = self._units.check(units, batch, example_mask, world_size=self.world_size)
         if not self._pending_aux:
             self._check_budget()  # refuse before touching the data of a step we may not take
             # a new logical step: the last step's ``.grad`` (one gradient-sized tensor per
@@ -324,6 +257,8 @@ class DPTraining:
         kwargs: dict[str, Any] = {"end_step": False}
         if example_mask is not None:
             kwargs["example_mask"] = example_mask
+        if units is not None:
+            kwargs["units"] = units
         try:
             (grads, aux), self._clip_state = self._grad_fn(
                 self._params, *self._args, *batch, state=self._clip_state, **kwargs
@@ -333,6 +268,7 @@ class DPTraining:
             self.zero_grad()
             raise
         self._pending_aux.append((aux, example_mask))
+        self._units.commit(ids)
         out: ClipAux = aux
         return out
 
@@ -352,26 +288,32 @@ class DPTraining:
         self._clip_state = self._clip_state.end_step(reduce=self._optimizer.all_reduce_sum)
         result = _result(report, self._pending_aux)
         self._pending_aux = []
+        self._units.reset()
         for hook in list(self._hooks):
             hook(result)
         return result
 
-    def step(self, *batch: Any, example_mask: torch.Tensor | None = None) -> StepResult:
+    def step(
+        self,
+        *batch: Any,
+        example_mask: torch.Tensor | None = None,
+        units: torch.Tensor | None = None,
+    ) -> StepResult:
         """One logical step from one physical batch: :meth:`accumulate` then :meth:`finish_step`."""
-        self.accumulate(*batch, example_mask=example_mask)
+        self.accumulate(*batch, example_mask=example_mask, units=units)
         return self.finish_step()
 
     def logical_step(self, physical: Iterable[tuple[Any, ...] | Mapping[str, Any]]) -> StepResult:
         """One logical step from several physical batches (tuples of batched arguments, or
-        dicts ``{"args": (...), "example_mask": mask}``)."""
+        dicts ``{"args": (...), "example_mask": mask, "units": ids}``)."""
         count = 0
         for item in physical:
             try:
-                args, mask = _physical_batch(item)
+                args, mask, units = _physical_batch(item)
             except (ConfigurationError, InputTypeError):
                 self.zero_grad()  # the step is dropped: nothing noised, nothing accounted
                 raise
-            self.accumulate(*args, example_mask=mask)
+            self.accumulate(*args, example_mask=mask, units=units)
             count += 1
         if not count:
             raise ConfigurationError("logical_step() got no physical batch")
@@ -380,6 +322,7 @@ class DPTraining:
     def zero_grad(self) -> None:
         """Drop a pending accumulation (nothing noised, nothing accounted)."""
         self._pending_aux = []
+        self._units.reset()
         self._optimizer.zero_grad()
 
     def set_params(
@@ -427,6 +370,7 @@ class DPTraining:
 
     def _after_load(self) -> None:
         self._pending_aux = []
+        self._units.reset()
         self._spending.reset()
         if self._sampler.position != self.steps:
             self._sampler.seek(self.steps)

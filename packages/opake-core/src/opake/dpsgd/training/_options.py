@@ -283,19 +283,20 @@ def _check_new_params(
     return args
 
 
-def _physical_batch(item: object) -> tuple[tuple[Any, ...], Any]:
-    """``(batched arguments, example_mask)`` of one physical batch of ``logical_step``: a tuple
-    of batched arguments, or a dict ``{"args": (...), "example_mask": mask}``."""
+def _physical_batch(item: object) -> tuple[tuple[Any, ...], Any, Any]:
+    """``(batched arguments, example_mask, units)`` of one physical batch of ``logical_step``:
+    a tuple of batched arguments, or a dict ``{"args": (...), "example_mask": mask,
+    "units": ids}`` (the last two optional)."""
     if isinstance(item, Mapping):
-        extra = set(item) - {"args", "example_mask"}
+        extra = set(item) - {"args", "example_mask", "units"}
         if extra or not isinstance(item.get("args"), tuple):
             raise ConfigurationError(
                 "a physical batch dict holds 'args' (a tuple) and optionally "
-                f"'example_mask'; got keys {sorted(item)}"
+                f"'example_mask' and 'units'; got keys {sorted(item)}"
             )
-        return item["args"], item.get("example_mask")
+        return item["args"], item.get("example_mask"), item.get("units")
     if isinstance(item, tuple):
-        return item, None
+        return item, None, None
     raise InputTypeError(
         f"physical batch {type(item).__name__}: expected a tuple of batched arguments"
     )

@@ -24,9 +24,11 @@ class StepResult:
             std, expected batch size, sample rate, physical batches of all ranks).
         batch_size: real examples this rank processed in the step (padding excluded).
         loss_sum: sum of their losses.
-        clipped: how many of them were clipped.
-        nonfinite: how many contributed zero because their gradient was not finite.
+        clipped: how many of them were clipped (of units, with privacy units).
+        nonfinite: how many contributed zero because their gradient was not finite (units).
         aux: the clipping diagnostics (``ClipAux``) of each physical batch.
+        units: with privacy units (``units=``), how many real units the step clipped (what
+            ``clipped`` and ``clipping_rate`` count); ``None`` without.
     """
 
     step: int
@@ -36,6 +38,7 @@ class StepResult:
     clipped: int
     nonfinite: int = 0
     aux: tuple[Any, ...] = field(default=(), repr=False)
+    units: int | None = None
 
     @property
     def loss(self) -> float:
@@ -44,8 +47,10 @@ class StepResult:
 
     @property
     def clipping_rate(self) -> float:
-        """Fraction of this rank's real examples that were clipped (0 for an empty batch)."""
-        return self.clipped / self.batch_size if self.batch_size else 0.0
+        """Fraction of this rank's real examples (units, with privacy units) that were clipped
+        (0 for an empty batch)."""
+        count = self.batch_size if self.units is None else self.units
+        return self.clipped / count if count else 0.0
 
 
 def _result(report: Any, pending: list[tuple[Any, Any]]) -> StepResult:
@@ -55,12 +60,17 @@ def _result(report: Any, pending: list[tuple[Any, Any]]) -> StepResult:
     loss_sum = 0.0
     clipped = 0
     nonfinite = 0
+    units: int | None = None
     for aux, mask in pending:
         losses = aux.loss_values
-        real = int(aux.batch_size)
+        real = int(aux.batch_size)  # units, with privacy units
         if mask is not None:  # padding slots of a fixed-shape batch: not examples
             losses = losses[mask.to(device=losses.device, dtype=torch.bool)]
-        count += real
+        if getattr(aux, "unit_ids", None) is not None:
+            units = (units or 0) + real
+            count += losses.numel()
+        else:
+            count += real
         if losses.numel():
             loss_sum += float(losses.detach().float().sum())
         clipped += round(float(aux.clipping_rate) * real)
@@ -73,4 +83,5 @@ def _result(report: Any, pending: list[tuple[Any, Any]]) -> StepResult:
         clipped=clipped,
         nonfinite=nonfinite,
         aux=tuple(aux for aux, _ in pending),
+        units=units,
     )

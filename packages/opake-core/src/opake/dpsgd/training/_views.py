@@ -1,0 +1,102 @@
+"""``DPTraining``'s read-only views of its components (a base class: the step lives in
+:mod:`._dp_training`, persistence reads these views in :mod:`._persist`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from opake.accounting import PrivacyAccountant
+    from opake.dpsgd.clipping import ClippedGradFn, ClipState
+    from opake.dpsgd.distributed import DistributedContext, DistributedDPOptimizer
+    from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler
+    from opake.dpsgd.training._budget import Spending
+
+__all__ = ["TrainingViews"]
+
+
+class TrainingViews:
+    """Read-only views of a :class:`~opake.dpsgd.training.DPTraining`'s components."""
+
+    _sampler: PoissonSampler | FixedShapePoissonSampler
+    _optimizer: DistributedDPOptimizer
+    _grad_fn: ClippedGradFn
+    _accountant: PrivacyAccountant
+    _clip_state: ClipState
+    _delta: float
+    _spending: Spending
+    _secure: bool
+    _context: DistributedContext
+
+    @property
+    def sampler(self) -> PoissonSampler | FixedShapePoissonSampler:
+        """The Poisson sampler (this rank's shard of the global batches)."""
+        return self._sampler
+
+    @property
+    def optimizer(self) -> DistributedDPOptimizer:
+        """The DP optimizer (a ``DistributedDPOptimizer``, a plain one in a single process)."""
+        return self._optimizer
+
+    @property
+    def grad_fn(self) -> ClippedGradFn:
+        """The clipped-gradient function (``grad_fn.engine`` names the engine it took)."""
+        return self._grad_fn
+
+    @property
+    def accountant(self) -> PrivacyAccountant:
+        """The accountant every logical step is recorded in."""
+        return self._accountant
+
+    @property
+    def clip_state(self) -> ClipState:
+        """The clipping state after the last step."""
+        return self._clip_state
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._optimizer.noise_multiplier
+
+    @property
+    def sample_rate(self) -> float:
+        return float(self._sampler.sample_rate)
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``q·N``, the divisor of the noisy sum (global, over all ranks)."""
+        return float(self._sampler.expected_batch_size)
+
+    @property
+    def dataset_size(self) -> int:
+        return int(self._sampler.dataset_size)
+
+    @property
+    def delta(self) -> float:
+        return self._delta
+
+    @property
+    def target_epsilon(self) -> float | None:
+        return self._spending.budget.target
+
+    @property
+    def secure(self) -> bool:
+        """Noise and sampling from OS entropy (``seed=None``)."""
+        return self._secure
+
+    @property
+    def steps(self) -> int:
+        """Logical steps taken."""
+        return int(self._optimizer.steps)
+
+    @property
+    def world_size(self) -> int:
+        return int(self._context.world_size)
+
+    @property
+    def rank(self) -> int:
+        return int(self._context.rank)
+
+    @property
+    def process_group(self) -> Any:
+        """The ``torch.distributed`` group the ranks reduce over (``None``: one process)."""
+        return self._context.group
