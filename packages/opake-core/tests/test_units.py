@@ -364,4 +364,6 @@ def test_training_checks_units(mlp, mlp_batch, units, match):
 
 def test_units_refused_across_ranks():
     with pytest.raises(ConfigurationError, match="2 ranks"):
-        StepUnits().check(torch.zeros(3, dtype=torch.int64), (torch.zeros(3),), None, world_size=2)
+        StepUnits().check(
+            torch.zeros(3, dtype=torch.int64), None, (torch.zeros(3),), None, step=0, world_size=2
+        )

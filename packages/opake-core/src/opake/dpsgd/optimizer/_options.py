@@ -108,6 +108,16 @@ def _from_sampler(
             "counts on is absent; a sample_rate would be accounted as if it were there. Use "
             "PoissonSampler or FixedShapePoissonSampler for private training"
         )
+    if getattr(sampler, "_kind", None) == "unit_poisson":
+        raise ConfigurationError(
+            "sampler=UnitPoissonSampler: its ε holds per privacy unit only if each unit's "
+            "gradient — the sum over all its records in the batch — is clipped to C as one, "
+            "which DPOptimizer cannot see from the gradients it is given; train with "
+            "DPTraining(privacy_units=...), which samples, clips and accounts by unit, or "
+            "account yourself (DPOptimizer(sample_rate=sampler.sample_rate, "
+            "expected_batch_size=sampler.expected_batch_size)) with "
+            "grad_fn(..., units=sampler.units_of(batch))"
+        )
     kwargs = getattr(sampler, "accounting_kwargs", None)
     expected = getattr(sampler, "expected_batch_size", None)
     if not isinstance(kwargs, Mapping) or not isinstance(expected, int | float):

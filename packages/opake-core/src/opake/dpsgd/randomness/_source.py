@@ -49,6 +49,7 @@ STREAMS = {
     "poisson": 0x506F6973,
     "truncate": 0x5472756E,
     "shuffle": 0x53687566,
+    "cap": 0x43617073,
 }
 _SEED_LABEL = b"opake.randomness.seeded.v1:"
 _FINGERPRINT_LABEL = b"opake.randomness.fingerprint.v1:"

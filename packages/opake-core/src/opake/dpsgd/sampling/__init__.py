@@ -9,6 +9,9 @@
 * :class:`ShuffleSampler` — fixed-size shuffled batches; **not** Poisson, so the accountants'
   ε does not apply (an :class:`~opake.core.errors.OpakePrivacyWarning` says so, and
   ``DPOptimizer``, ``DPTraining`` and ``DPTrainer`` refuse it).
+* :class:`UnitPoissonSampler` — Poisson sampling of privacy units (users): each unit joins a
+  batch with probability q and brings its records (at most a cap of them); with each unit's
+  gradient clipped as one, ε holds per unit.
 
 Each batch is a pure function of ``(seed, step)``: resuming needs only ``state_dict()`` (or
 ``seek(step)``), ``batch_at(step)`` recomputes any step's batch without moving the position,
@@ -33,6 +36,7 @@ from opake.dpsgd.sampling._base import PADDING_INDEX
 from opake.dpsgd.sampling._data import EmptyBatchCollate, PaddedDataset, padding_mask
 from opake.dpsgd.sampling._poisson import FixedShapePoissonSampler, PoissonSampler
 from opake.dpsgd.sampling._shuffle import ShuffleSampler
+from opake.dpsgd.sampling._units import UnitPoissonSampler, UnitSummary
 
 __all__ = [
     "PADDING_INDEX",
@@ -41,5 +45,7 @@ __all__ = [
     "PaddedDataset",
     "PoissonSampler",
     "ShuffleSampler",
+    "UnitPoissonSampler",
+    "UnitSummary",
     "padding_mask",
 ]

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,12 +20,14 @@ from opake.dpsgd.training._options import (
     _check_choices,
     _check_delta,
     _check_new_params,
+    _check_privacy_units,
     _fixed_shape,
     _make_accountant,
     _make_sampler,
     _physical_batch,
     _positive,
     _rate,
+    _rates_of,
 )
 from opake.dpsgd.training._result import PrivacyBudgetExhausted, StepResult, _result
 from opake.dpsgd.training._units import StepUnits
@@ -93,6 +95,15 @@ class DPTraining(TrainingViews):
         process_group: the ``torch.distributed`` group (default: the default group if any).
         offload_state: keep the optimizer state in CPU memory (see ``DPOptimizer``).
         unused_params: ``"warn"`` or ``"error"`` for trainable tensors without gradient.
+        privacy_units: each record's privacy unit (a user id, an author; ``dataset_size``
+            entries) for **user-level DP**: Poisson sampling draws units
+            (:class:`~opake.dpsgd.sampling.UnitPoissonSampler`; ``expected_batch_size`` and
+            ``sample_rate`` count units), each unit's gradient — the sum over its records in
+            the step — is clipped to C as one, and ε holds per unit. Steps then take
+            ``records=`` (the indices :meth:`batches` yielded) instead of ``units=``. Poisson
+            sampling in one process only.
+        max_records_per_unit: with ``privacy_units``, at most this many records of one unit per
+            step (a random subset drawn with the sampler's randomness; default all).
 
     Example:
         >>> import torch
@@ -144,6 +155,8 @@ class DPTraining(TrainingViews):
         process_group: Any = None,
         offload_state: bool = False,
         unused_params: str = "warn",
+        privacy_units: Sequence[Hashable] | None = None,
+        max_records_per_unit: int | None = None,
         **unknown: Any,
     ) -> None:
         from opake.dpsgd.clipping import clipped_grad
@@ -151,9 +164,13 @@ class DPTraining(TrainingViews):
 
         n, self._batch_args = _check_arguments(unknown, args, params, dataset_size, batch_args)
         _check_choices(engine, sampler, seed, rates=(sample_rate, expected_batch_size))
-        q = _rate(expected_batch_size, sample_rate, n)
-        self._delta = delta = _check_delta(delta)
         self._context = current_context(process_group)
+        units = _check_privacy_units(
+            privacy_units, max_records_per_unit, n, sampler, self._context.world_size
+        )
+        # the population Poisson sampling draws from (and ε protects): examples, or units
+        q = _rate(expected_batch_size, sample_rate, n if units is None else units.count)
+        self._delta = delta = _check_delta(delta)
         self._accountant = _make_accountant(accountant, accountant_options)
         extra = _fixed_shape(
             sampler, max_batch_size, n, q, steps, delta=delta, target=target_epsilon
@@ -164,7 +181,14 @@ class DPTraining(TrainingViews):
         budget = Budget.checked(target_epsilon, steps)
         self._secure = seed is None
         self._sampler = _make_sampler(
-            sampler, n, q, extra, self._context, steps_per_epoch=steps_per_epoch, seed=seed
+            sampler,
+            n,
+            q,
+            extra,
+            self._context,
+            steps_per_epoch=steps_per_epoch,
+            seed=seed,
+            units=units,
         )
         self._args, self._params = args, params
         self._grad_fn, self._clip_state = clipped_grad(
@@ -182,7 +206,9 @@ class DPTraining(TrainingViews):
             module if module is not None else params,
             process_group=process_group,
             noise_multiplier=sigma,
-            sampler=self._sampler,
+            # a unit sampler's rate and divisor are passed as numbers: DPOptimizer refuses the
+            # sampler itself, since it cannot see that each unit is clipped as one (here it is)
+            **_rates_of(self._sampler),
             accountant=self._accountant,
             count_noise_multiplier=getattr(self._clip_state, "count_noise_multiplier", None),
             seed=seed,  # None: a secure noise key, shared by the ranks, never stored
@@ -191,7 +217,7 @@ class DPTraining(TrainingViews):
         )
         accounting = _accounting_of(self._sampler, extra, self._clip_state)
         self._spending = Spending(self._accountant, accounting, delta, budget)
-        self._hooks, self._units = [], StepUnits()
+        self._hooks, self._units = [], StepUnits(self._sampler if units is not None else None)
         self._after_load()  # no step pending, no budget or ε computed yet
         self._check_budget()
 
@@ -234,20 +260,25 @@ class DPTraining(TrainingViews):
         *batch: Any,
         example_mask: torch.Tensor | None = None,
         units: torch.Tensor | None = None,
+        records: Sequence[int] | torch.Tensor | None = None,
     ) -> ClipAux:
         """Clip and sum one physical batch into the pending logical step (no noise yet).
 
         ``units``: each row's privacy unit (int ``[B]`` on the batch's device), clipped as a
         whole (``grad_fn(..., units=)``); a unit's rows must all be in one physical batch of
         the step (a unit seen again raises ``ConfigurationError``), and one process (refused
-        under ``torch.distributed``). Returns the batch's ``ClipAux`` (**not private**).
+        under ``torch.distributed``). ``records``: with ``privacy_units=``, required instead of
+        ``units`` — the record index of each row (from :meth:`batches`); the units come from
+        the unit sampler. Returns the batch's ``ClipAux`` (**not private**).
         """
         if len(batch) != self._batch_args:
             raise ConfigurationError(
                 f"accumulate() got {len(batch)} batched argument(s); this training was built "
                 f"with batch_args={self._batch_args}"
             )
-        ids = self._units.check(units, batch, example_mask, world_size=self.world_size)
+        units, rows = self._units.check(
+            units, records, batch, example_mask, step=self.steps, world_size=self.world_size
+        )
         if not self._pending_aux:
             self._check_budget()  # refuse before touching the data of a step we may not take
             # a new logical step: the last step's ``.grad`` (one gradient-sized tensor per
@@ -268,7 +299,7 @@ class DPTraining(TrainingViews):
             self.zero_grad()
             raise
         self._pending_aux.append((aux, example_mask))
-        self._units.commit(ids)
+        self._units.commit(rows)
         out: ClipAux = aux
         return out
 
@@ -298,22 +329,23 @@ class DPTraining(TrainingViews):
         *batch: Any,
         example_mask: torch.Tensor | None = None,
         units: torch.Tensor | None = None,
+        records: Sequence[int] | torch.Tensor | None = None,
     ) -> StepResult:
         """One logical step from one physical batch: :meth:`accumulate` then :meth:`finish_step`."""
-        self.accumulate(*batch, example_mask=example_mask, units=units)
+        self.accumulate(*batch, example_mask=example_mask, units=units, records=records)
         return self.finish_step()
 
     def logical_step(self, physical: Iterable[tuple[Any, ...] | Mapping[str, Any]]) -> StepResult:
         """One logical step from several physical batches (tuples of batched arguments, or
-        dicts ``{"args": (...), "example_mask": mask, "units": ids}``)."""
+        dicts ``{"args": (...), "example_mask": mask, "units": ids, "records": indices}``)."""
         count = 0
         for item in physical:
             try:
-                args, mask, units = _physical_batch(item)
+                args, mask, units, records = _physical_batch(item)
             except (ConfigurationError, InputTypeError):
                 self.zero_grad()  # the step is dropped: nothing noised, nothing accounted
                 raise
-            self.accumulate(*args, example_mask=mask, units=units)
+            self.accumulate(*args, example_mask=mask, units=units, records=records)
             count += 1
         if not count:
             raise ConfigurationError("logical_step() got no physical batch")

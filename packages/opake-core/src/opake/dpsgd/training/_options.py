@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opake.core.choices import ACCOUNTANTS, ENGINES, SAMPLERS
@@ -14,7 +15,7 @@ from opake.core.errors import ConfigurationError, InputTypeError
 
 if TYPE_CHECKING:
     from opake.accounting import PrivacyAccountant
-    from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler
+    from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler, UnitPoissonSampler
 
 
 def _positive(name: str, value: object, *, integer: bool = False) -> Any:
@@ -170,23 +171,90 @@ def _make_sampler(
     *,
     steps_per_epoch: int | None,
     seed: int | None,
-) -> PoissonSampler | FixedShapePoissonSampler:
-    """This rank's sampler of the global Poisson batches.
+    units: PrivacyUnits | None = None,
+) -> PoissonSampler | FixedShapePoissonSampler | UnitPoissonSampler:
+    """This rank's sampler of the global Poisson batches (of units, with ``privacy_units``).
 
     Secure (``seed=None``): batch membership from a key rank 0 drew and shared, never stored;
     an int seed: reproducible and not private.
     """
-    from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler
+    from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler, UnitPoissonSampler
 
     keyed: dict[str, Any] = (
         {"randomness": context.shared_randomness()} if seed is None else {"seed": seed}
     )
     shard: dict[str, Any] = context.sampler_kwargs()
+    if units is not None:
+        return UnitPoissonSampler(
+            units.keys,
+            q,
+            max_records_per_unit=units.cap,
+            steps_per_epoch=steps_per_epoch,
+            **keyed,
+            **shard,
+        )
     if kind == "fixed":
         return FixedShapePoissonSampler(
             n, q, extra["max_batch_size"], steps_per_epoch=steps_per_epoch, **keyed, **shard
         )
     return PoissonSampler(n, q, steps_per_epoch=steps_per_epoch, **keyed, **shard)
+
+
+@dataclass(frozen=True)
+class PrivacyUnits:
+    """``DPTraining(privacy_units=..., max_records_per_unit=...)``, checked."""
+
+    keys: Sequence[Hashable]
+    count: int
+    cap: int | None
+
+
+def _check_privacy_units(
+    keys: object, cap: object, n: int, sampler: object, world_size: int
+) -> PrivacyUnits | None:
+    """The unit of every record: as many as ``dataset_size``, Poisson sampling, one process."""
+    if keys is None:
+        if cap is not None:
+            raise ConfigurationError(
+                "max_records_per_unit without privacy_units: the cap counts one unit's records; "
+                "pass privacy_units= (each record's unit) too"
+            )
+        return None
+    if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
+        raise InputTypeError(
+            f"privacy_units={type(keys).__name__}: expected a sequence with each record's unit "
+            "(a user id, a name), as long as dataset_size"
+        )
+    if len(keys) != n:
+        raise ConfigurationError(
+            f"privacy_units has {len(keys)} entries for dataset_size={n}: give each record's unit"
+        )
+    if sampler != "poisson":
+        raise ConfigurationError(
+            f"privacy_units with sampler={sampler!r}: units are drawn by Poisson sampling only "
+            "(a unit brings a variable number of records); use sampler='poisson'"
+        )
+    if world_size > 1:
+        raise ConfigurationError(
+            f"privacy_units with {world_size} ranks: a unit's records on two ranks would be "
+            "clipped separately, and batches are not sharded by unit yet; train in one process"
+        )
+    count = len(set(keys))
+    return PrivacyUnits(
+        keys, count, None if cap is None else _positive("max_records_per_unit", cap, integer=True)
+    )
+
+
+def _rates_of(sampler: Any) -> dict[str, Any]:
+    """How ``DistributedDPOptimizer`` learns the sampling: the sampler itself, or for a unit
+    sampler its rate and divisor (DPOptimizer refuses a unit sampler, whose guarantee needs the
+    per-unit clipping only DPTraining does)."""
+    if getattr(sampler, "_kind", None) == "unit_poisson":
+        return {
+            "sample_rate": sampler.sample_rate,
+            "expected_batch_size": sampler.expected_batch_size,
+        }
+    return {"sampler": sampler}
 
 
 def _check_arguments(
@@ -283,20 +351,20 @@ def _check_new_params(
     return args
 
 
-def _physical_batch(item: object) -> tuple[tuple[Any, ...], Any, Any]:
-    """``(batched arguments, example_mask, units)`` of one physical batch of ``logical_step``:
-    a tuple of batched arguments, or a dict ``{"args": (...), "example_mask": mask,
-    "units": ids}`` (the last two optional)."""
+def _physical_batch(item: object) -> tuple[tuple[Any, ...], Any, Any, Any]:
+    """``(batched arguments, example_mask, units, records)`` of one physical batch of
+    ``logical_step``: a tuple of batched arguments, or a dict ``{"args": (...),
+    "example_mask": mask, "units": ids, "records": indices}`` (all but ``args`` optional)."""
     if isinstance(item, Mapping):
-        extra = set(item) - {"args", "example_mask", "units"}
+        extra = set(item) - {"args", "example_mask", "units", "records"}
         if extra or not isinstance(item.get("args"), tuple):
             raise ConfigurationError(
                 "a physical batch dict holds 'args' (a tuple) and optionally "
-                f"'example_mask' and 'units'; got keys {sorted(item)}"
+                f"'example_mask', 'units' and 'records'; got keys {sorted(item)}"
             )
-        return item["args"], item.get("example_mask"), item.get("units")
+        return item["args"], item.get("example_mask"), item.get("units"), item.get("records")
     if isinstance(item, tuple):
-        return item, None, None
+        return item, None, None, None
     raise InputTypeError(
         f"physical batch {type(item).__name__}: expected a tuple of batched arguments"
     )

@@ -4,18 +4,28 @@
 it checks here is what ``grad_fn`` cannot see: a unit must not reach the step in two physical
 batches (its two parts would be clipped separately: a sensitivity of 2C), nor on two ranks —
 which nothing shards by unit yet, so ``units=`` is refused under ``torch.distributed``.
+With ``DPTraining(privacy_units=...)`` the caller names each row's record instead
+(``records=``) and :class:`RecordUnits` derives the units from the unit sampler.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from opake.core.errors import ConfigurationError
+from opake.core.errors import ConfigurationError, InputTypeError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["StepUnits"]
+__all__ = ["RecordUnits", "StepUnits"]
+
+
+def _tensor(units: object) -> torch.Tensor:
+    import torch
+
+    assert isinstance(units, torch.Tensor)
+    return units
 
 
 def _batch_leaf(batch: tuple[Any, ...]) -> torch.Tensor | None:
@@ -29,27 +39,61 @@ def _batch_leaf(batch: tuple[Any, ...]) -> torch.Tensor | None:
 class StepUnits:
     """The units of the logical step in progress (each in one physical batch only).
 
+    Given a unit sampler (``DPTraining(privacy_units=...)``), the rows' units come from it
+    through ``records=`` (:class:`RecordUnits`) and ``units=`` is refused; otherwise ``units=``
+    is the caller's and ``records=`` is refused.
+
     >>> import torch
     >>> units = StepUnits()
-    >>> ids = units.check(torch.tensor([4, 4, 7]), (torch.zeros(3, 2),), None, world_size=1)
-    >>> units.commit(ids)
+    >>> ids, rows = units.check(torch.tensor([4, 4, 7]), None, (torch.zeros(3, 2),), None,
+    ...                         step=0, world_size=1)
+    >>> units.commit(rows)
     >>> try:  # unit 7 again, in a second physical batch of the same step
-    ...     units.check(torch.tensor([7]), (torch.zeros(1, 2),), None, world_size=1)
+    ...     units.check(torch.tensor([7]), None, (torch.zeros(1, 2),), None, step=0, world_size=1)
     ... except ConfigurationError:
     ...     print("refused")
     refused
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sampler: Any = None) -> None:
         self._seen: set[int] = set()
+        self._records = None if sampler is None else RecordUnits(sampler)
 
     def check(
         self,
         units: object,
+        records: object,
         batch: tuple[Any, ...],
         mask: torch.Tensor | None,
         *,
+        step: int,
         world_size: int,
+    ) -> tuple[torch.Tensor | None, tuple[set[int] | None, object]]:
+        """The rows' units for one physical batch (given, or from the unit sampler), checked;
+        and what to :meth:`commit` once the batch is summed."""
+        if self._records is None:
+            if records is not None:
+                raise ConfigurationError(
+                    "accumulate(records=...) without privacy_units: records name the rows of a "
+                    "unit-level batch; build DPTraining(privacy_units=...) for user-level DP"
+                )
+        elif units is not None:
+            raise ConfigurationError(
+                "accumulate(units=...) with privacy_units: the units come from the unit "
+                "sampler; pass records=indices (the batch training.batches() yielded) instead"
+            )
+        elif records is None:
+            raise ConfigurationError(
+                "accumulate() without records=: with privacy_units, pass the record index of "
+                "each row (the batch training.batches() yielded) so each unit is clipped as one"
+            )
+        else:
+            units = self._records.units_for(records, batch, step=step)
+        ids = self._ids(units, batch, mask, world_size=world_size)
+        return units if units is None else _tensor(units), (ids, records)
+
+    def _ids(
+        self, units: object, batch: tuple[Any, ...], mask: torch.Tensor | None, *, world_size: int
     ) -> set[int] | None:
         """Check ``units`` for one physical batch; returns its real units' ids (to
         :meth:`commit` once the batch is summed), or ``None`` without units."""
@@ -92,10 +136,88 @@ class StepUnits:
             )
         return ids
 
-    def commit(self, ids: set[int] | None) -> None:
-        """Record a summed physical batch's units."""
+    def commit(self, rows: tuple[set[int] | None, object]) -> None:
+        """Record a summed physical batch's units (and records)."""
+        ids, records = rows
         if ids:
             self._seen |= ids
+        if self._records is not None:
+            self._records.commit(records)
+
+    def reset(self) -> None:
+        """A new logical step."""
+        self._seen.clear()
+        if self._records is not None:
+            self._records.reset()
+
+
+class RecordUnits:
+    """``DPTraining(privacy_units=...)``: each physical batch names its records, and the units
+    come from the sampler that drew them — never from the caller.
+
+    A step's records must be rows of the batch the unit sampler drew for that step, each at most
+    once: Poisson sampling over units is what the accountant's ε (per unit) is computed for, and
+    a unit's gradient is bounded by C only if all of its rows in the step are clipped together.
+
+    >>> from opake.dpsgd.sampling import UnitPoissonSampler
+    >>> sampler = UnitPoissonSampler(["a", "b", "a", "c"], 1.0, seed=0)
+    >>> import torch
+    >>> RecordUnits(sampler).units_for([2, 0, 3], (torch.zeros(3, 1),), step=0).tolist()
+    [0, 0, 2]
+    """
+
+    def __init__(self, sampler: Any) -> None:
+        self._sampler = sampler
+        self._seen: set[int] = set()
+
+    def units_for(self, records: object, batch: tuple[Any, ...], *, step: int) -> torch.Tensor:
+        """The unit of each row (int64, on the batch's device), after checking ``records``."""
+        import numpy as np
+        import torch
+
+        leaf = _batch_leaf(batch)
+        rows = None if leaf is None else int(leaf.shape[0])
+        if isinstance(records, torch.Tensor):
+            records = records.detach().cpu().tolist()
+        try:
+            index = np.asarray(records, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError):
+            raise InputTypeError(
+                f"records={type(records).__name__}: expected the batch's record indices (the "
+                "list training.batches() yielded, or the part of it this physical batch holds)"
+            ) from None
+        if rows is not None and index.size != rows:
+            raise ConfigurationError(
+                f"records= names {index.size} record(s) for a batch of {rows} rows: pass the "
+                "index of every row, in row order"
+            )
+        drawn = set(self._sampler.batch_at(step))
+        listed = index.tolist()
+        foreign = sorted(set(listed) - drawn)
+        if foreign:
+            raise ConfigurationError(
+                f"records {foreign[:10]} are not in the batch the unit sampler drew for step "
+                f"{step}: with privacy_units, every row must come from training.batches() (ε "
+                "per unit holds for that sampling only)"
+            )
+        counts = Counter(listed)
+        repeated = sorted({r for r, c in counts.items() if c > 1} | (set(counts) & self._seen))
+        if repeated:
+            raise ConfigurationError(
+                f"records {repeated[:10]} appear twice in this logical step: pass each drawn "
+                "record once"
+            )
+        units = torch.as_tensor(self._sampler.units_of(listed), dtype=torch.int64)
+        return units if leaf is None else units.to(leaf.device)
+
+    def commit(self, records: object) -> None:
+        """Record a summed physical batch's records."""
+        import numpy as np
+        import torch
+
+        if isinstance(records, torch.Tensor):
+            records = records.detach().cpu().tolist()
+        self._seen |= set(np.asarray(records, dtype=np.int64).reshape(-1).tolist())
 
     def reset(self) -> None:
         """A new logical step."""

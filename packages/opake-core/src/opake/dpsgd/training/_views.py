@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     from opake.accounting import PrivacyAccountant
     from opake.dpsgd.clipping import ClippedGradFn, ClipState
     from opake.dpsgd.distributed import DistributedContext, DistributedDPOptimizer
-    from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler
+    from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler, UnitPoissonSampler
     from opake.dpsgd.training._budget import Spending
 
 __all__ = ["TrainingViews"]
@@ -18,7 +18,7 @@ __all__ = ["TrainingViews"]
 class TrainingViews:
     """Read-only views of a :class:`~opake.dpsgd.training.DPTraining`'s components."""
 
-    _sampler: PoissonSampler | FixedShapePoissonSampler
+    _sampler: PoissonSampler | FixedShapePoissonSampler | UnitPoissonSampler
     _optimizer: DistributedDPOptimizer
     _grad_fn: ClippedGradFn
     _accountant: PrivacyAccountant
@@ -29,8 +29,9 @@ class TrainingViews:
     _context: DistributedContext
 
     @property
-    def sampler(self) -> PoissonSampler | FixedShapePoissonSampler:
-        """The Poisson sampler (this rank's shard of the global batches)."""
+    def sampler(self) -> PoissonSampler | FixedShapePoissonSampler | UnitPoissonSampler:
+        """The Poisson sampler (this rank's shard of the global batches; of units with
+        ``privacy_units``)."""
         return self._sampler
 
     @property
@@ -68,7 +69,15 @@ class TrainingViews:
 
     @property
     def dataset_size(self) -> int:
+        """What Poisson sampling draws from: the examples, or with ``privacy_units`` the units
+        (the accountant's N; the records are ``sampler.record_count``)."""
         return int(self._sampler.dataset_size)
+
+    @property
+    def privacy_unit(self) -> str:
+        """What ε protects: ``"example"``, or ``"unit"`` with ``privacy_units`` (all of a
+        unit's records together)."""
+        return "unit" if getattr(self._sampler, "_kind", None) == "unit_poisson" else "example"
 
     @property
     def delta(self) -> float:

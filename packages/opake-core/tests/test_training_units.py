@@ -1,0 +1,254 @@
+"""DPTraining(privacy_units=...): sampling, clipping and accounting by unit (user-level DP)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from opake import accounting
+from opake.core.errors import ConfigurationError
+from opake.core.testing import reference_clipped_grad, tiny_mlp
+from opake.dpsgd.clipping import clipped_grad
+from opake.dpsgd.noise import GaussianNoise
+from opake.dpsgd.optimizer import DPOptimizer
+from opake.dpsgd.sampling import UnitPoissonSampler
+from opake.dpsgd.training import DPTraining
+from opake.functional import make_functional
+
+N, UNITS_EXPECTED, SIGMA, C, LR, DELTA, SEED = 48, 3.0, 1.1, 0.5, 0.2, 1e-5, 5
+# 12 users with 3 to 6 records each (48 records), interleaved: a user's records are not adjacent
+USERS = [f"user{(i * 5) % 12}" if i % 7 else f"user{i % 3}" for i in range(N)]
+FAST = {"accountant": "rdp"}
+
+
+def _data():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(N, 8, generator=gen) * torch.linspace(0.2, 5.0, N)[:, None]
+    y = torch.randint(0, 4, (N,), generator=gen)
+    return x, y
+
+
+def _loss(fmodel):
+    def loss_fn(params, x, y):  # one record
+        return torch.nn.functional.cross_entropy(fmodel(params, x[None]), y[None])
+
+    return loss_fn
+
+
+def _training(model=None, **options):
+    model = model if model is not None else tiny_mlp(seed=0)
+    fmodel, params = make_functional(model)
+    settings = {
+        "batch_args": 2,
+        "dataset_size": N,
+        "expected_batch_size": UNITS_EXPECTED,
+        "noise_multiplier": SIGMA,
+        "delta": DELTA,
+        "clipping_norm": C,
+        "seed": SEED,
+        "privacy_units": USERS,
+        **FAST,
+        **options,
+    }
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    return model, DPTraining(_loss(fmodel), opt, params, module=model, **settings)
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _unit_loop(start, x, y, records):
+    """The obvious reference: per unit, sum its records' plain-autograd gradients, clip, sum."""
+    fmodel = make_functional(tiny_mlp(seed=0))[0]
+    units: dict[str, list[int]] = {}
+    for r in records:
+        units.setdefault(USERS[r], []).append(r)
+    total = {n: torch.zeros_like(v, dtype=torch.float64) for n, v in start.items()}
+    for rows in units.values():
+        summed = reference_clipped_grad(
+            _loss(fmodel), (start, x[rows], y[rows]), clipping_norm=1e30, batch_argnums=(1, 2)
+        )
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in summed.values()))
+        factor = min(1.0, C / float(norm)) if float(norm) > 0 else 1.0
+        for n, g in summed.items():
+            total[n] += factor * g.double()
+    return total
+
+
+def test_a_step_samples_units_clips_each_unit_and_equals_a_hand_written_step():
+    x, y = _data()
+    model, training = _training()
+    assert training.privacy_unit == "unit"
+    assert training.dataset_size == len(set(USERS)) == 12
+    assert training.sample_rate == pytest.approx(UNITS_EXPECTED / 12)
+    assert training.expected_batch_size == pytest.approx(UNITS_EXPECTED)
+    indices = next(training.batches())
+    sampler = UnitPoissonSampler(USERS, UNITS_EXPECTED / 12, seed=SEED)
+    assert indices == sampler.batch_at(0)
+    assert len({USERS[i] for i in indices}) >= 2  # several users, several records each
+    start = _params(model)
+    result = training.step(x[indices], y[indices], records=indices)
+    assert result.units == len({USERS[i] for i in indices})
+
+    # hand-written: grad_fn(units=) + DPOptimizer with the unit sampler's rate, same seeds
+    manual = tiny_mlp(seed=0)
+    fmodel, params = make_functional(manual)
+    grad_fn, state = clipped_grad(_loss(fmodel), clipping_norm=C, batch_argnums=(1, 2))
+    units = torch.as_tensor(sampler.units_of(indices))
+    grads, _ = grad_fn(params, x[indices], y[indices], state=state, units=units)
+    opt = DPOptimizer(
+        torch.optim.SGD(manual.parameters(), lr=LR),
+        manual,
+        noise_multiplier=SIGMA,
+        expected_batch_size=UNITS_EXPECTED,
+        seed=SEED,
+    )
+    opt.accumulate(grads)
+    opt.step()
+    for name, value in _params(manual).items():
+        assert torch.equal(_params(model)[name], value), name
+
+    # the per-unit loop of plain autograd, one noise draw, / q·U, SGD
+    total = _unit_loop(start, x, y, indices)
+    noisy = GaussianNoise(SIGMA, seed=SEED).add(
+        {n: v.float() for n, v in total.items()}, sensitivity=C
+    )
+    for name, value in start.items():
+        expected = value - LR * noisy[name] / UNITS_EXPECTED
+        torch.testing.assert_close(_params(model)[name], expected, atol=2e-6, rtol=1e-5)
+
+
+def test_epsilon_is_the_accountants_at_the_unit_rate():
+    x, y = _data()
+    _, training = _training()
+    for _, idx in zip(range(4), training.batches(), strict=False):
+        training.step(x[idx], y[idx], records=idx)
+    expected = accounting.epsilon(
+        sample_rate=UNITS_EXPECTED / 12,
+        noise_multiplier=SIGMA,
+        steps=4,
+        delta=DELTA,
+        accountant="rdp",
+    )
+    assert training.epsilon() == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_cap_limits_each_units_records_per_step():
+    _, training = _training(max_records_per_unit=2, expected_batch_size=6.0)
+    counts = {u: USERS.count(u) for u in set(USERS)}
+    assert max(counts.values()) > 2
+    for _, idx in zip(range(20), training.batches(), strict=False):
+        per_unit: dict[str, int] = {}
+        for r in idx:
+            per_unit[USERS[r]] = per_unit.get(USERS[r], 0) + 1
+        assert all(c == min(2, counts[u]) for u, c in per_unit.items())
+
+
+def test_a_unit_split_over_two_physical_batches_is_refused():
+    x, y = _data()
+    _, training = _training(expected_batch_size=12.0)  # q = 1: every unit, every record
+    idx = next(training.batches())
+    first = [r for r in idx if USERS[r] == "user0"]
+    assert len(first) > 1
+    half, rest = first[:1], first[1:]
+    training.accumulate(x[half], y[half], records=half)
+    with pytest.raises(ConfigurationError, match="earlier physical batch"):
+        training.accumulate(x[rest], y[rest], records=rest)
+    training.zero_grad()
+    # whole units in separate physical batches are fine
+    others = [r for r in idx if USERS[r] != "user0"]
+    training.logical_step(
+        [
+            {"args": (x[first], y[first]), "records": first},
+            {"args": (x[others], y[others]), "records": torch.tensor(others)},
+        ]
+    )
+    assert training.steps == 1
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        ({"units": "tensor"}, "pass records=indices"),
+        ({}, "without records="),
+        ({"records": "foreign"}, "not in the batch the unit sampler drew"),
+        ({"records": "twice"}, "twice in this logical step"),
+        ({"records": "short"}, "for a batch of"),
+    ],
+)
+def test_steps_need_the_drawn_records(call, match):
+    x, y = _data()
+    _, training = _training(expected_batch_size=6.0)
+    idx = next(training.batches())
+    rows = idx
+    kwargs = dict(call)
+    if kwargs.get("units") == "tensor":
+        kwargs["units"] = torch.zeros(len(idx), dtype=torch.int64)
+    if kwargs.get("records") == "foreign":
+        rows = [*idx[:-1], next(r for r in range(N) if r not in idx)]
+        kwargs["records"] = rows
+    if kwargs.get("records") == "twice":
+        rows = idx + idx[:1]
+        kwargs["records"] = rows
+    if kwargs.get("records") == "short":
+        kwargs["records"] = idx[:-1]
+    with pytest.raises(ConfigurationError, match=match):
+        training.step(x[rows], y[rows], **kwargs)
+    assert training.steps == 0
+    assert training.pending_batches == 0
+
+
+def test_records_without_privacy_units_and_bad_settings_are_refused():
+    x, y = _data()
+    _, plain = _training(privacy_units=None, expected_batch_size=8.0)
+    with pytest.raises(ConfigurationError, match="without privacy_units"):
+        plain.step(x[:3], y[:3], records=[0, 1, 2])
+    for options, match in [
+        ({"privacy_units": USERS[:-1]}, "47 entries for dataset_size=48"),
+        ({"sampler": "fixed"}, "Poisson sampling only"),
+        ({"privacy_units": None, "max_records_per_unit": 2}, "without privacy_units"),
+        ({"expected_batch_size": 13.0}, "exceeds dataset_size=12"),
+        ({"max_records_per_unit": 0}, "max_records_per_unit"),
+    ]:
+        with pytest.raises(ConfigurationError, match=match):
+            _training(**options)
+
+
+def test_resume_is_exact_and_refuses_a_regrouping():
+    x, y = _data()
+    model_a, full = _training(max_records_per_unit=3)
+    for _, idx in zip(range(5), full.batches(), strict=False):
+        full.step(x[idx], y[idx], records=idx)
+
+    model_b, first = _training(max_records_per_unit=3)
+    for _, idx in zip(range(2), first.batches(), strict=False):
+        first.step(x[idx], y[idx], records=idx)
+    state = copy.deepcopy(first.state_dict())
+    saved = _params(model_b)
+
+    model_c, second = _training(model=tiny_mlp(seed=5), max_records_per_unit=3)
+    model_c.load_state_dict(saved)
+    second.load_state_dict(state)
+    for _, idx in zip(range(3), second.batches(), strict=False):
+        second.step(x[idx], y[idx], records=idx)
+    for name, value in _params(model_a).items():
+        assert torch.equal(_params(model_c)[name], value), name
+    assert second.epsilon() == full.epsilon()
+
+    _, regrouped = _training(privacy_units=list(reversed(USERS)), max_records_per_unit=3)
+    with pytest.raises(ConfigurationError):
+        regrouped.load_state_dict(state)
+
+
+def test_dp_optimizer_refuses_a_unit_sampler():
+    model = tiny_mlp(seed=0)
+    with pytest.raises(ConfigurationError, match="per privacy unit only if"):
+        DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR),
+            model,
+            noise_multiplier=SIGMA,
+            sampler=UnitPoissonSampler(USERS, 0.25, seed=0),
+        )
