@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from opake.dpsgd.clipping import ClipAux
+    from opake.dpsgd.distributed import DistributedDPOptimizer
 
 __all__ = ["DPTraining", "PrivacyBudgetExhausted", "StepResult"]
 
@@ -160,7 +161,7 @@ class DPTraining(TrainingViews):
         **unknown: Any,
     ) -> None:
         from opake.dpsgd.clipping import clipped_grad
-        from opake.dpsgd.distributed import DistributedDPOptimizer, current_context
+        from opake.dpsgd.distributed import current_context
 
         n, self._batch_args = _check_arguments(unknown, args, params, dataset_size, batch_args)
         _check_choices(engine, sampler, seed, rates=(sample_rate, expected_batch_size))
@@ -181,14 +182,7 @@ class DPTraining(TrainingViews):
         budget = Budget.checked(target_epsilon, steps)
         self._secure = seed is None
         self._sampler = _make_sampler(
-            sampler,
-            n,
-            q,
-            extra,
-            self._context,
-            steps_per_epoch=steps_per_epoch,
-            seed=seed,
-            units=units,
+            sampler, n, q, extra, self._context, how=(steps_per_epoch, seed, units)
         )
         self._args, self._params = args, params
         self._grad_fn, self._clip_state = clipped_grad(
@@ -201,10 +195,29 @@ class DPTraining(TrainingViews):
             randomness=randomness,
             engine=engine,
         )
-        self._optimizer = DistributedDPOptimizer(
+        self._optimizer = self._dp_optimizer(
+            optimizer, module if module is not None else params, process_group, sigma, seed
+        )(offload_state=offload_state, unused_params=unused_params)
+        accounting = _accounting_of(self._sampler, extra, self._clip_state)
+        self._spending = Spending(self._accountant, accounting, delta, budget)
+        self._hooks, self._units = [], StepUnits(self._sampler if units is not None else None)
+        self._after_load()  # no step pending, no budget or ε computed yet
+        self._check_budget()
+
+    def _dp_optimizer(
+        self, optimizer: torch.optim.Optimizer, module: Any, group: Any, sigma: float, seed: Any
+    ) -> Callable[..., DistributedDPOptimizer]:
+        """The DP optimizer over the sampler, accountant and clip state (its remaining
+        keywords are the caller's)."""
+        from functools import partial
+
+        from opake.dpsgd.distributed import DistributedDPOptimizer
+
+        return partial(
+            DistributedDPOptimizer,
             optimizer,
-            module if module is not None else params,
-            process_group=process_group,
+            module,
+            process_group=group,
             noise_multiplier=sigma,
             # a unit sampler's rate and divisor are passed as numbers: DPOptimizer refuses the
             # sampler itself, since it cannot see that each unit is clipped as one (here it is)
@@ -212,14 +225,7 @@ class DPTraining(TrainingViews):
             accountant=self._accountant,
             count_noise_multiplier=getattr(self._clip_state, "count_noise_multiplier", None),
             seed=seed,  # None: a secure noise key, shared by the ranks, never stored
-            offload_state=offload_state,
-            unused_params=unused_params,
         )
-        accounting = _accounting_of(self._sampler, extra, self._clip_state)
-        self._spending = Spending(self._accountant, accounting, delta, budget)
-        self._hooks, self._units = [], StepUnits(self._sampler if units is not None else None)
-        self._after_load()  # no step pending, no budget or ε computed yet
-        self._check_budget()
 
     # -- privacy -----------------------------------------------------------------------------
 

@@ -169,15 +169,15 @@ def _make_sampler(
     extra: Mapping[str, Any],
     context: Any,
     *,
-    steps_per_epoch: int | None,
-    seed: int | None,
-    units: PrivacyUnits | None = None,
+    how: tuple[int | None, int | None, PrivacyUnits | None],
 ) -> PoissonSampler | FixedShapePoissonSampler | UnitPoissonSampler:
-    """This rank's sampler of the global Poisson batches (of units, with ``privacy_units``).
+    """This rank's sampler of the global Poisson batches (of units, with ``privacy_units``);
+    ``how``: ``(steps_per_epoch, seed, units)``.
 
     Secure (``seed=None``): batch membership from a key rank 0 drew and shared, never stored;
     an int seed: reproducible and not private.
     """
+    steps_per_epoch, seed, units = how
     from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler, UnitPoissonSampler
 
     keyed: dict[str, Any] = (
