@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from opake.core import ops
 from opake.core.errors import ConfigurationError, InputTypeError
@@ -38,6 +38,7 @@ from opake.models._swaps import (
     swap_rms_norms,
 )
 from opake.patches import HFCompat, LossOnlyHead, Patcher, PatchOptions
+from opake.patches.hf import resolve_path
 
 if TYPE_CHECKING:
     import torch
@@ -89,7 +90,7 @@ class FamilyReport:
         self._patcher.undo()
 
 
-def unwrap_model(model: Any) -> torch.nn.Module:
+def unwrap_model(model: object) -> torch.nn.Module:
     """The Hugging Face model inside a PEFT wrapper (the model itself otherwise).
 
     >>> import torch
@@ -99,10 +100,15 @@ def unwrap_model(model: Any) -> torch.nn.Module:
     """
     from opake.patches.model import unwrap_model as unwrap
 
-    return unwrap(model)  # type: ignore[no-any-return]
+    return unwrap(model)
 
 
-def _layer_count(config: Any) -> int | None:
+def _model_type(model: torch.nn.Module) -> object:
+    """``model.config.model_type`` (None without a config): a Hugging Face model's, by name."""
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def _layer_count(config: object) -> int | None:
     value = getattr(config, "num_hidden_layers", None)
     return value if isinstance(value, int) else None
 
@@ -115,21 +121,12 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _resolve(model: Any, path: str) -> Any:
-    obj = model
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
 def check_structure(spec: FamilySpec, model: torch.nn.Module) -> list[torch.nn.Module]:
     """Fail closed unless ``model`` looks like the spec says; returns its decoder layers."""
     import transformers
 
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
+    model_type = _model_type(model)
     where = f"{type(model).__name__} (transformers {transformers.__version__})"
     if model_type not in spec.model_types:
         raise ConfigurationError(
@@ -176,8 +173,8 @@ def _head(spec: FamilySpec, model: torch.nn.Module, report: FamilyReport) -> Los
             f"{spec.name!r} adapter describes a head for"
         )
         return None
-    lm_head = _resolve(model, head.lm_head)
-    embedding = _resolve(model, head.embedding)
+    lm_head = resolve_path(model, head.lm_head)
+    embedding = resolve_path(model, head.embedding)
     weight = getattr(lm_head, "weight", None)
     if weight is None or getattr(embedding, "weight", None) is None:
         raise ConfigurationError(
@@ -203,7 +200,9 @@ def _head(spec: FamilySpec, model: torch.nn.Module, report: FamilyReport) -> Los
     )
 
 
-def apply_family(spec: FamilySpec, model: Any, options: PatchOptions | None = None) -> FamilyReport:
+def apply_family(
+    spec: FamilySpec, model: torch.nn.Module, options: PatchOptions | None = None
+) -> FamilyReport:
     """Patch one model instance as ``spec`` describes; returns a :class:`FamilyReport`.
 
     Called by :func:`opake.patches.apply_model_patches` through a family module's ``apply``;
@@ -238,13 +237,13 @@ def apply_family(spec: FamilySpec, model: Any, options: PatchOptions | None = No
             f"apply_family(options=...): expected an opake.patches.PatchOptions, got "
             f"{type(options).__name__}."
         )
-    base: Any = unwrap_model(model)
+    base = unwrap_model(model)
     previous = vars(base).get(_REPORT_ATTR)
     if isinstance(previous, FamilyReport) and previous.active:
         _log.debug("family %r: %s is already patched", spec.name, type(base).__name__)
         return previous  # idempotent: the instance is already patched
-    check_structure(spec, base)
-    report = FamilyReport(spec.name, base.config.model_type, spec.task, layer=spec.layer)
+    check_structure(spec, base)  # so config.model_type is one of spec.model_types, a str
+    report = FamilyReport(spec.name, str(_model_type(base)), spec.task, layer=spec.layer)
     patcher = report._patcher
     try:
         head = _head(spec, base, report)
@@ -291,7 +290,7 @@ def _log_report(report: FamilyReport, model_class: str) -> None:
 def _windows(
     spec: FamilySpec, model: torch.nn.Module, report: FamilyReport, patcher: Patcher
 ) -> None:
-    backbone = _resolve(model, spec.head.backbone)
+    backbone = resolve_path(model, spec.head.backbone)
     if backbone is None:
         raise ConfigurationError(
             f"family {spec.name!r}: {type(model).__name__} has no backbone at "

@@ -115,11 +115,13 @@ def install_window_masks(
         names = []
     index = names.index("attention_mask") if "attention_mask" in names else None
 
-    def convert(mask: Any) -> Any:
+    def convert(mask: Any) -> object:
+        """A 4-D float mask windowed (a mask per layer type where they differ); else ``mask``."""
         if getattr(mask, "dim", lambda: 0)() != 4 or not mask.is_floating_point():
             return mask
+        # without linear layers something slides: the window is set
+        sliding = restrict_to_window(mask, window) if window is not None else None
         if not linear:
-            sliding = restrict_to_window(mask, window)  # type: ignore[arg-type]
             if per_layer_type:
                 return {"full_attention": mask, "sliding_attention": sliding}
             return sliding
@@ -130,18 +132,19 @@ def install_window_masks(
             "full_attention": mask,
             "linear_attention": padding_of(mask, mask.shape[0], steps, mask.device),
         }
-        if window is not None:
-            masks["sliding_attention"] = restrict_to_window(mask, window)
+        if sliding is not None:
+            masks["sliding_attention"] = sliding
         return masks
 
     @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: Any, **kwargs: Any) -> object:
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = convert(kwargs["attention_mask"])
         elif index is not None and len(args) > index:
             args = (*args[:index], convert(args[index]), *args[index + 1 :])
         return inner(*args, **kwargs)
 
-    forward._opake_stage = "sliding_window"  # type: ignore[attr-defined]
+    # mark the wrapper (through vars(): a function's type declares no such attribute)
+    vars(forward)["_opake_stage"] = "sliding_window"
     patcher.set_attr(backbone, "forward", forward)
     return window

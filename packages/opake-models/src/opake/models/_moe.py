@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, OperationError
+from opake.models._experts import fused_experts
 from opake.models._moe_aux import (
     COLLECT,
     example_aux_loss,
@@ -116,7 +117,8 @@ def dense_experts(
     """
     import torch
 
-    experts = int(module.num_experts)  # type: ignore[arg-type]
+    fused = fused_experts(module)
+    experts = int(fused.num_experts)
     transposed = bool(getattr(module, "is_transposed", False))
     gated = bool(getattr(module, "has_gate", True))
     bias = bool(getattr(module, "has_bias", False))
@@ -124,12 +126,12 @@ def dense_experts(
     h = _proj(x, getattr(module, first), transposed, per_expert=False)
     if bias:
         h = h + getattr(module, f"{first}_bias")
-    h = module._apply_gate(h) if gated else module.act_fn(h)  # type: ignore[operator]
-    out = _proj(h, module.down_proj, transposed, per_expert=True)  # type: ignore[arg-type]
+    h = fused._apply_gate(h) if gated else fused.act_fn(h)
+    out = _proj(h, fused.down_proj, transposed, per_expert=True)
     if bias:
-        out = out + module.down_proj_bias  # type: ignore[operator]
+        out = out + fused.down_proj_bias
     if getattr(module, "has_post_expert_norm", False):
-        out = module.post_expert_norm(out)  # type: ignore[operator]
+        out = fused.post_expert_norm(out)
     hit = index[..., None] == torch.arange(experts, device=index.device)  # [..., k, E]
     dense = (hit.to(weights.dtype) * weights[..., None]).sum(dim=-2)  # [..., E]
     combined = torch.einsum("...e,...eh->...h", dense.to(out.dtype), out)
@@ -148,13 +150,13 @@ def _experts_forward(
     size = hidden_states.shape[-1]
     k = top_k_index.shape[-1]
     stock = type(module).forward
-    out = stock(
+    out: torch.Tensor = stock(
         module,
         hidden_states.reshape(-1, size),
         top_k_index.reshape(-1, k),
         top_k_weights.reshape(-1, k),
     )
-    return out.reshape(hidden_states.shape)  # type: ignore[no-any-return]
+    return out.reshape(hidden_states.shape)
 
 
 def routing_weights(
@@ -247,11 +249,11 @@ def _hf_collects_router_logits() -> bool:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:  # pragma: no cover - other transformers layouts
         return False
-    collected = _active_collector.get()  # type: ignore[no-untyped-call]
+    collected = _active_collector.get()  # type: ignore[no-untyped-call]  # unannotated there
     return isinstance(collected, dict) and "router_logits" in collected
 
 
-def _block_forward(router: _Router) -> Callable[..., Any]:
+def _block_forward(router: _Router) -> Callable[..., object]:
     spec = router.spec
 
     def forward(
@@ -260,7 +262,8 @@ def _block_forward(router: _Router) -> Callable[..., Any]:
         *args: Any,
         input_ids: torch.Tensor | None = None,
         **kw: Any,
-    ) -> Any:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The block's output, with the routing scores where the family's block returns them."""
         import torch
 
         if args or kw or (input_ids is not None and spec.router_input_ids is None):
@@ -302,7 +305,8 @@ def _run_experts(
         use = implicit_use(experts)
         if use is not None:
             return recorded_experts(experts, use, x, index, weights)
-    return experts(x, index, weights)  # type: ignore[no-any-return]
+    out: torch.Tensor = experts(x, index, weights)
+    return out
 
 
 def _normalize(spec: Moe, config: Any) -> bool:

@@ -164,7 +164,7 @@ def install_aux_logits_path(model: Any, patcher: Patcher) -> None:
         names = []
 
     @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: Any, **kwargs: Any) -> object:
         arguments = {**dict(zip(names, args, strict=False)), **kwargs}
         flag = arguments.get("output_router_logits")
         if flag is None:
@@ -184,5 +184,6 @@ def install_aux_logits_path(model: Any, patcher: Patcher) -> None:
         out["aux_loss"] = aux
         return out
 
-    forward._opake_stage = "moe_aux_loss"  # type: ignore[attr-defined]
+    # mark the wrapper (through vars(): a function's type declares no such attribute)
+    vars(forward)["_opake_stage"] = "moe_aux_loss"
     patcher.set_attr(model, "forward", forward)

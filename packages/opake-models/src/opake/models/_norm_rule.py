@@ -14,7 +14,7 @@ runs the vmap engine) instead of giving wrong norms. PyTorch's own ``nn.LayerNor
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from opake.core.errors import ConfigurationError
 from opake.core.plugins import BookkeepingRule
@@ -84,7 +84,7 @@ def pieces(use: LayerUse) -> dict[str, Piece]:
     return norm_pieces(use, h, offset=norm.offset, check=True)
 
 
-def _norm_class(family: str) -> Any:
+def _norm_class(family: str) -> type[torch.nn.Module]:
     import sys
 
     import transformers
@@ -94,7 +94,8 @@ def _norm_class(family: str) -> Any:
     spec = family_spec(family)
     assert spec.norm is not None
     model_cls = getattr(transformers, spec.models[0])
-    return getattr(sys.modules[model_cls.__module__], spec.norm.module)
+    norm_cls: type[torch.nn.Module] = getattr(sys.modules[model_cls.__module__], spec.norm.module)
+    return norm_cls
 
 
 def example() -> tuple[RuleExample, ...]:
@@ -107,7 +108,7 @@ def example() -> tuple[RuleExample, ...]:
     out = []
     for family in ("llama", "gemma", "cohere"):
         module = _norm_class(family)(8)
-        torch.nn.init.normal_(module.weight)
+        torch.nn.init.normal_(module.get_parameter("weight"))
         out.append(RuleExample(module, width=8))
     return tuple(out)
 

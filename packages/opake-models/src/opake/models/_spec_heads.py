@@ -6,10 +6,13 @@ Nothing here imports torch or transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.models._spec_checks import ident, optional_ident
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CausalLMHead", "ClassifierHead", "LogitTransform"]
 
@@ -43,7 +46,7 @@ class LogitTransform:
         """The keyword arguments of ``opake.kernels.linear_cross_entropy`` for this transform."""
         return {"logit_scale": self.scale, "logit_divisor": self.divisor, "softcap": self.softcap}
 
-    def apply(self, logits: Any) -> Any:
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Transform ``lm_head`` outputs exactly as the kernels do (scale, divide, softcap)."""
         import torch
 

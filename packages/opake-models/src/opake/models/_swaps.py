@@ -65,14 +65,16 @@ class KernelSlot:
         self._impls[device_type_of(device)] = choice.impl
         return choice.backend, choice.reason
 
-    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The op on ``x`` (``rms_norm``, ``swiglu`` or ``geglu``: one tensor out)."""
         impl = self._impls.get(x.device.type)
         if impl is None:
             from opake.core.plugins import select_kernel
 
             impl = select_kernel(self.op, x.device, backend=self.backend).impl
             self._impls[x.device.type] = impl
-        return impl(x, *args, **kwargs)
+        out: torch.Tensor = impl(x, *args, **kwargs)  # kernel ops are registered untyped
+        return out
 
 
 def modules_of_class(model: torch.nn.Module, class_name: str) -> Iterator[torch.nn.Module]:
@@ -134,8 +136,7 @@ class _RmsForward:
 
     def __call__(self, module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         eps = float(getattr(module, self.eps_attr))
-        out: torch.Tensor = self.slot(hidden_states, module.weight, eps=eps, offset=self.offset)
-        return out
+        return self.slot(hidden_states, module.weight, eps=eps, offset=self.offset)
 
 
 def swap_rms_norms(
@@ -163,21 +164,31 @@ def swap_rms_norms(
 @dataclass(frozen=True)
 class _GatedForward:
     slot: KernelSlot
-    mlp: Mlp
+    inputs: tuple[str, ...]  # (gate_up,): one fused projection; (gate, up): two
+    down: str
     kwargs: tuple[tuple[str, str], ...]
 
     def __call__(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        mlp = self.mlp
-        if mlp.gate_up is not None:
-            gate, up = getattr(module, mlp.gate_up)(x).chunk(2, dim=-1)
+        if len(self.inputs) == 1:
+            gate, up = getattr(module, self.inputs[0])(x).chunk(2, dim=-1)
         else:
-            gate = getattr(module, mlp.gate)(x)  # type: ignore[arg-type]
-            up = getattr(module, mlp.up)(x)  # type: ignore[arg-type]
-        out: torch.Tensor = getattr(module, mlp.down)(self.slot(gate, up, **dict(self.kwargs)))  # type: ignore[arg-type]
+            gate = getattr(module, self.inputs[0])(x)
+            up = getattr(module, self.inputs[1])(x)
+        out: torch.Tensor = getattr(module, self.down)(self.slot(gate, up, **dict(self.kwargs)))
         return out
 
 
-_OP_FOR_ACTIVATION = {
+def _gated_names(mlp: Mlp) -> tuple[tuple[str, ...], str]:
+    """The input projections (``(gate_up,)`` or ``(gate, up)``) and the down projection of a
+    gated MLP (``Mlp`` makes sure a gated one names them)."""
+    inputs = (mlp.gate_up,) if mlp.gate_up is not None else (mlp.gate, mlp.up)
+    names = tuple(name for name in inputs if name is not None)
+    if len(names) != len(inputs) or mlp.down is None:
+        raise ConfigurationError(f"Mlp({mlp.module!r}) does not name a gated MLP's projections.")
+    return names, mlp.down
+
+
+_OP_FOR_ACTIVATION: dict[tuple[str, str], tuple[str, tuple[tuple[str, str], ...]]] = {
     ("swiglu", "silu"): (ops.SWIGLU, ()),
     ("geglu", "gelu"): (ops.GEGLU, (("approximate", "none"),)),
     ("geglu", "gelu_tanh"): (ops.GEGLU, (("approximate", "tanh"),)),
@@ -192,16 +203,16 @@ def gated_op(mlp: Mlp, model: torch.nn.Module) -> tuple[str | None, str]:
     if not modules:
         return None, f"no {mlp.module} module found"
     acts = {identify_activation(getattr(m, mlp.act, None) or (lambda x: None)) for m in modules}
-    if len(acts) != 1 or None in acts:
+    act = next(iter(acts)) if len(acts) == 1 else None
+    if act is None:
         return None, (
             f"{mlp.module}.{mlp.act} is not the activation a {mlp.kind} MLP uses "
             f"(found {sorted(str(a) for a in acts)}); left as transformers computes it"
         )
-    act = acts.pop()
-    found = _OP_FOR_ACTIVATION.get((mlp.kind, act))  # type: ignore[arg-type]
+    found = _OP_FOR_ACTIVATION.get((mlp.kind, act))
     if found is None:
         return None, f"{mlp.module} uses {act}, not the activation of a {mlp.kind} MLP"
-    return found[0], act  # type: ignore[return-value]
+    return found[0], act
 
 
 def swap_gated_mlps(
@@ -209,13 +220,13 @@ def swap_gated_mlps(
 ) -> int:
     """Route every ``mlp.module`` through ``slot`` (``swiglu`` or ``geglu``); returns the count."""
     kwargs = _OP_FOR_ACTIVATION[(mlp.kind, activation)][1]
-    forward = _GatedForward(slot, mlp, kwargs)
+    inputs, down = _gated_names(mlp)
+    forward = _GatedForward(slot, inputs, down, kwargs)
     count = 0
     for module in modules_of_class(model, mlp.module):
         if _swapped(module):
             continue
-        needed = [mlp.gate_up] if mlp.gate_up is not None else [mlp.gate, mlp.up]
-        missing = [a for a in (*needed, mlp.down) if a is None or not hasattr(module, a)]
+        missing = [a for a in (*inputs, down) if not hasattr(module, a)]
         if missing:
             raise ConfigurationError(
                 f"{type(module).__name__} has no attribute(s) {missing}: this transformers "

@@ -9,10 +9,15 @@ first layers, ``sqrtsoftplus`` scores with a bias-corrected top-k in the others.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from opake.models._apply import apply_family
+from opake.models._apply import FamilyReport, apply_family
 from opake.models._spec import Attention, CausalLMHead, FamilySpec, Moe, Norm, Rope
+
+if TYPE_CHECKING:
+    import torch
+
+    from opake.patches import PatchOptions
 
 __all__ = ["SPEC", "apply"]
 
@@ -73,6 +78,6 @@ SPEC = FamilySpec(
 )
 
 
-def apply(model: Any, options: Any) -> Any:
+def apply(model: torch.nn.Module, options: PatchOptions) -> FamilyReport:
     """Patch one DeepSeek-V4 model instance (called by ``opake.patches.apply_model_patches``)."""
     return apply_family(SPEC, model, options)

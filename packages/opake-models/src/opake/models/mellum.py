@@ -8,11 +8,16 @@ a sparse MoE block or a dense SwiGLU MLP in each layer.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from opake.models._apply import apply_family
+from opake.models._apply import FamilyReport, apply_family
 from opake.models._spec import Attention, CausalLMHead, FamilySpec, Mlp, Moe, Norm, Rope
 from opake.models._tiny import TINY_DECODER, TINY_MOE
+
+if TYPE_CHECKING:
+    import torch
+
+    from opake.patches import PatchOptions
 
 __all__ = ["SPEC", "apply"]
 
@@ -38,6 +43,6 @@ SPEC = FamilySpec(
 )
 
 
-def apply(model: Any, options: Any) -> Any:
+def apply(model: torch.nn.Module, options: PatchOptions) -> FamilyReport:
     """Patch one Mellum model instance (called by ``opake.patches.apply_model_patches``)."""
     return apply_family(SPEC, model, options)

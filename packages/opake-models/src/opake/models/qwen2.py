@@ -7,11 +7,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from opake.models._apply import apply_family
+from opake.models._apply import FamilyReport, apply_family
 from opake.models._spec import Attention, CausalLMHead, FamilySpec, Mlp, Norm, Rope
 from opake.models._tiny import TINY_DECODER
+
+if TYPE_CHECKING:
+    import torch
+
+    from opake.patches import PatchOptions
 
 __all__ = ["SPEC", "apply"]
 
@@ -34,6 +39,6 @@ SPEC = FamilySpec(
 )
 
 
-def apply(model: Any, options: Any) -> Any:
+def apply(model: torch.nn.Module, options: PatchOptions) -> FamilyReport:
     """Patch one Qwen2 model instance (called by ``opake.patches.apply_model_patches``)."""
     return apply_family(SPEC, model, options)

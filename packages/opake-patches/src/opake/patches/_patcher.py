@@ -5,9 +5,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Patcher"]
+__all__ = ["Patcher", "tag"]
 
 _MISSING = object()
+
+
+def tag(fn: Callable[..., Any], name: str, value: object) -> None:
+    """Leave the mark ``fn.<name> = value`` on a function Opake installs (``_opake_stage``,
+    ``_opake_patch``, ``__wrapped__`` ...), read back with ``getattr``: a function takes any
+    attribute, though its type declares none.
+
+    >>> def f(): pass
+    >>> tag(f, "_opake_stage", "demo"); f._opake_stage
+    'demo'
+    """
+    setattr(fn, name, value)
 
 
 class Patcher:

@@ -32,10 +32,12 @@ BLOCKS: dict[str, tuple[str, ...]] = {"Qwen3NextGatedDeltaNet": ("A_log", "dt_bi
 _MARK = "_opake_broadcast_params"
 
 
-def _broadcast_forward(original: Callable[..., Any], attrs: tuple[str, ...]) -> Callable[..., Any]:
+def _broadcast_forward(
+    original: Callable[..., object], attrs: tuple[str, ...]
+) -> Callable[..., object]:
     def forward(
         self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> Any:
+    ) -> object:
         import torch
 
         from opake.dpsgd.bookkeeping import implicit_use
@@ -64,6 +66,7 @@ def _broadcast_forward(original: Callable[..., Any], attrs: tuple[str, ...]) -> 
         try:
             for n, f, d in zip(names, flat, delta, strict=True):
                 shape = use.params[n].shape
+                # a plain tensor stands in for the parameter (torch declares Parameter values)
                 held[n] = (f + d).reshape(batch, 1, *shape)  # type: ignore[assignment]
             return original(hidden_states, *args, **kwargs)
         finally:

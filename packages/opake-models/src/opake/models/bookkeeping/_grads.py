@@ -17,7 +17,7 @@ example's factor (all experts in one grouped matmul where torch's CPU kernel tak
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from opake.core.errors import OperationError
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from opake.dpsgd.bookkeeping import PieceCert
 
-__all__ = ["BUCKETS", "ExpertGrads", "grouped_mm_takes"]
+__all__ = ["BUCKETS", "ExpertGrads", "SlotLayout", "grouped_mm_takes"]
 
 #: (expert, example) groups are padded in at most this many buckets of similar sizes: with
 #: groups of up to 64 slots each bucket is a multiple of 8 (Qwen3-MoE-style test model, sizes up
@@ -65,6 +65,20 @@ def grouped_mm_takes(*operands: torch.Tensor, cols: int) -> bool:
     return (cols * size) % 16 == 0
 
 
+@dataclass
+class SlotLayout:
+    """The padded layouts of one call's routed slots, computed once and shared by the
+    :class:`ExpertGrads` of the weights of that call (the same slots)."""
+
+    #: each slot's group ``expert·B + example`` and its position within the group
+    positions: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: each slot's row in the padded buffer, and per bucket (first row, groups, padded size,
+    #: the groups' ids)
+    buckets: tuple[torch.Tensor, list[tuple[int, int, int, torch.Tensor]]] | None = None
+    #: the slot of each padded row, and the padding rows to zero
+    gather: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
 @dataclass(frozen=True)
 class ExpertGrads:
     """Per-example gradients of a fused expert weight held as routed slots (an ``ImplicitGrad``).
@@ -88,7 +102,7 @@ class ExpertGrads:
     counts: tuple[int, ...]
     batch: int
     #: padded layouts of the slots, shareable by the weights of one call (same slots)
-    layout: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    layout: SlotLayout = field(default_factory=SlotLayout, compare=False, repr=False)
     #: results of this weight kept for a later call (its norms and their error bounds)
     cache: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
@@ -110,7 +124,7 @@ class ExpertGrads:
         """Each slot's group ``expert·B + example`` and its position within the group."""
         import torch
 
-        if "positions" not in self.layout:
+        if self.layout.positions is None:
             experts = torch.repeat_interleave(
                 torch.arange(len(self.counts), device=self.example.device),
                 torch.tensor(self.counts, device=self.example.device),
@@ -118,8 +132,8 @@ class ExpertGrads:
             group = experts * self.batch + self.example  # sorted: expert-major, then example
             first = torch.searchsorted(group, group)  # the first slot of each group's run
             pos = torch.arange(group.shape[0], device=group.device) - first
-            self.layout["positions"] = (group, pos)
-        return self.layout["positions"]  # type: ignore[no-any-return]
+            self.layout.positions = (group, pos)
+        return self.layout.positions
 
     def _buckets(self) -> tuple[torch.Tensor, list[tuple[int, int, int, torch.Tensor]]]:
         """The non-empty (expert, example) groups in buckets of similar sizes, each padded to a
@@ -130,7 +144,7 @@ class ExpertGrads:
         ``(first row, groups, padded size, the groups' ids expert·B + example)``."""
         import torch
 
-        if "buckets" not in self.layout:
+        if self.layout.buckets is None:
             group, pos = self._positions()
             sizes = torch.bincount(group, minlength=len(self.counts) * self.batch)
             largest = int(sizes.max()) if sizes.numel() else 0
@@ -156,9 +170,9 @@ class ExpertGrads:
             source = torch.full((row,), group.numel(), dtype=torch.long, device=group.device)
             source[rows] = torch.arange(group.numel(), device=group.device)
             empty = (source == group.numel()).nonzero().squeeze(1)
-            self.layout["buckets"] = (rows, out)
-            self.layout["gather"] = (source.clamp_(max=max(group.numel() - 1, 0)), empty)
-        return self.layout["buckets"]  # type: ignore[no-any-return]
+            self.layout.buckets = (rows, out)
+            self.layout.gather = (source.clamp_(max=max(group.numel() - 1, 0)), empty)
+        return self.layout.buckets
 
     def _group_norms(
         self, a: torch.Tensor, b: torch.Tensor, count: int, size: int
@@ -208,7 +222,8 @@ class ExpertGrads:
             total = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
             error = torch.zeros(self.batch, dtype=torch.float64, device=self.a.device)
             if buckets:
-                source, empty = self.layout["gather"]  # padded row <- slot; rows to zero
+                assert self.layout.gather is not None  # set with the buckets
+                source, empty = self.layout.gather  # padded row <- slot; rows to zero
                 a = self.a.index_select(0, source).index_fill_(0, empty, 0.0)
                 b = self.b.index_select(0, source).index_fill_(0, empty, 0.0)
                 for first, count, size, groups in buckets:

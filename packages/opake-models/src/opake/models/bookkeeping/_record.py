@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from opake.functional import cached_signature
-from opake.models.bookkeeping._grads import ExpertGrads, grouped_mm_takes
+from opake.models._experts import fused_experts
+from opake.models.bookkeeping._grads import ExpertGrads, SlotLayout, grouped_mm_takes
 
 if TYPE_CHECKING:
     import torch
@@ -83,12 +84,18 @@ def _grouped_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return grouped_mm_takes(x, weight, cols=int(weight.shape[-1]))
 
 
+class _GroupedMatmulFunction(Protocol):
+    """The ``autograd.Function`` class below, as called here (torch leaves ``apply`` untyped)."""
+
+    def apply(self, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor: ...
+
+
 class _GroupedMatmul:
     """``grouped_mm(x, w, offs=ends)`` differentiable in ``x`` only (the weights are detached
     while recording), its backward the grouped matmul of the contiguous output gradient with
     ``wᵀ`` (torch's own backward refuses an expanded gradient's zero strides)."""
 
-    fn: Any = None
+    fn: _GroupedMatmulFunction | None = None
 
     @classmethod
     def apply(cls, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -115,7 +122,7 @@ class _GroupedMatmul:
                     return out, None, None
 
             cls.fn = GroupedMatmul
-        return cls.fn.apply(x, w, ends)  # type: ignore[no-any-return]
+        return cls.fn.apply(x, w, ends)
 
 
 def _per_expert(
@@ -144,9 +151,10 @@ def _weight(module: torch.nn.Module, params: dict[str, torch.Tensor], attr: str)
 
 
 def _gate(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    fused = fused_experts(module)
     if bool(getattr(module, "has_gate", True)):
-        return module._apply_gate  # type: ignore[return-value]
-    return module.act_fn  # type: ignore[return-value]
+        return fused._apply_gate
+    return fused.act_fn
 
 
 def _bias_grads(grads: torch.Tensor, slots: _Slots, batch: int, experts: int) -> torch.Tensor:
@@ -180,7 +188,7 @@ def experts_forward(
 ) -> tuple[torch.Tensor, _Saved]:
     """The sparse forward with the (detached) differentiated ``params``; returns the output
     ``[B, T, H]`` and what :meth:`_Saved.build` needs after the backward."""
-    experts = int(module.num_experts)  # type: ignore[arg-type]
+    experts = int(fused_experts(module).num_experts)
     transposed = bool(getattr(module, "is_transposed", False))
     first = "gate_up_proj" if bool(getattr(module, "has_gate", True)) else "up_proj"
     p = {attr: t.detach() for attr, t in params.items()}
@@ -193,6 +201,7 @@ def experts_forward(
         h = h + p[f"{first}_bias"][slots.expert]
     caught: dict[str, torch.Tensor] = {}
     if h.requires_grad:  # the backward computes δh anyway: keep it (else build recomputes it)
+        # torch leaves Tensor.register_hook unannotated
         h.register_hook(lambda grad: caught.__setitem__("dh", grad.detach()))  # type: ignore[no-untyped-call]
     z = _gate(module)(h)
     down = _weight(module, p, "down_proj")
@@ -222,7 +231,7 @@ def experts_forward(
 class _Saved:
     """One recorded call: what the per-example gradients are built from."""
 
-    module: Any
+    module: torch.nn.Module
     first: str  # "gate_up_proj" or "up_proj"
     transposed: bool
     attrs: tuple[str, ...]  # the differentiated attributes
@@ -235,7 +244,7 @@ class _Saved:
     down: torch.Tensor  # [E, ...] down projection
     caught: dict[str, torch.Tensor]  # "dh": δh as the backward computed it, if it did
 
-    def build(self, grad: torch.Tensor) -> dict[str, Any]:
+    def build(self, grad: torch.Tensor) -> dict[str, ExpertGrads | torch.Tensor]:
         """Per-example gradients of every differentiated attribute from the output's
         gradient ``[B, T, H]``."""
         import torch
@@ -252,8 +261,8 @@ class _Saved:
         dh = dh.float()
         xs = self.x[slots.token].float()
         z = self.z.float()
-        out: dict[str, Any] = {}
-        layout: dict[str, Any] = {}  # the same slots: shared padding
+        out: dict[str, ExpertGrads | torch.Tensor] = {}
+        layout = SlotLayout()  # the same slots: shared padding
         if first in self.attrs:
             a, b = (xs, dh) if transposed else (dh, xs)
             out[first] = ExpertGrads(a, b, slots.example, slots.counts, self.batch, layout)

@@ -64,8 +64,9 @@ def pieces(use: LayerUse) -> dict[str, Piece]:
     with torch.no_grad():
         _, saved = experts_forward(use.module, params, x, index, weights)
         built = saved.build(use.grad)
+    # ExpertGrads is an [E, R, C] operator; ImplicitGrad declares the shape of an [R, C] one
     return {
-        attr: Dense(value) if isinstance(value, torch.Tensor) else Implicit(value)
+        attr: Dense(value) if isinstance(value, torch.Tensor) else Implicit(value)  # type: ignore[arg-type]
         for attr, value in built.items()
     }
 
@@ -77,6 +78,7 @@ def _routed(experts: torch.nn.Module, width: int, seed: int) -> torch.nn.Module:
 
     import torch
 
+    from opake.models._experts import fused_experts
     from opake.models._moe import _experts_forward
 
     gen = torch.Generator().manual_seed(seed)
@@ -84,7 +86,7 @@ def _routed(experts: torch.nn.Module, width: int, seed: int) -> torch.nn.Module:
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     experts.forward = types.MethodType(_experts_forward, experts)
-    count = int(experts.num_experts)  # type: ignore[arg-type]
+    count = int(fused_experts(experts).num_experts)
 
     class Routed(torch.nn.Module):
         route: torch.Tensor
@@ -94,10 +96,11 @@ def _routed(experts: torch.nn.Module, width: int, seed: int) -> torch.nn.Module:
             self.experts = experts
             self.register_buffer("route", torch.randn(width, count, generator=gen))
 
-        def forward(self, x: torch.Tensor) -> Any:
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
             logits = x @ self.route.to(x.dtype)
             top, index = torch.topk(torch.softmax(logits, dim=-1), 2, dim=-1)
-            return self.experts(x, index, top)
+            out: torch.Tensor = self.experts(x, index, top)
+            return out
 
     return Routed()
 
@@ -115,6 +118,7 @@ def example() -> tuple[RuleExample, ...]:
     mixtral, gpt_oss = MixtralConfig(**sizes), GptOssConfig(**sizes)
     for config in (mixtral, gpt_oss):
         config._experts_implementation = "eager"  # fp64 references run the same code
+    # transformers leaves these two constructors unannotated
     modules = (MixtralExperts(mixtral), GptOssExperts(gpt_oss))  # type: ignore[no-untyped-call]
     return tuple(
         RuleExample(_routed(module, 8, seed), width=8) for seed, module in enumerate(modules)

@@ -31,7 +31,7 @@ CLASSES = ("GptOssAttention",)
 _MARK = "_opake_sinks_patched"
 
 
-def _sinks_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+def _sinks_forward(original: Callable[..., object]) -> Callable[..., object]:
     def forward(
         self: torch.nn.Module,
         hidden_states: torch.Tensor,
@@ -39,7 +39,7 @@ def _sinks_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         attention_mask: torch.Tensor | None = None,
         *args: Any,
         **kwargs: Any,
-    ) -> Any:
+    ) -> object:
         from opake.dpsgd.bookkeeping import implicit_use
 
         use = implicit_use(self)
@@ -129,8 +129,9 @@ def example() -> RuleExample:
             sin = torch.zeros(1, steps, 2, dtype=x.dtype)
             causal = torch.ones(steps, steps, dtype=torch.bool).tril()
             mask = torch.zeros(steps, steps, dtype=x.dtype).masked_fill(~causal, -1e9)
+            out: torch.Tensor
             out, _ = self.attn(torch.tanh(x), (cos, sin), mask[None, None])
-            return out  # type: ignore[no-any-return]
+            return out
 
     return RuleExample(SinkAttention(), width=8)
 

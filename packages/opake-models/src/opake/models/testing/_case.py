@@ -13,6 +13,8 @@ from opake.models._apply import unwrap_model
 if TYPE_CHECKING:
     import torch
 
+    from opake.patches import ModelPatchReport
+
 __all__ = [
     "ConformanceCase",
     "ConformanceError",
@@ -95,7 +97,7 @@ def _task(model: Any) -> str:
     )
 
 
-def _fresh(case: ConformanceCase) -> Any:
+def _fresh(case: ConformanceCase) -> torch.nn.Module:
     import torch
 
     model = case.make_model()
@@ -147,7 +149,7 @@ def _inputs(case: ConformanceCase, model: Any) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _patch(model: Any, case: ConformanceCase, **options: Any) -> Any:
+def _patch(model: torch.nn.Module, case: ConformanceCase, **options: Any) -> ModelPatchReport:
     from opake.patches import apply_model_patches
 
     return apply_model_patches(model, kernels=case.kernels, **options)
@@ -189,7 +191,9 @@ def _batch_args(inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
 
 
-def _reference(case: ConformanceCase, model: Any, inputs: Mapping[str, torch.Tensor]) -> Any:
+def _reference(
+    case: ConformanceCase, model: Any, inputs: Mapping[str, torch.Tensor]
+) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor]]:
     """Per-example gradients and losses of the unpatched model, one example at a time."""
     from opake.core.testing import per_example_grads_loop
     from opake.functional import make_functional

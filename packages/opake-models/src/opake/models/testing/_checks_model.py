@@ -4,7 +4,7 @@ dropout, reversibility, instance-only patching."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol, cast
 
 from opake.models._apply import unwrap_model
 from opake.models.testing._case import (
@@ -74,7 +74,8 @@ def check_checkpointing(case: ConformanceCase) -> None:
     plain = counts["calls"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' renaming notice
-        patched.gradient_checkpointing_enable()
+        # a Hugging Face model: apply_model_patches took it (it patches no other)
+        cast("_Checkpointable", patched).gradient_checkpointing_enable()
     counts["calls"] = 0
     _vmapped_grads(patched, inputs, loss_only=loss_only)
     for handle in handles:
@@ -85,6 +86,12 @@ def check_checkpointing(case: ConformanceCase) -> None:
             f"{counts['calls']} inner module calls with it, {plain} without (expected twice)"
         )
     _clipped_sum_check(case, stock, patched, inputs, what="checkpointed clipped gradient sum")
+
+
+class _Checkpointable(Protocol):
+    """A Hugging Face model's ``gradient_checkpointing_enable`` (unannotated there)."""
+
+    def gradient_checkpointing_enable(self) -> None: ...
 
 
 def _layer_class(case: ConformanceCase, model: Any) -> str:

@@ -38,6 +38,7 @@ def tiny_model(
     config = AutoConfig.for_model(spec.model_types[0], **kwargs)
     auto = AutoModelForCausalLM if spec.task == "causal_lm" else AutoModelForSequenceClassification
     torch.manual_seed(seed)
+    # transformers leaves the auto classes' from_config unannotated
     model: torch.nn.Module = auto.from_config(  # type: ignore[no-untyped-call]
         config, attn_implementation=attn_implementation
     )

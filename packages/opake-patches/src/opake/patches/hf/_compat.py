@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from opake.patches._patcher import tag
 from opake.patches.runtime._hf import make_hooks_transform_safe, restore_hooks
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ _ENABLE_METHODS = {
     "activation_checkpointing_enable": "activation_checkpointing_kwargs",
 }
 
+_T = TypeVar("_T")
+
 
 def disable_kv_cache(model: Any, patcher: Patcher) -> bool:
     """Set ``config.use_cache = False`` on this model's config; True if it changed anything."""
@@ -44,7 +47,7 @@ def disable_kv_cache(model: Any, patcher: Patcher) -> bool:
     return True
 
 
-def checkpoint_non_reentrant(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def checkpoint_non_reentrant(function: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     """``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, looked up per call.
 
     Inside ``torch.func`` transforms the (runtime-patched) checkpoint runs Opake's vmap-safe
@@ -58,17 +61,18 @@ def checkpoint_non_reentrant(function: Callable[..., Any], *args: Any, **kwargs:
     import torch.utils.checkpoint
 
     kwargs["use_reentrant"] = False
-    return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
+    out: _T = torch.utils.checkpoint.checkpoint(function, *args, **kwargs)  # unannotated there
+    return out
 
 
-def _is_checkpoint(func: Any) -> bool:
+def _is_checkpoint(func: object) -> bool:
     import torch.utils.checkpoint as tuc
 
     stock = getattr(tuc.checkpoint, "__wrapped__", tuc.checkpoint)
     return func is tuc.checkpoint or func is stock or func is checkpoint_non_reentrant
 
 
-def _vmap_safe(func: Any) -> Any:
+def _vmap_safe(func: Callable[..., Any]) -> Callable[..., Any]:
     """Rebuild an HF ``_gradient_checkpointing_func`` so it is non-reentrant and vmap-safe."""
     if getattr(func, "_opake_routed", False):
         return func
@@ -79,7 +83,7 @@ def _vmap_safe(func: Any) -> Any:
         routed = functools.partial(checkpoint_non_reentrant)
     else:  # an unknown wrapper: force the keyword through it
         routed = functools.partial(func, use_reentrant=False)
-    routed._opake_routed = True  # type: ignore[attr-defined]
+    tag(routed, "_opake_routed", True)
     return routed
 
 
@@ -123,7 +127,7 @@ def _routed_enable(
     model: Any, stock: Callable[..., Any], kwarg: str, patcher: Patcher
 ) -> Callable[..., Any]:
     @functools.wraps(stock)
-    def enable(*args: Any, **kwargs: Any) -> Any:
+    def enable(*args: Any, **kwargs: Any) -> object:
         if args:
             options, args = args[0], args[1:]
         else:
@@ -133,7 +137,7 @@ def _routed_enable(
         _reroute(model, patcher)
         return result
 
-    enable._opake_routed = True  # type: ignore[attr-defined]
+    tag(enable, "_opake_routed", True)
     return enable
 
 

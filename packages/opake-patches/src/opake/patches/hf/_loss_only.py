@@ -36,13 +36,22 @@ from typing import TYPE_CHECKING, Any
 
 from opake.core import ops
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
+from opake.patches._patcher import tag
 
 if TYPE_CHECKING:
     import torch
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 
     from opake.patches._patcher import Patcher
 
 __all__ = ["LossKernel", "LossOnlyHead", "install_loss_only", "per_example_lm_loss", "resolve_path"]
+
+#: ``aux_loss(model, arguments)``: a context manager around the backbone call that yields None
+#: or a function returning each example's auxiliary term ``[B]`` (see :class:`LossOnlyHead`)
+AuxLoss = Callable[
+    [Any, dict[str, Any]],
+    contextlib.AbstractContextManager["Callable[[], torch.Tensor | None] | None"],
+]
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,7 @@ class LossOnlyHead:
     logit_divisor: float | None = None
     softcap: float | None = None
     shift_labels: bool = True
-    aux_loss: Callable[[Any, dict[str, Any]], Any] | None = None
+    aux_loss: AuxLoss | None = None
 
     def __post_init__(self) -> None:
         if self.aux_loss is not None and not callable(self.aux_loss):
@@ -135,7 +144,7 @@ class LossKernel:
     reason: str = ""
 
 
-def resolve_path(obj: Any, path: str) -> Any:
+def resolve_path(obj: Any, path: str) -> Any:  # Any: like getattr, whatever the path holds
     """Follow a dotted attribute path (``"model.embed_tokens"``); None where it breaks.
 
     >>> class A: pass
@@ -311,7 +320,7 @@ def install_loss_only(model: Any, head: LossOnlyHead, kernel: LossKernel, patche
     @functools.wraps(inner)
     def forward(
         *args: Any, loss_only: bool = False, per_example_loss: bool = False, **kwargs: Any
-    ) -> Any:
+    ) -> object:
         if not loss_only:
             if per_example_loss:
                 raise ConfigurationError(
@@ -330,7 +339,7 @@ def install_loss_only(model: Any, head: LossOnlyHead, kernel: LossKernel, patche
             per_example=bool(per_example_loss),
         )
 
-    forward._opake_stage = "loss_only"  # type: ignore[attr-defined]
+    tag(forward, "_opake_stage", "loss_only")
     patcher.set_attr(model, "forward", forward)
 
 
@@ -344,7 +353,7 @@ def _loss_only_forward(
     signature: inspect.Signature,
     cache_flag: bool,
     per_example: bool = False,
-) -> Any:
+) -> CausalLMOutputWithPast | tuple[Any, ...]:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     try:

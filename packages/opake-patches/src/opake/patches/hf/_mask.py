@@ -14,6 +14,7 @@ import inspect
 from typing import TYPE_CHECKING, Any, Literal
 
 from opake.core.errors import ConfigurationError, InputTypeError
+from opake.patches._patcher import tag
 
 if TYPE_CHECKING:
     import torch
@@ -103,7 +104,7 @@ def install_mask_conversion(
     causal = attention == "causal"
 
     @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: Any, **kwargs: Any) -> object:
         mask = kwargs.get("attention_mask")
         if mask is not None:
             if getattr(mask, "dim", lambda: 0)() == 2:
@@ -118,5 +119,5 @@ def install_mask_conversion(
                 args = tuple(new)
         return inner(*args, **kwargs)
 
-    forward._opake_stage = "attention_mask"  # type: ignore[attr-defined]
+    tag(forward, "_opake_stage", "attention_mask")
     patcher.set_attr(model, "forward", forward)

@@ -38,6 +38,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
+from opake.patches._patcher import tag
 
 if TYPE_CHECKING:
     from opake.patches._patcher import Patcher
@@ -120,7 +121,7 @@ def _check(name: str, value: Any, ids_name: str, ids: Any) -> None:
         )
 
 
-def _drop_batch(value: Any) -> Any:
+def _drop_batch(value: Any) -> object:
     if isinstance(value, (tuple, list)):
         return type(value)(_drop_batch(v) for v in value)
     rank = _rank(value)
@@ -129,7 +130,7 @@ def _drop_batch(value: Any) -> Any:
     return value.squeeze(0)
 
 
-def _unbatch_outputs(out: Any, *, per_example_loss: bool) -> Any:
+def _unbatch_outputs(out: object, *, per_example_loss: bool) -> object:
     """Remove the batch dimension of a batch-of-one output (a ``ModelOutput``, in place)."""
     if not isinstance(out, MutableMapping):
         return out
@@ -163,6 +164,7 @@ def install_unbatched_calls(model: Any, patcher: Patcher) -> None:
     index = {name: i for i, name in enumerate(positional)}
     takes_cache_flag = "use_cache" in params
 
+    # Any: the caller's argument, a tensor or not (checked where it must be one)
     def get(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
         if name in kwargs:
             return kwargs[name]
@@ -170,7 +172,7 @@ def install_unbatched_calls(model: Any, patcher: Patcher) -> None:
         return args[i] if i is not None and i < len(args) else None
 
     @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: Any, **kwargs: Any) -> object:
         input_ids = get(args, kwargs, "input_ids")
         if not is_unbatched_call(input_ids, get(args, kwargs, "inputs_embeds")):
             return inner(*args, **kwargs)
@@ -211,11 +213,14 @@ def install_unbatched_calls(model: Any, patcher: Patcher) -> None:
             wanted = getattr(getattr(model, "config", None), "return_dict", True)
         if wanted is False:  # read the fields by name, then give the tuple asked for
             kwargs["return_dict"] = True
-        out = inner(*new_args, **kwargs)
-        out = _unbatch_outputs(out, per_example_loss=bool(kwargs.get("per_example_loss")))
-        if wanted is False and callable(getattr(out, "to_tuple", None)):
-            return out.to_tuple()
+        out = _unbatch_outputs(
+            inner(*new_args, **kwargs), per_example_loss=bool(kwargs.get("per_example_loss"))
+        )
+        if wanted is False:
+            to_tuple = getattr(out, "to_tuple", None)
+            if callable(to_tuple):
+                return to_tuple()
         return out
 
-    forward._opake_stage = "unbatched_calls"  # type: ignore[attr-defined]
+    tag(forward, "_opake_stage", "unbatched_calls")
     patcher.set_attr(model, "forward", forward)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, runtime_checkable
 
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.patches._patcher import Patcher
@@ -136,7 +136,16 @@ class FamilyResult:
         self.patcher.undo()
 
 
-def read_family_patch(result: object, family: str) -> dict[str, Any]:
+class FamilyFields(TypedDict):
+    """A :class:`FamilyPatch`'s report fields, as :func:`read_family_patch` reads them."""
+
+    applied: list[str]
+    kernels: dict[str, tuple[str, str]]
+    skipped: dict[str, str]
+    hf: HFCompat | None
+
+
+def read_family_patch(result: object, family: str) -> FamilyFields:
     """Check a family's return value and read its optional report fields."""
     if not callable(getattr(result, "undo", None)):
         raise InputTypeError(

@@ -8,7 +8,7 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from opake.core import ops
 from opake.core.errors import ConfigurationError, InputTypeError
@@ -17,7 +17,7 @@ from opake.patches.hf._compat import disable_kv_cache, dropout_status, route_gra
 from opake.patches.hf._loss_only import install_loss_only
 from opake.patches.hf._mask import install_mask_conversion
 from opake.patches.hf._unbatched import install_unbatched_calls
-from opake.patches.model._contract import read_family_patch
+from opake.patches.model._contract import FamilyApply, read_family_patch
 from opake.patches.model._options import (
     KernelsOption,
     PatchOptions,
@@ -30,6 +30,11 @@ from opake.patches.runtime._state import (
     is_runtime_patched,
     runtime_patch_state,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+    from opake.core.plugins import ModelFamily
 
 __all__ = [
     "PLUGIN_GUIDE",
@@ -85,7 +90,7 @@ class ModelPatchReport:
     notes: tuple[str, ...]
     options: PatchOptions
     runtime: RuntimePatchState
-    _model: Any = field(default=None, repr=False, compare=False)
+    _model: weakref.ref[torch.nn.Module] | None = field(default=None, repr=False, compare=False)
 
     @property
     def active(self) -> bool:
@@ -111,13 +116,15 @@ class _Entry:
 class _Registry:
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.entries: weakref.WeakKeyDictionary[Any, _Entry] = weakref.WeakKeyDictionary()
+        self.entries: weakref.WeakKeyDictionary[torch.nn.Module, _Entry] = (
+            weakref.WeakKeyDictionary()
+        )
 
 
 _registry = _Registry()
 
 
-def unwrap_model(model: Any) -> Any:
+def unwrap_model(model: object) -> torch.nn.Module:
     """The Hugging Face model inside a PEFT wrapper (the model itself otherwise).
 
     >>> import torch
@@ -140,7 +147,7 @@ def unwrap_model(model: Any) -> Any:
     return model
 
 
-def _model_type(model: Any) -> str:
+def _model_type(model: torch.nn.Module) -> str:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if not isinstance(model_type, str) or not model_type:
@@ -152,13 +159,13 @@ def _model_type(model: Any) -> str:
     return model_type
 
 
-def _device_type(model: Any) -> str:
+def _device_type(model: torch.nn.Module) -> str:
     for p in model.parameters():
         return str(p.device.type)
     return "cpu"
 
 
-def _family_for(model_type: str) -> Any:
+def _family_for(model_type: str) -> ModelFamily:
     from opake.core.plugins import model_families
 
     families = model_families()
@@ -315,7 +322,11 @@ def _check_arguments(
 
 
 def _options(
-    base: Any, family: str, model_type: str, runtime: RuntimePatchState, given: dict[str, Any]
+    base: torch.nn.Module,
+    family: str,
+    model_type: str,
+    runtime: RuntimePatchState,
+    given: dict[str, Any],
 ) -> PatchOptions:
     """The options the family receives, with the loss kernel resolved (``given``: the
     validated keyword arguments of :func:`apply_model_patches`)."""
@@ -353,7 +364,18 @@ def _log_report(report: ModelPatchReport) -> None:
         _log.info("%s not applied: %s", part, why)
 
 
-def _apply(base: Any, family: Any, options: PatchOptions, patcher: Patcher) -> dict[str, Any]:
+class _Parts(TypedDict):
+    """The fields of a :class:`ModelPatchReport` that :func:`_apply` fills in."""
+
+    applied: tuple[str, ...]
+    kernels: Mapping[str, KernelUse]
+    skipped: Mapping[str, str]
+    notes: tuple[str, ...]
+
+
+def _apply(
+    base: torch.nn.Module, family: ModelFamily, options: PatchOptions, patcher: Patcher
+) -> _Parts:
     applied: list[str] = []
     skipped: dict[str, str] = {}
     kernels: dict[str, KernelUse] = {}
@@ -376,7 +398,8 @@ def _apply(base: Any, family: Any, options: PatchOptions, patcher: Patcher) -> d
             skipped["gradient_checkpointing"] = "vmap_checkpointing=False"
     else:
         skipped["compat"] = "compat=False"
-    result = family.load_apply()(base, options)
+    apply: FamilyApply = family.load_apply()
+    result = apply(base, options)
     fields = read_family_patch(result, family.name)
     patcher.push(result.undo)
     applied.extend(fields["applied"])
@@ -429,7 +452,7 @@ def _apply(base: Any, family: Any, options: PatchOptions, patcher: Patcher) -> d
     }
 
 
-def remove_model_patches(model: Any) -> bool:
+def remove_model_patches(model: object) -> bool:
     """Undo :func:`apply_model_patches` on *model* (PEFT-wrapped or not); True if it was patched.
 
     The runtime patches stay (they are global: :func:`~opake.patches.remove_runtime_patches`).
@@ -447,7 +470,7 @@ def remove_model_patches(model: Any) -> bool:
         return True
 
 
-def model_patch_report(model: Any) -> ModelPatchReport | None:
+def model_patch_report(model: object) -> ModelPatchReport | None:
     """The report of the patches currently on *model*, or None.
 
     >>> import torch

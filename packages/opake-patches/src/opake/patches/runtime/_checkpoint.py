@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from opake.core.errors import OperationError
 from opake.functional import cached_signature
@@ -164,10 +164,13 @@ def _unwrap_dead(t: torch.Tensor) -> torch.Tensor:
 
 _DEAD_LEVEL = -2  # what torch._C._functorch.maybe_get_level reports for a dead wrapper
 
+_T = TypeVar("_T")
+
 
 @dataclass
-class _Region:
-    """Everything one checkpointed call needs between forward and backward."""
+class _Region(Generic[_T]):
+    """Everything one checkpointed call needs between forward and backward (``_T``: what the
+    checkpointed function returns)."""
 
     lifted: LiftedCall
     offload: OffloadPolicy | None
@@ -179,7 +182,7 @@ class _Region:
     devices: list[Any] = field(default_factory=list)
 
     # -- outputs ---------------------------------------------------------------------------
-    def flatten(self, out: Any, *, record: bool) -> tuple[torch.Tensor, ...]:
+    def flatten(self, out: object, *, record: bool) -> tuple[torch.Tensor, ...]:
         import torch
         from torch.utils import _pytree as pytree
 
@@ -202,14 +205,15 @@ class _Region:
             )
         return tuple(leaves[i] for i in positions)
 
-    def unflatten(self, tensors: Sequence[torch.Tensor]) -> Any:
+    def unflatten(self, tensors: Sequence[torch.Tensor]) -> _T:
         from torch.utils import _pytree as pytree
 
         leaves = list(self.out_leaves)
         for pos, t in zip(self.tensor_positions, tensors, strict=True):
             leaves[pos] = t
         self.out_leaves = []  # do not keep the forward outputs alive
-        return pytree.tree_unflatten(leaves, self.out_spec)
+        out: _T = pytree.tree_unflatten(leaves, self.out_spec)  # the structure flatten took apart
+        return out
 
     # -- saving ----------------------------------------------------------------------------
     def pack(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -277,7 +281,16 @@ class _Region:
         return result
 
 
-def _function_class() -> type:
+class _CheckpointFunction(Protocol):
+    """The vmap-safe checkpoint's ``autograd.Function`` class, as called here (torch leaves
+    ``Function.apply`` untyped): a tensor or a tuple of tensors, the region's tensor outputs."""
+
+    def apply(
+        self, region: _Region[Any], *tensors: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
+
+
+def _function_class() -> type[torch.autograd.Function]:
     import torch
 
     @cached_signature
@@ -285,7 +298,7 @@ def _function_class() -> type:
         generate_vmap_rule = True
 
         @staticmethod
-        def forward(region: _Region, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override, unused-ignore]
+        def forward(region: _Region[Any], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
             out = region.lifted.call(tensors)
             flat = region.flatten(out, record=True)
             # an output that *is* an input would alias a saved tensor: return a copy instead
@@ -299,30 +312,30 @@ def _function_class() -> type:
             ctx.save_for_backward(*region.pack(inputs[1:]))
 
         @staticmethod
-        def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override, unused-ignore]
-            region: _Region = ctx.region
+        def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            region: _Region[Any] = ctx.region
             tensors = region.unpack(ctx.saved_tensors)
             return (None, *region.backward(ctx.needs_input_grad[1:], tensors, grads))
 
     return _VmapCheckpoint
 
 
-_FUNCTION: list[type] = []
+_FUNCTION: list[_CheckpointFunction] = []
 
 
-def _checkpoint_function() -> Any:
+def _checkpoint_function() -> _CheckpointFunction:
     if not _FUNCTION:
         _FUNCTION.append(_function_class())
     return _FUNCTION[0]
 
 
 def vmap_checkpoint(
-    function: Callable[..., Any],
+    function: Callable[..., _T],
     *args: Any,
     preserve_rng_state: bool = True,
     context_fn: Callable[[], Any] | None = None,
     **kwargs: Any,
-) -> Any:
+) -> _T:
     """Checkpoint ``function(*args, **kwargs)`` in a way ``torch.func`` transforms accept.
 
     This is what the patched ``torch.utils.checkpoint.checkpoint`` calls inside a transform (any
@@ -361,7 +374,7 @@ def vmap_checkpoint(
 
         devices, states = get_device_states(*lifted.tensors)
         rng = (torch.get_rng_state(), devices, states)
-    region = _Region(lifted=lifted, offload=current_offload(), rng=rng)
+    region: _Region[_T] = _Region(lifted=lifted, offload=current_offload(), rng=rng)
     inputs, lifted.tensors = lifted.tensors, []  # the saved (maybe offloaded) copies only
     try:
         flat = _checkpoint_function().apply(region, *inputs)

@@ -30,6 +30,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from opake.functional import in_transform, outside_transforms
+from opake.patches._patcher import tag
 
 __all__ = [
     "install_transformers_patch",
@@ -44,12 +45,12 @@ _lock = threading.RLock()
 
 def _transform_safe(hook: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(hook)
-    def hook_outside_transforms(module: Any, args: Any, output: Any) -> Any:
+    def hook_outside_transforms(module: Any, args: Any, output: Any) -> object:
         if in_transform():
             return None
         return hook(module, args, output)
 
-    hook_outside_transforms._opake_stock_hook = hook  # type: ignore[attr-defined]
+    tag(hook_outside_transforms, "_opake_stock_hook", hook)
     return hook_outside_transforms
 
 
@@ -120,7 +121,7 @@ def patch_transformers(module: ModuleType) -> None:
             if stock is None or getattr(stock, "_opake_patch", None):
                 continue
             patched = wrap(stock)
-            patched._opake_patch = "vmap_checkpointing"  # type: ignore[attr-defined]
+            tag(patched, "_opake_patch", "vmap_checkpointing")
             _State.stock = {**_State.stock, name: stock}
             _State.cls = cls
             setattr(cls, name, patched)

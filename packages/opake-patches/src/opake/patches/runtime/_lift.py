@@ -24,7 +24,7 @@ import functools
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 if TYPE_CHECKING:
     import torch
@@ -78,6 +78,11 @@ class _Map:
 _EMPTY_CELL = object()
 
 
+def _is_sequence(obj: object) -> TypeGuard[list[Any] | tuple[Any, ...]]:
+    """A plain list or tuple, or a named tuple: the sequences the walk looks into."""
+    return type(obj) in (list, tuple) or (isinstance(obj, tuple) and hasattr(obj, "_fields"))
+
+
 @dataclass
 class _Walker:
     tensors: list[torch.Tensor] = field(default_factory=list)
@@ -98,7 +103,8 @@ class _Walker:
             self.module_ids.add(id(m))
             self.modules.append(m)
 
-    def walk(self, obj: Any, depth: int = 0) -> Any:
+    def walk(self, obj: object, depth: int = 0) -> object:
+        """``obj`` itself where it holds no tensor to lift, else its template (``_Slot`` ...)."""
         import torch
         from torch import nn
 
@@ -127,7 +133,7 @@ class _Walker:
             return _Method(func, new_self)
         if isinstance(obj, types.FunctionType):
             return self._walk_function(obj, depth)
-        if type(obj) in (list, tuple) or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
+        if _is_sequence(obj):
             items = tuple(self.walk(v, depth + 1) for v in obj)
             if all(a is b for a, b in zip(items, obj, strict=True)):
                 return obj  # nothing inside was lifted: keep the very same object
@@ -139,7 +145,7 @@ class _Walker:
             return _Map(dict, tuple(values))
         return obj
 
-    def _collect_attrs(self, obj: Any) -> None:
+    def _collect_attrs(self, obj: object) -> None:
         """Modules held as attributes of a plain object (``helper.model``) are re-parametrised."""
         from torch import nn
 
@@ -149,7 +155,7 @@ class _Walker:
                 if isinstance(value, nn.Module):
                     self.add_module(value)
 
-    def _walk_function(self, fn: types.FunctionType, depth: int) -> Any:
+    def _walk_function(self, fn: types.FunctionType, depth: int) -> types.FunctionType | _Function:
         from torch import nn
 
         if id(fn) in self.seen_functions:  # recursive closures
@@ -190,7 +196,7 @@ def _cell_empty(cell: types.CellType) -> bool:
     return False
 
 
-def _rebuild(tpl: Any, free: Sequence[torch.Tensor]) -> Any:
+def _rebuild(tpl: Any, free: Sequence[torch.Tensor]) -> Any:  # Any: the caller's own objects
     if isinstance(tpl, _Slot):
         return free[tpl.index]
     if isinstance(tpl, _Partial):
@@ -240,7 +246,7 @@ class _Holder:
                 super().__init__()
                 self.roots = nn.ModuleList(mods)
 
-            def forward(self, thunk: Callable[[], Any]) -> Any:
+            def forward(self, thunk: Callable[[], object]) -> object:
                 return thunk()
 
         return _CheckpointHolder(modules)
@@ -254,13 +260,13 @@ class LiftedCall:
     ``holder``), then the free tensors found in the callable and the arguments.
     """
 
-    template: Any
+    template: object
     tensors: list[torch.Tensor]
     n_state: int
     state_names: list[str]
     holder: nn.Module | None
 
-    def call(self, tensors: Sequence[torch.Tensor]) -> Any:
+    def call(self, tensors: Sequence[torch.Tensor]) -> object:
         """Run the original computation with *tensors* in place of :attr:`tensors`."""
         free = tensors[self.n_state :]
         fn, args, kwargs = _rebuild(self.template, free)

@@ -25,8 +25,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from opake.patches._patcher import tag
+
 if TYPE_CHECKING:
     import torch
+    from torch.autograd.graph import save_on_cpu as StockSaveOnCpu
 
 __all__ = [
     "OffloadPolicy",
@@ -77,10 +80,11 @@ def current_offload() -> OffloadPolicy | None:
     return _OFFLOAD.get()
 
 
-def make_patched_save_on_cpu(stock: type) -> type:
+def make_patched_save_on_cpu(stock: type[StockSaveOnCpu]) -> type[StockSaveOnCpu]:
     """Build the drop-in subclass of the stock ``save_on_cpu`` class."""
 
-    class save_on_cpu(stock):  # type: ignore[misc, valid-type, unused-ignore]  # noqa: N801 - torch's name
+    # mypy takes no base class chosen at run time (the class torch has now): one ignore
+    class save_on_cpu(stock):  # type: ignore[misc, valid-type]  # noqa: N801 - torch's name
         __doc__ = stock.__doc__
         __module__ = stock.__module__
         __qualname__ = stock.__qualname__
@@ -94,6 +98,7 @@ def make_patched_save_on_cpu(stock: type) -> type:
             import torch
 
             policy_token = _OFFLOAD.set(self._opake_policy)
+            # private and missing from torch's stubs (runtime._state checks that it exists)
             pushed = bool(torch._C._autograd._saved_tensors_hooks_is_enabled())  # type: ignore[attr-defined]
             hooks_token = None
             if pushed:  # outside transforms: the stock behaviour
@@ -137,5 +142,5 @@ def make_patched_disable(
                 torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
     disable_saved_tensors_hooks.__doc__ = stock.__doc__
-    disable_saved_tensors_hooks.__wrapped__ = stock  # type: ignore[attr-defined]
+    tag(disable_saved_tensors_hooks, "__wrapped__", stock)
     return disable_saved_tensors_hooks

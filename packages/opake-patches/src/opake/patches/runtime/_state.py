@@ -7,9 +7,10 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
+from opake.patches._patcher import tag
 
 __all__ = [
     "PATCH_NAMES",
@@ -25,6 +26,8 @@ __all__ = [
 TESTED_TORCH = "torch>=2.11,<2.14"
 #: the independent runtime patches, by the keyword that turns each on
 PATCH_NAMES = ("vmap_checkpointing", "save_on_cpu")
+
+_T = TypeVar("_T")
 
 # torch internals the patches rely on (checked before anything is replaced)
 _REQUIRED = (
@@ -131,12 +134,13 @@ def _install_checkpoint() -> list[_Patch]:
     stock = tuc.checkpoint
 
     @functools.wraps(stock)
-    def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def checkpoint(function: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         if transform_stack().needs_vmap_safe_checkpoint:
             return vmap_checkpoint(function, *args, **kwargs)
-        return stock(function, *args, **kwargs)
+        out: _T = stock(function, *args, **kwargs)  # what function returns (unannotated there)
+        return out
 
-    checkpoint._opake_patch = "vmap_checkpointing"  # type: ignore[attr-defined]
+    tag(checkpoint, "_opake_patch", "vmap_checkpointing")
     return [_Patch("torch.utils.checkpoint", "checkpoint", stock, checkpoint)]
 
 
@@ -148,12 +152,12 @@ def _install_checkpoint_extras() -> Callable[[], None]:
 
 
 def _install_save_on_cpu() -> list[_Patch]:
-    import torch.autograd.graph as tag
+    import torch.autograd.graph as autograd_graph
 
     from opake.patches.runtime._offload import make_patched_disable, make_patched_save_on_cpu
 
-    stock_cls = tag.save_on_cpu
-    stock_disable = tag.disable_saved_tensors_hooks
+    stock_cls = autograd_graph.save_on_cpu
+    stock_disable = autograd_graph.disable_saved_tensors_hooks
     return [
         _Patch(
             "torch.autograd.graph", "save_on_cpu", stock_cls, make_patched_save_on_cpu(stock_cls)

@@ -63,13 +63,13 @@ def transform_stack() -> TransformStack:
 
     if torch._C._functorch.maybe_current_level() is None:
         return TransformStack((), torch.is_grad_enabled())
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    from torch._functorch.pyfunctorch import GradInterpreter, retrieve_all_functorch_interpreters
 
     interpreters = retrieve_all_functorch_interpreters()
     kinds = tuple(_NAMES.get(i.key().name, i.key().name.lower()) for i in interpreters)
     outer_grad_mode = torch.is_grad_enabled()
     for interp in interpreters:
-        if _NAMES.get(interp.key().name) == "grad":
-            outer_grad_mode = bool(interp.prev_grad_mode())  # type: ignore[attr-defined]
+        if isinstance(interp, GradInterpreter):  # the interpreter of every TransformType.Grad
+            outer_grad_mode = bool(interp.prev_grad_mode())
             break
     return TransformStack(kinds, outer_grad_mode)
