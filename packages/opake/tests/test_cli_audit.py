@@ -146,7 +146,7 @@ def test_training_only_options_are_refused(tiny_args, tmp_path, capsys, extra, w
 
 
 def test_help_lists_exactly_the_options_the_audit_honours(capsys):
-    """train's options less the four the audit refuses, plus the audit's own."""
+    """train's options less the ones the audit refuses, plus the audit's own."""
     from opake.cli.__main__ import build_parser
 
     def options(command):
@@ -162,6 +162,7 @@ def test_help_lists_exactly_the_options_the_audit_honours(capsys):
     train, _ = options("train")
     audit, text = options("audit")
     refused = {"--resume", "--checkpoint-every", "--eval-every", "--max-val-blocks"}
+    refused |= {"--privacy-unit", "--max-records-per-unit"}
     own = {"--canaries", "--canary-count", "--canary-direction", "--confidence"}
     assert audit == (train - refused) | own
     for flag in refused:

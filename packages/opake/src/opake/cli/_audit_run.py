@@ -38,6 +38,12 @@ REFUSED = {
     "--checkpoint-every": "an audit saves no checkpoint; drop --checkpoint-every",
     "--eval-every": "an audit does not evaluate on the validation split; drop --eval-every",
     "--max-val-blocks": "an audit does not evaluate on the validation split; drop --max-val-blocks",
+    "--privacy-unit": (
+        "an audit inserts each canary as one example and measures example-level leakage; "
+        "canaries as units of several records are not supported yet: audit without "
+        "--privacy-unit (the clipping and noise it exercises are the same)"
+    ),
+    "--max-records-per-unit": "an audit samples examples, not units; drop --max-records-per-unit",
 }
 
 
@@ -85,13 +91,13 @@ def _with_canaries(
     import torch
 
     from opake.auditing import GradientCanaries, draw_inclusion, random_token_canaries
-    from opake.cli._plan import _encode
+    from opake.cli._blocks import encoder
 
     s = plan.settings
     included = draw_inclusion(options["count"], seed=None if secret is None else secret + 1)
     data = plan.train
     if options["kind"] == "input":
-        _, _, vocab = _encode(plan.tokenizer)
+        _, _, vocab = encoder(plan.tokenizer)
         canaries = random_token_canaries(
             options["count"], length=s.block_size, vocab_size=vocab, seed=secret
         )

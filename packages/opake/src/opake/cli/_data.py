@@ -57,6 +57,8 @@ class Corpus:
 
     name: str
     documents: tuple[str, ...]
+    #: each document's privacy unit (``--privacy-unit FIELD`` of a JSONL file), else ``None``
+    units: tuple[str, ...] | None = None
 
     @property
     def num_chars(self) -> int:
@@ -89,8 +91,11 @@ def _stdlib_source() -> Corpus:
     return Corpus("stdlib", tuple(d for d in docs if d.strip()))
 
 
-def _read_jsonl(path: Path, text_field: str) -> tuple[str, ...]:
+def _read_jsonl(
+    path: Path, text_field: str, unit_field: str | None = None
+) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
     docs = []
+    units: list[str] = []
     with path.open(encoding="utf-8") as handle:
         for lineno, line in enumerate(handle, start=1):
             if not line.strip():
@@ -114,10 +119,32 @@ def _read_jsonl(path: Path, text_field: str) -> tuple[str, ...]:
                     f"{type(text).__name__}, expected a string"
                 )
             docs.append(text)
-    return tuple(docs)
+            if unit_field is not None:
+                units.append(_unit_key(record, unit_field, path, lineno))
+    return tuple(docs), (tuple(units) if unit_field is not None else None)
 
 
-def load_corpus(spec: str | None = None, *, text_field: str = "text") -> Corpus:
+def _unit_key(record: dict[str, Any], unit_field: str, path: Path, lineno: int) -> str:
+    """The record's privacy unit: a string or an integer (kept apart: ``"7"`` and ``7`` are
+    the same unit only if the file writes them the same way)."""
+    if unit_field not in record:
+        raise ConfigurationError(
+            f"--data {path}: line {lineno} has no {unit_field!r} field (--privacy-unit); every "
+            "record must name its unit — a record without one cannot be protected with its "
+            "unit's other records"
+        )
+    key = record[unit_field]
+    if isinstance(key, bool) or not isinstance(key, str | int):
+        raise ConfigurationError(
+            f"--data {path}: line {lineno}: the unit field {unit_field!r} is "
+            f"{type(key).__name__}, expected a string or an integer id"
+        )
+    return f"{type(key).__name__}:{key}"
+
+
+def load_corpus(
+    spec: str | None = None, *, text_field: str = "text", unit_field: str | None = None
+) -> Corpus:
     """Load the corpus named by *spec*.
 
     Args:
@@ -125,6 +152,8 @@ def load_corpus(spec: str | None = None, *, text_field: str = "text") -> Corpus:
             JSON object per line with a *text_field* string) or to any UTF-8 text file (one
             document).
         text_field: the JSONL field holding the text.
+        unit_field: the JSONL field naming each record's privacy unit (``--privacy-unit``);
+            only for a ``.jsonl`` file.
 
     Raises:
         ConfigurationError: the file is missing, unreadable, malformed, or holds no text.
@@ -132,6 +161,13 @@ def load_corpus(spec: str | None = None, *, text_field: str = "text") -> Corpus:
     >>> load_corpus().name
     'pydoc'
     """
+    if unit_field is not None and (spec is None or not spec.lower().endswith(".jsonl")):
+        raise ConfigurationError(
+            f"--privacy-unit {unit_field}: needs a JSONL file whose records carry that field "
+            f"(--data FILE.jsonl); {spec or 'pydoc'} has no per-record units — leave "
+            "--privacy-unit out to protect each training block"
+        )
+    units: tuple[str, ...] | None = None
     if spec is None or spec == "pydoc":
         corpus = _pydoc()
     elif spec == "stdlib":
@@ -146,7 +182,7 @@ def load_corpus(spec: str | None = None, *, text_field: str = "text") -> Corpus:
             )
         try:
             if path.suffix.lower() == ".jsonl":
-                docs = _read_jsonl(path, text_field)
+                docs, units = _read_jsonl(path, text_field, unit_field)
             else:
                 docs = (path.read_text(encoding="utf-8"),)
         except UnicodeDecodeError as err:
@@ -156,13 +192,16 @@ def load_corpus(spec: str | None = None, *, text_field: str = "text") -> Corpus:
             ) from None
         except OSError as err:
             raise ConfigurationError(f"--data {spec}: cannot read it ({err.strerror})") from None
-        corpus = Corpus(str(path), docs)
-    documents = tuple(d for d in corpus.documents if d.strip())
-    if not documents:
+        corpus = Corpus(str(path), docs, units)
+    kept = [i for i, d in enumerate(corpus.documents) if d.strip()]
+    if not kept:
         raise ConfigurationError(
             f"--data {corpus.name}: the corpus is empty (no non-blank text); give a file with text"
         )
-    return Corpus(corpus.name, documents)
+    documents = tuple(corpus.documents[i] for i in kept)
+    if corpus.units is None:
+        return Corpus(corpus.name, documents)
+    return Corpus(corpus.name, documents, tuple(corpus.units[i] for i in kept))
 
 
 def make_blocks(

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from opake.cli._units import unit_batch_rows
 from opake.core.errors import ConfigurationError
 from opake.profiling import (
     MemoryLine,
@@ -220,9 +221,12 @@ def microbatch_for_run(
         )
 
     # this rank's share of the global Poisson batch: expected, and the largest sized for
-    expected = plan.sample_rate * plan.dataset_size / world_size
-    cap = plan.max_batch_size or plan.dataset_size
-    largest = largest_poisson_batch(expected, plan.sample_rate, math.ceil(cap / world_size))
+    if plan.units is not None:  # units bring their blocks (one process: ranks are refused)
+        expected, largest = unit_batch_rows(plan.units, plan.sample_rate, s.max_records_per_unit)
+    else:
+        expected = plan.sample_rate * plan.dataset_size / world_size
+        cap = plan.max_batch_size or plan.dataset_size
+        largest = largest_poisson_batch(expected, plan.sample_rate, math.ceil(cap / world_size))
     line = measure_line(
         make,
         params,

@@ -10,22 +10,20 @@ import importlib.util
 import json
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from opake.cli._blocks import load_blocks
 from opake.cli._checks import (
-    check_model_fits,
     check_writable,
     config_dropout,
     epsilon_note,
 )
-from opake.cli._data import Corpus, load_corpus, make_blocks, split_blocks, unigram_entropy
-from opake.cli._models import load_tokenizer, resolve_model
+from opake.cli._data import Corpus, unigram_entropy
+from opake.cli._models import resolve_model
 from opake.cli._options import locked_fields
 from opake.cli._settings import DEFAULT_STEPS, TrainSettings
-from opake.cli._tokenizer import ByteTokenizer
 from opake.core.choices import TRAINING_PLD_OPTIONS
 from opake.core.errors import ConfigurationError
 
@@ -68,6 +66,18 @@ class RunPlan:
     #: the model keeps dropout active (per-example masks: vmap with randomness="different")
     dropout: bool = False
     notes: list[str] = field(default_factory=list)
+    #: each training block's privacy unit (``--privacy-unit``), else ``None`` (a block is one)
+    units: list[str] | None = None
+
+    @property
+    def population(self) -> int:
+        """What Poisson sampling draws from and ε protects: units, or training blocks."""
+        return self.dataset_size if self.units is None else len(set(self.units))
+
+    @property
+    def unit_name(self) -> str:
+        """The protected unit, as reports name it: the unit field, or ``"example"``."""
+        return "example" if self.settings.privacy_unit is None else self.settings.privacy_unit
 
     @property
     def accountant_options(self) -> dict[str, Any]:
@@ -196,16 +206,6 @@ def _check_kernels(
     return True, []
 
 
-def _encode(tokenizer: Any) -> tuple[Callable[[str], list[int]], int | None, int]:
-    if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.encode, tokenizer.eos_token_id, tokenizer.vocab_size
-
-    def encode(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    return encode, tokenizer.eos_token_id, len(tokenizer)
-
-
 def plan_run(settings: TrainSettings) -> RunPlan:
     """Validate *settings* against the data; everything that can fail before training does.
 
@@ -219,13 +219,18 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     model_source, model_is_dir = resolve_model(settings.model)
     patch, notes = _check_kernels(settings.kernels, device, _model_type(settings.model))
     _check_environment(settings, device, notes)
-    corpus, tokenizer, train, val, vocab = _load_blocks(settings, model_source, model_is_dir)
-    n = int(train.shape[0])
+    corpus, tokenizer, train, val, vocab, units = load_blocks(
+        settings, model_source, model_is_dir, notes
+    )
+    # what Poisson sampling draws and ε protects: training blocks, or units with all their blocks
+    n = int(train.shape[0]) if units is None else len(set(units))
+    what = "training blocks" if units is None else f"units ({settings.privacy_unit})"
     if settings.batch_size > n:
         raise ConfigurationError(
-            f"--batch-size {settings.batch_size} exceeds the {n} training blocks; the expected "
+            f"--batch-size {settings.batch_size} exceeds the {n} {what}; the expected "
             f"Poisson batch must be at most the dataset: pass a --batch-size of at most {n} "
-            f"(e.g. --batch-size {max(1, n // 10)}, a tenth of the blocks: each step then samples "
+            f"(e.g. --batch-size {max(1, n // 10)}, a tenth of the "
+            f"{'blocks' if units is None else 'units'}: each step then samples "
             "about 10% of the data), or give more data"
         )
     q = settings.batch_size / n
@@ -251,7 +256,7 @@ def plan_run(settings: TrainSettings) -> RunPlan:
         tokenizer=tokenizer,
         train=train,
         val=val,
-        dataset_size=n,
+        dataset_size=int(train.shape[0]),
         sample_rate=q,
         steps=steps,
         delta=delta,
@@ -264,6 +269,7 @@ def plan_run(settings: TrainSettings) -> RunPlan:
         engine=engine,
         dropout=dropout,
         notes=notes,
+        units=units,
     )
 
 
@@ -312,30 +318,6 @@ def _check_environment(settings: TrainSettings, device: torch.device, notes: lis
             raise ConfigurationError(
                 "--lora-r needs the peft library: pip install 'opake[peft]'"
             ) from None
-
-
-def _load_blocks(
-    settings: TrainSettings, model_source: Any, model_is_dir: bool
-) -> tuple[Corpus, Any, torch.Tensor, torch.Tensor, int]:
-    """The corpus, the tokenizer, the training and validation blocks, the vocabulary size."""
-    import torch
-
-    corpus = load_corpus(settings.data, text_field=settings.text_field)
-    tokenizer = load_tokenizer(settings.model)
-    encode, eos, vocab = _encode(tokenizer)
-    check_model_fits(model_source, model_is_dir, block_size=settings.block_size, vocab_size=vocab)
-    rows = make_blocks(corpus, encode, block_size=settings.block_size, eos_token_id=eos)
-    if len(rows) < 2:
-        raise ConfigurationError(
-            f"--data {corpus.name}: {corpus.num_chars} characters give {len(rows)} block(s) of "
-            f"{settings.block_size} tokens; need at least 2 (one to train, one to validate): "
-            "give more text or a smaller --block-size"
-        )
-    blocks = torch.tensor(rows, dtype=torch.long)
-    train, val = split_blocks(blocks, val_fraction=settings.val_fraction, seed=settings.seed)
-    if settings.max_val_blocks is not None:
-        val = val[: settings.max_val_blocks]
-    return corpus, tokenizer, train, val, vocab
 
 
 def _privacy(

@@ -74,11 +74,29 @@ class TrainSettings:
         locked=True,
     )
     text_field: str = option("text", group=_DATA, help="JSONL field holding the text", locked=True)
+    privacy_unit: str | None = option(
+        None,
+        group=_DATA,
+        help="JSONL field naming each record's privacy unit (e.g. user_id): ε then protects "
+        "all records of a unit together (user-level DP); blocks never mix units, --batch-size "
+        "counts units and validation holds out whole units",
+        metavar="FIELD",
+        locked=True,
+    )
+    max_records_per_unit: int | None = option(
+        None,
+        group=_DATA,
+        type=int,
+        help="with --privacy-unit: at most this many blocks of one unit per step (a random "
+        "subset, drawn with the sampler's randomness; default: all)",
+        metavar="K",
+        locked=True,
+    )
     block_size: int = option(
         64,
         group=_DATA,
         type=int,
-        help="tokens per training example (the unit of privacy)",
+        help="tokens per training example (the unit of privacy, unless units are named)",
         locked=True,
     )
     val_fraction: float = option(
@@ -290,6 +308,20 @@ class TrainSettings:
             )
         return cls(**dict(data))
 
+    def _check_units(self) -> None:
+        """``--privacy-unit`` and ``--max-records-per-unit``: what goes with them."""
+        if self.max_records_per_unit is not None and self.privacy_unit is None:
+            raise ConfigurationError(
+                f"--max-records-per-unit {self.max_records_per_unit} without --privacy-unit: "
+                "the cap counts the blocks of one unit; name the unit's JSONL field with "
+                "--privacy-unit FIELD"
+            )
+        if self.privacy_unit is not None and self.sampler == "fixed":
+            raise ConfigurationError(
+                "--privacy-unit with --sampler fixed: fixed-shape sampling draws records, not "
+                "units (a unit brings a variable number of blocks); use --sampler poisson"
+            )
+
     def check(self) -> TrainSettings:
         """Validate what can be checked without data or a model; returns self.
 
@@ -320,7 +352,8 @@ class TrainSettings:
                 raise ConfigurationError(f"--{flag(name)} {value}: expected an integer >= 1")
         if self.block_size < 2:
             raise ConfigurationError(f"--block-size {self.block_size}: expected at least 2")
-        for name in ("steps", "lora_r", "eval_every", "max_val_blocks"):
+        self._check_units()
+        for name in ("steps", "lora_r", "eval_every", "max_val_blocks", "max_records_per_unit"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigurationError(f"--{flag(name)} {value}: expected an integer >= 1")

@@ -31,6 +31,20 @@ def _save_model(plan: RunPlan, loaded: Any, model: Any) -> dict[str, str]:
     return save_run_model(plan.out, loaded, model, plan.tokenizer)
 
 
+def _privacy_unit(plan: RunPlan) -> str:
+    """What ε protects, in words."""
+    s = plan.settings
+    if plan.units is None:
+        return (
+            f"one training block of {s.block_size} tokens (example-level DP over the training "
+            "split; the validation split is not protected)"
+        )
+    return (
+        f"one {plan.unit_name} (JSONL field {s.privacy_unit!r}) with all its blocks (user-level "
+        f"DP over the {plan.population} training units; the held-out units are not protected)"
+    )
+
+
 def _summary(
     plan: RunPlan,
     *,
@@ -77,15 +91,13 @@ def _summary(
         "planned_epsilon": plan.planned_epsilon,
         "accountant": s.accountant,
         "randomness": plan.randomness,
-        "privacy_unit": (
-            f"one training block of {s.block_size} tokens (example-level DP over the training "
-            "split; the validation split is not protected)"
-        ),
+        "privacy_unit": _privacy_unit(plan),
+        "units": plan.population if plan.units is not None else None,
         "clipping_rate_mean": sum(r["clipping_rate"] for r in rows) / max(1, len(rows)),
         "diagnostics_are_private": False,
         "dataset_size": plan.dataset_size,
         "val_blocks": int(plan.val.shape[0]),
-        "expected_batch_size": plan.sample_rate * plan.dataset_size,
+        "expected_batch_size": plan.sample_rate * plan.population,
         "max_batch_size": plan.max_batch_size,
         "microbatch_size": microbatch.microbatch,
         "microbatch_choice": microbatch.to_dict(),

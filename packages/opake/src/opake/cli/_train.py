@@ -24,10 +24,12 @@ def _print_plan(plan: Any) -> None:
             f"{plan.dataset_size:,} training blocks of {s.block_size} tokens, "
             f"{plan.val.shape[0]:,} validation blocks"
         ),
+        *_unit_lines(plan),
         (
             f"privacy   ε = {plan.planned_epsilon:.3g} at δ = {plan.delta:.3g} ({s.accountant}) "
-            f"with σ = {plan.noise_multiplier:.4g}, C = {s.clip:g}, q = {plan.sample_rate:.4g} "
-            f"(expected batch {s.batch_size}), {plan.steps} steps"
+            f"per {plan.unit_name} with σ = {plan.noise_multiplier:.4g}, C = {s.clip:g}, "
+            f"q = {plan.sample_rate:.4g} (expected batch {s.batch_size}"
+            f"{'' if plan.units is None else ' ' + plan.unit_name + 's'}), {plan.steps} steps"
         ),
         f"baseline  unigram validation loss {plan.baseline:.4f} nats/token",
         (
@@ -41,6 +43,23 @@ def _print_plan(plan: Any) -> None:
         print(line, file=sys.stderr)
     for note in plan.notes:
         print(f"note      {note}", file=sys.stderr)
+
+
+def _unit_lines(plan: Any) -> list[str]:
+    """``--privacy-unit``: the units, blocks per unit and the cap."""
+    if plan.units is None:
+        return []
+    from opake.dpsgd.sampling import UnitPoissonSampler
+
+    summary = UnitPoissonSampler(
+        plan.units, plan.sample_rate, max_records_per_unit=plan.settings.max_records_per_unit
+    ).summary()
+    described = summary.describe(plan.unit_name).replace(" records", " blocks")
+    line = (
+        f"units     {described}; ε protects all blocks of one {plan.unit_name} together "
+        "(user-level DP); blocks never mix units, validation holds out whole units"
+    )
+    return [line]
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -66,8 +85,9 @@ def _run(args: argparse.Namespace) -> int:
     verdict = "below" if summary["val_loss"] < summary["unigram_baseline"] else "NOT below"
     print(
         f"done: {summary['steps']} steps, ε = {summary['epsilon']:.3f} at δ = "
-        f"{summary['delta']:.3g}; validation loss {summary['val_loss']:.4f} ({verdict} the "
-        f"unigram baseline {summary['unigram_baseline']:.4f}); "
+        f"{summary['delta']:.3g} per {plan.unit_name}; validation loss "
+        f"{summary['val_loss']:.4f} ({verdict} the unigram baseline "
+        f"{summary['unigram_baseline']:.4f}); "
         f"{summary['samples_per_second']:.1f} samples/s; outputs in {plan.out}"
     )
     return 0

@@ -32,7 +32,6 @@ from opake.cli._plan import (
     SETTINGS_FILE,
     RunPlan,
     _check_resumed_settings,
-    _encode,  # noqa: F401 (opake audit imports it from here)
     plan_run,
 )
 from opake.cli._progress import make_progress
@@ -195,6 +194,9 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
         sampler="poisson" if plan.max_batch_size is None else "fixed",
         max_batch_size=plan.max_batch_size,
         seed=s.seed if s.reproducible else None,
+        # --privacy-unit: units sampled and each clipped as one (records= at every step)
+        privacy_units=plan.units,
+        max_records_per_unit=s.max_records_per_unit,
         **plan.training_options(),
     )
     return _Run(
@@ -317,7 +319,11 @@ def _step(r: _Run, batches: Iterator[list[int]], lr: float) -> dict[str, Any]:
         x = plan.train[torch.as_tensor(indices, dtype=torch.long)].to(r.device)
         real = len(indices)
     with step_perf(r.device, batch_size=real) as perf:
-        aux = r.training.accumulate(x, example_mask=None if mask is None else mask.to(r.device))
+        aux = r.training.accumulate(
+            x,
+            example_mask=None if mask is None else mask.to(r.device),
+            records=indices if plan.units is not None else None,
+        )
         perf.mark("clipped_grad")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", OpakePrivacyWarning)

@@ -80,8 +80,10 @@ class UnitPoissonSampler(_BaseSampler):
             The cap bounds a step's cost and a heavy user's weight in the update; privacy does
             not rest on it (the unit's clipped gradient is bounded by C whatever it holds).
         steps_per_epoch: batches per ``iter``; default ``round(1/q)``.
-        seed, randomness, rank, world_size: as :class:`PoissonSampler` (``seed`` makes the
-            batches reproducible and **not private**).
+        seed: as :class:`PoissonSampler`: reproducible batches, **not private**.
+        randomness: as :class:`PoissonSampler`.
+        rank: as :class:`PoissonSampler` (ranks split the drawn units).
+        world_size: as :class:`PoissonSampler`.
 
     Example:
         >>> sampler = UnitPoissonSampler(["ann", "bob", "ann", "cy", "bob", "ann"], 0.5, seed=0)
