@@ -25,11 +25,22 @@ if TYPE_CHECKING:
     from opake.dpsgd.bookkeeping import OuterSum, PieceCert
     from opake.kernels.chunked._example_grads import LinearCEExampleGrads
 
-__all__ = ["certificate", "certified_inner", "outer_view"]
+__all__ = ["certificate", "certified_inner", "example_rows", "outer_view"]
 
 
 def outer_view(op: LinearCEExampleGrads) -> OuterSum:
-    """The :class:`~opake.dpsgd.bookkeeping.OuterSum` ``(u, g ⊙ h)`` of a kept operator."""
+    """The :class:`~opake.dpsgd.bookkeeping.OuterSum` ``(u, g ⊙ h)`` of a kept operator.
+
+    ``a`` is a view of the kept logit gradients ``[B, T, V]`` (fp32, no copy), ``b = fl(g·h)``
+    ``[B, T, H]`` (formed on each call). Under privacy units (``grad_fn(..., units=ids)``) the
+    book-keeping engine regroups this pair like any ``OuterSum`` — each unit's rows end to end,
+    ``[U, k·T, ·]`` with exact zero padding (``k`` the most rows of any unit in the chunk) — so
+    the head stays inside the proof, its unit gradient certified and summed generically. That
+    regrouping copies ``a``: ``4·U·k·T·V`` bytes more while the pieces are built, on top of the
+    kept ``4·B·T·V`` (equal units: as much again, e.g. 4.2 GB for ``B·T = 8 × 1024`` rows and
+    Llama 3's 128 256-token vocabulary, 1.6 GB for GPT-2's 50 257; uneven units pad up to
+    ``k``). Raises :class:`~opake.core.errors.OperationError` when ``u`` was not kept.
+    """
     import torch
 
     from opake.dpsgd.bookkeeping import OuterSum
@@ -70,3 +81,26 @@ def certified_inner(
     rows = op.shape[0] if a.dtype in (torch.int64, torch.int32) else None
     other = OuterSum(a.long() if rows is not None else a, b, rows=rows)
     return certify_inner(outer_view(op), other)
+
+
+def example_rows(op: LinearCEExampleGrads, index: int, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of example ``index``'s weight gradient, fp64 ``[stop - start, H]``
+    (the exact route): ``d`` recomputed for that vocabulary slice, then ``dᵀ h`` in fp64."""
+    import torch
+
+    from opake.kernels._math import transform_logits_
+    from opake.kernels.chunked._logit_tiles import _dlogits_
+
+    with torch.no_grad():
+        steps = op.hidden.shape[1]
+        vocab = op.weight.shape[0]
+        h = op.hidden[index]
+        lse = op._lse_all()[index * steps : (index + 1) * steps]
+        z = h.to(op.weight.dtype) @ op.weight[start:stop].t()
+        if op.bias is not None:
+            z = z + op.bias[start:stop]
+        z = transform_logits_(z.to(torch.float32).contiguous(), op.spec)
+        scratch = torch.empty_like(z) if op.spec.softcap is not None else None
+        labels, grads = op.labels[index], op.token_grads[index]
+        d = _dlogits_(z, labels, lse, grads, start, vocab, op.spec, scratch)
+        return d.double().t() @ h.double()

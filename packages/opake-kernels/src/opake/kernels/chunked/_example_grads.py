@@ -46,7 +46,7 @@ from opake.kernels.chunked._kept import (
 )
 
 if TYPE_CHECKING:
-    from opake.dpsgd.bookkeeping import PieceCert
+    from opake.dpsgd.bookkeeping import OuterSum, PieceCert
 
 __all__ = [
     "ROUTES",
@@ -192,6 +192,12 @@ class LinearCEExampleGrads:
         """The certified inner product with another use ``Σ_s a_s ⊗ b_s`` of the weight."""
         return _example_certify.certified_inner(self, a, b)
 
+    def outer_view(self) -> OuterSum:
+        """The ``OuterSum`` ``(u, g ⊙ h)`` the certificate is proved from, which the book-keeping
+        engine regroups per privacy unit (``units=``); see :func:`._example_certify.outer_view`
+        for what that costs."""
+        return _example_certify.outer_view(self)
+
     def hidden_grad(self) -> Tensor:
         """``∂(Σ token_grads · loss)/∂hidden`` ``[B, T, H]`` (fp32), computed in the same tile
         pass as the norms (which are then cached): the backward of a book-kept loss."""
@@ -271,19 +277,7 @@ class LinearCEExampleGrads:
     def example_rows(self, index: int, start: int, stop: int) -> Tensor:
         """Rows ``start:stop`` (vocabulary entries) of example ``index``'s weight gradient,
         fp64 ``[stop - start, H]``: ``d`` recomputed for that slice, then ``dᵀ h`` in fp64."""
-        with torch.no_grad():
-            steps = self.hidden.shape[1]
-            vocab = self.weight.shape[0]
-            h = self.hidden[index]
-            lse = self._lse_all()[index * steps : (index + 1) * steps]
-            z = h.to(self.weight.dtype) @ self.weight[start:stop].t()
-            if self.bias is not None:
-                z = z + self.bias[start:stop]
-            z = transform_logits_(z.to(_F32).contiguous(), self.spec)
-            scratch = torch.empty_like(z) if self.spec.softcap is not None else None
-            labels, grads = self.labels[index], self.token_grads[index]
-            d = _logit_tiles._dlogits_(z, labels, lse, grads, start, vocab, self.spec, scratch)
-            return d.double().t() @ h.double()
+        return _example_certify.example_rows(self, index, start, stop)
 
     # ------------------------------------------------------------------ clipped sum
     def weighted_sum(
