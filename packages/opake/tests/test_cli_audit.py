@@ -162,8 +162,8 @@ def test_help_lists_exactly_the_options_the_audit_honours(capsys):
     train, _ = options("train")
     audit, text = options("audit")
     refused = {"--resume", "--checkpoint-every", "--eval-every", "--max-val-blocks"}
-    refused |= {"--privacy-unit", "--max-records-per-unit"}
-    own = {"--canaries", "--canary-count", "--canary-direction", "--confidence"}
+    own = {"--canaries", "--canary-count", "--canary-direction", "--canary-records"}
+    own |= {"--confidence"}
     assert audit == (train - refused) | own
     for flag in refused:
         assert flag not in text

@@ -117,10 +117,9 @@ def test_more_units_per_step_than_units_is_refused(tiny_args, capsys, user_recor
     assert "units (author)" in capsys.readouterr().err
 
 
-def test_the_audit_refuses_privacy_units(capsys):
-    with pytest.raises(SystemExit):
-        main(["audit", "--privacy-unit", "author"])
-    assert "canaries as units" in capsys.readouterr().err
+def test_the_audit_refuses_privacy_units_with_gradient_canaries(capsys):
+    assert main(["audit", "--privacy-unit", "author"]) == 2
+    assert "pass --canaries input" in capsys.readouterr().err
 
 
 def test_a_corpus_of_units_keeps_each_records_unit():

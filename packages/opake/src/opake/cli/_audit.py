@@ -15,7 +15,11 @@ included with probability ½ (see :mod:`opake.auditing`):
   its direction (over all steps, the likelihood ratio, and over the steps of a public replay of
   the sampler), and guessed over all canaries and kind by kind;
 - ``--canaries input`` (black-box): included random-token blocks join the training data; each
-  canary is scored by its loss reduction (initial model − trained model).
+  canary is scored by its loss reduction (initial model − trained model). With
+  ``--privacy-unit FIELD`` (user-level DP) each input canary is a **unit** of
+  ``--canary-records`` M blocks, included or left out as a whole, sampled and clipped as a unit,
+  and scored by its blocks' mean loss reduction: the bound is on ε per unit
+  (:mod:`opake.cli._audit_units`; gradient canaries, single examples, are refused with units).
 
 The guesses become a lower bound on ε (Steinke, Nasr & Jagielski 2023), printed next to the
 claimed ε with what the audit could show — the most it can prove (a perfect attack), what a
@@ -37,6 +41,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from opake.cli._audit_run import REFUSED, run_audit
+from opake.cli._audit_units import DEFAULT_CANARY_RECORDS, canary_records
 from opake.core.errors import ConfigurationError
 
 __all__ = ["CANARY_KINDS", "register", "run_audit"]
@@ -89,6 +94,7 @@ def _check_out(out: Path) -> None:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
+    records = canary_records(args)  # first: gradient canaries are refused with --privacy-unit
     if args.canary_count < 2:
         raise ConfigurationError(f"--canary-count {args.canary_count}: expected an int >= 2")
     if not 0.5 <= args.confidence < 1.0:
@@ -111,7 +117,43 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "count": args.canary_count,
         "direction": args.canary_direction,
         "confidence": args.confidence,
+        "records": records,  # M blocks per canary unit with --privacy-unit, else None
     }
+
+
+def _print_plan(plan: Any, options: dict[str, Any]) -> None:
+    """The data, the units (``--privacy-unit``), the audit's canaries and privacy, the notes."""
+    from opake.cli._audit_units import unit_audit_line, unit_notes
+    from opake.cli._train import _unit_lines
+
+    s = plan.settings
+    kinds = ""
+    if options["kind"] == "gradient":
+        from opake.auditing import CRAFTED_KINDS
+
+        kinds = f" ({options['direction']}, {', '.join(CRAFTED_KINDS)})"
+    lines = [
+        (
+            f"data      {plan.corpus.name}: {plan.corpus.num_chars:,} characters → "
+            f"{plan.dataset_size:,} training blocks of {s.block_size} tokens"
+        ),
+        *_unit_lines(plan),
+    ]
+    notes = list(plan.notes)
+    if plan.units is not None:
+        lines.append(unit_audit_line(plan, options["count"], options["records"]))
+        notes += unit_notes(plan, options["records"])
+    else:
+        lines.append(
+            f"audit     {options['count']} {options['kind']} canaries{kinds}, each included with "
+            f"probability ½, on {plan.dataset_size:,} training blocks; σ = "
+            f"{plan.noise_multiplier:.4g}, C = {s.clip:g}, q = {plan.sample_rate:.4g}, "
+            f"{plan.steps} steps, planned ε = {plan.planned_epsilon:.3g} at δ = {plan.delta:.3g}"
+        )
+    for line in lines:
+        print(line, file=sys.stderr)
+    for note in notes:
+        print(f"note      {note}", file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -122,26 +164,7 @@ def _run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     _check_out(Path(settings.out))
     plan = plan_run(settings)
-    s = plan.settings
-    kinds = ""
-    if options["kind"] == "gradient":
-        from opake.auditing import CRAFTED_KINDS
-
-        kinds = f" ({options['direction']}, {', '.join(CRAFTED_KINDS)})"
-    print(
-        f"data      {plan.corpus.name}: {plan.corpus.num_chars:,} characters → "
-        f"{plan.dataset_size:,} training blocks of {s.block_size} tokens",
-        file=sys.stderr,
-    )
-    print(
-        f"audit     {options['count']} {options['kind']} canaries{kinds}, each included with "
-        f"probability ½, on {plan.dataset_size:,} training blocks; σ = "
-        f"{plan.noise_multiplier:.4g}, C = {s.clip:g}, q = {plan.sample_rate:.4g}, "
-        f"{plan.steps} steps, planned ε = {plan.planned_epsilon:.3g} at δ = {plan.delta:.3g}",
-        file=sys.stderr,
-    )
-    for note in plan.notes:
-        print(f"note      {note}", file=sys.stderr)
+    _print_plan(plan, options)
     try:
         result = run_audit(plan, **options)
     except KeyboardInterrupt:
@@ -149,9 +172,14 @@ def _run(args: argparse.Namespace) -> int:
     _check_out(plan.out)  # still free: another audit may have written there meanwhile
     plan.out.mkdir(parents=True, exist_ok=True)
     result.write_json(plan.out / "audit.json")
-    if s.plots:
+    if settings.plots:
         result.plot(plan.out / "audit.png")
     print(f"done: {result.summary()}; outputs in {plan.out}")
+    if plan.units is not None:
+        print(
+            f"  unit: ε per {plan.unit_name}; the {options['count']} canaries are units of "
+            f"{options['records']} blocks each, included or left out as a whole"
+        )
     for line in result.explain(options=ADVICE_OPTIONS):
         print(f"  {line}")
     return 0
@@ -203,6 +231,14 @@ def register(sub: Any) -> None:
         default="dirac",
         help="the plain gradient canaries (a quarter of them): one coordinate each (dirac, "
         "default) or random rank-one directions",
+    )
+    g.add_argument(
+        "--canary-records",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --privacy-unit and --canaries input: the random-token blocks of one canary "
+        f"unit, included or left out as a whole (default {DEFAULT_CANARY_RECORDS})",
     )
     g.add_argument(
         "--confidence",

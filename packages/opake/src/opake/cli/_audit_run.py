@@ -5,12 +5,14 @@
 sampler's dataset; gradient canaries' clipped sum accumulated next to the data's, through the
 engine the data went through; input canaries as extra training blocks), trains the planned
 steps, scores the canaries and returns the :class:`~opake.auditing.AuditResult` — with what the
-audit could show for the run's σ, q and T. The command (options, ``--out``, the printout) is
-:mod:`opake.cli._audit`.
+audit could show for the run's σ, q and T. With ``--privacy-unit`` the input canaries are units
+of several blocks, sampled and clipped as units (:mod:`opake.cli._audit_units`). The command
+(options, ``--out``, the printout) is :mod:`opake.cli._audit`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -18,7 +20,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from opake.core.errors import OpakePrivacyWarning
+from opake.core.errors import ConfigurationError, OpakePrivacyWarning
 
 if TYPE_CHECKING:
     import torch
@@ -38,19 +40,14 @@ REFUSED = {
     "--checkpoint-every": "an audit saves no checkpoint; drop --checkpoint-every",
     "--eval-every": "an audit does not evaluate on the validation split; drop --eval-every",
     "--max-val-blocks": "an audit does not evaluate on the validation split; drop --max-val-blocks",
-    "--privacy-unit": (
-        "an audit inserts each canary as one example and measures example-level leakage; "
-        "canaries as units of several records are not supported yet: audit without "
-        "--privacy-unit (the clipping and noise it exercises are the same)"
-    ),
-    "--max-records-per-unit": "an audit samples examples, not units; drop --max-records-per-unit",
 }
 
 
 @dataclass
 class _Canaried:
-    """The training data with the canaries: the included input canaries appended to it, or the
-    gradient canaries' run (the sampler draws dataset slots ``N + i`` for them)."""
+    """The training data with the canaries: the included input canaries appended to it (with
+    ``--privacy-unit``, as whole units: ``units`` names every row's unit, ``records`` blocks per
+    canary), or the gradient canaries' run (the sampler draws dataset slots ``N + i`` for them)."""
 
     included: Any
     data: torch.Tensor
@@ -60,6 +57,8 @@ class _Canaried:
     before: Any = None
     labels: Any = None
     engines: dict[str, int] = field(default_factory=dict)  # the data's engine, step by step
+    units: list[str] | None = None
+    records: int = 1
 
     @property
     def extra_params(self) -> dict[str, Any]:
@@ -91,6 +90,7 @@ def _with_canaries(
     import torch
 
     from opake.auditing import GradientCanaries, draw_inclusion, random_token_canaries
+    from opake.cli._audit_units import unit_canary_data
     from opake.cli._blocks import encoder
 
     s = plan.settings
@@ -98,13 +98,25 @@ def _with_canaries(
     data = plan.train
     if options["kind"] == "input":
         _, _, vocab = encoder(plan.tokenizer)
+        # blocks per canary: a unit's M with --privacy-unit, else one
+        records = (options.get("records") or 1) if plan.units is not None else 1
         canaries = random_token_canaries(
-            options["count"], length=s.block_size, vocab_size=vocab, seed=secret
+            options["count"] * records, length=s.block_size, vocab_size=vocab, seed=secret
         )
         before = _canary_losses(model, canaries.examples, plan.device)
-        data = torch.cat([data, canaries.included_examples(included)])
+        units = None
+        if plan.units is None:
+            data = torch.cat([data, canaries.included_examples(included)])
+        else:  # whole canary units, under keys of their own, after the data's units
+            data, units = unit_canary_data(plan, canaries.examples, included, records)
         return _Canaried(
-            included, data, int(data.shape[0]), examples=canaries.examples, before=before
+            included,
+            data,
+            int(data.shape[0]),
+            examples=canaries.examples,
+            before=before,
+            units=units,
+            records=records,
         )
     spec = GradientCanaries(options["count"], kind=options["direction"])
     run = spec.run(
@@ -158,8 +170,10 @@ def _dp_training(
     autocast = _autocast_factory(s.precision, plan.device)
     loss = per_example_loss(plan, fmodel, forward_options(patch_report), autocast)
     randomness = "different" if plan.dropout else "error"
+    # with --privacy-unit, a step is sized for the data's and the canaries' units
+    sized = plan if canaried.units is None else dataclasses.replace(plan, units=canaried.units)
     choice = microbatch_for_run(
-        plan, loss, (trainable, frozen), device=plan.device, world_size=1, randomness=randomness
+        sized, loss, (trainable, frozen), device=plan.device, world_size=1, randomness=randomness
     )
     if choice.line is not None:  # the memory-aware default decided: say what and why
         print(f"memory    {choice.reason}", file=sys.stderr, flush=True)
@@ -181,6 +195,9 @@ def _dp_training(
         sampler="poisson" if max_batch is None else "fixed",
         max_batch_size=max_batch,
         seed=secret,
+        # --privacy-unit: the data's and the included canaries' units, each clipped as one
+        privacy_units=canaried.units,
+        max_records_per_unit=None if canaried.units is None else s.max_records_per_unit,
         **plan.training_options(),
     )
     expected_zero = _zero_partner_lora_a(trainable) | ({CANARY_PARAMETER} if extra else set())
@@ -235,7 +252,9 @@ def _train(
             indices, ids = run.split(indices)
         # the data's examples (fixed-shape padding and canary slots are not data)
         real = torch.as_tensor([i for i in indices if 0 <= i < n_data], dtype=torch.long)
-        training.accumulate(data[real].to(plan.device))
+        # with units, every index is a record (Poisson only) and names its unit for the step
+        records = indices if canaried.units is not None else None
+        training.accumulate(data[real].to(plan.device), records=records)
         engine = str(training.grad_fn.engine)
         canaried.engines[engine] = canaried.engines.get(engine, 0) + 1
         if run is not None:  # always, even with no canary drawn: a zero sum with sensitivity C
@@ -263,7 +282,12 @@ def _scores(plan: RunPlan, model: Any, canaried: _Canaried) -> Any:
             sample_rate=plan.sample_rate,
         )
     after = _canary_losses(model, canaried.examples, plan.device)
-    return {"loss_reduction": canaried.before - after}
+    reduction = canaried.before - after
+    if canaried.units is not None:  # a canary unit: the mean over its blocks
+        from opake.cli._audit_units import unit_scores
+
+        reduction = unit_scores(reduction, records=canaried.records)
+    return {"loss_reduction": reduction}
 
 
 def _recorded_settings(plan: RunPlan) -> dict[str, Any]:
@@ -286,6 +310,15 @@ def _engine_text(engines: dict[str, int]) -> str:
     return ", ".join(f"{name} ({n} steps)" for name, n in sorted(engines.items()))
 
 
+def _per_unit(plan: RunPlan, result: AuditResult, canaried: _Canaried) -> AuditResult:
+    """A user-level audit's result: its advice for canary units, and the unit in audit.json."""
+    from opake.cli._audit_units import unit_report, unit_result
+
+    result = unit_result(result)
+    result.extra.update(unit_report(plan, canaried.records, int(canaried.included.sum())))
+    return result
+
+
 def run_audit(
     plan: RunPlan,
     *,
@@ -293,8 +326,12 @@ def run_audit(
     count: int = 1000,
     direction: str = "dirac",
     confidence: float = 0.95,
+    records: int | None = None,
 ) -> AuditResult:
-    """Train as ``plan`` says, with ``count`` canaries of ``kind``; return the ``AuditResult``."""
+    """Train as ``plan`` says, with ``count`` canaries of ``kind``; return the ``AuditResult``.
+
+    With ``plan.units`` (``--privacy-unit``) the canaries are input canaries of ``records``
+    blocks each, inserted, sampled and clipped as units; the statistics count canary units."""
     import torch
 
     from opake.auditing import SubsampledGaussian, one_run_audit
@@ -302,13 +339,18 @@ def run_audit(
     from opake.cli._setup import _build_model
 
     s = plan.settings
+    if plan.units is not None and kind != "input":
+        raise ConfigurationError(
+            f"kind={kind!r} with privacy units: a gradient canary is one example, not a unit of "
+            "several records; audit a user-level run with input canaries (kind='input')"
+        )
     started = time.perf_counter()
     secret = s.seed if s.reproducible else None  # secure by default: OS entropy, never stored
     torch.manual_seed(s.seed)
     _, model, patch_report = _build_model(plan, plan.device)
     if not s.dropout:
         disable_dropout(model)
-    options = {"kind": kind, "count": count, "direction": direction}
+    options = {"kind": kind, "count": count, "direction": direction, "records": records}
     canaried = _with_canaries(plan, model, options, secret)
     training, inner, expected_zero = _dp_training(plan, model, patch_report, canaried, secret)
     _train(plan, training, inner, canaried, expected_zero)
@@ -324,6 +366,8 @@ def run_audit(
         engine=run.engine_used if run is not None else _engine_text(canaried.engines),
         mechanism=SubsampledGaussian(plan.noise_multiplier, plan.sample_rate, plan.steps),
     )
+    if canaried.units is not None:
+        result = _per_unit(plan, result, canaried)
     engines = {"data": dict(canaried.engines)}
     if run is not None:
         engines["canaries"] = dict(run.engines)
