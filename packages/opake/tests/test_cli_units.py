@@ -128,3 +128,45 @@ def test_a_corpus_of_units_keeps_each_records_unit():
     assert cut.rows == [["a", "b"], ["d", "e"]]
     assert cut.units == ["s:u", "s:u"]
     assert cut.dropped == 1  # v has one token
+
+
+@pytest.mark.slow
+def test_a_resumed_unit_run_equals_an_uninterrupted_one(
+    tiny_args, tmp_path, user_records, monkeypatch
+):
+    from safetensors.torch import load_file
+
+    extra = (
+        "--data",
+        str(user_records),
+        "--privacy-unit",
+        "author",
+        "--max-records-per-unit",
+        "3",
+        "--batch-size",
+        "3",
+        "--checkpoint-every",
+        "1",
+        "--reproducible",
+    )
+    full, parts = tmp_path / "full", tmp_path / "parts"
+    assert main(tiny_args(*extra, out=full)) == 0
+    real = trainer._lr_at
+
+    def stop_at_two(step, **kwargs):
+        if step == 2:
+            raise KeyboardInterrupt
+        return real(step, **kwargs)
+
+    monkeypatch.setattr(trainer, "_lr_at", stop_at_two)
+    assert main(tiny_args(*extra, out=parts)) == 130
+    monkeypatch.undo()
+    assert main(tiny_args(*extra, "--resume", out=parts)) == 0
+    a = json.loads((full / "summary.json").read_text())
+    b = json.loads((parts / "summary.json").read_text())
+    assert b["resumed_from_step"] == 2
+    assert a["epsilon"] == b["epsilon"]
+    wa = load_file(str(full / "model" / "model.safetensors"))
+    wb = load_file(str(parts / "model" / "model.safetensors"))
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
