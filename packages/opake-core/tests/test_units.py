@@ -305,7 +305,17 @@ def _training(mlp, seed=0):
     )
 
 
-def test_training_passes_units_through(mlp, mlp_batch):
+def _pairs(training, step):
+    """Step ``step``'s drawn examples, each as two rows of one unit (as a DPO pair is)."""
+    gen = torch.Generator().manual_seed(5)
+    x_all, y_all = torch.randn(100, 8, generator=gen), torch.randint(0, 4, (100,), generator=gen)
+    idx = training.sampler.batch_at(step)
+    rows = [r for i in idx for r in (i, i)]
+    units = torch.tensor([u for u in range(len(idx)) for _ in range(2)])
+    return x_all[rows], y_all[rows], units
+
+
+def test_training_passes_units_through(mlp):
     training = _training(mlp)
     calls = []
     grad_fn = training._grad_fn
@@ -315,33 +325,52 @@ def test_training_passes_units_through(mlp, mlp_batch):
         return grad_fn(*args, **kwargs)
 
     training._grad_fn = spy
-    x, y = mlp_batch
-    result = training.step(x, y, units=IDS)
-    assert calls[0] is IDS
-    assert result.units == 5
-    assert result.batch_size == 10
+    x, y, units = _pairs(training, 0)
+    drawn = len(units) // 2
+    assert drawn >= 2
+    result = training.step(x, y, units=units)
+    assert calls[0] is units
+    assert result.units == drawn
+    assert result.batch_size == 2 * drawn
     assert 0.0 <= result.clipping_rate <= 1.0
-    assert len(result.aux[0].grad_norms) == 5
-    # logical_step's dict form carries units too
+    assert len(result.aux[0].grad_norms) == drawn
+    # logical_step's dict form carries units too (each example's two rows in one batch)
+    x, y, units = _pairs(training, 1)
+    half = 2 * (len(units) // 4)
     result = training.logical_step(
         [
-            {"args": (x[:4], y[:4]), "units": IDS[:4]},
-            {"args": (x[4:], y[4:]), "units": IDS[4:] + 100},
+            {"args": (x[:half], y[:half]), "units": units[:half]},
+            {"args": (x[half:], y[half:]), "units": units[half:]},
         ]
     )
-    assert result.units == 3 + 5
+    assert result.units == len(units) // 2
 
 
-def test_training_refuses_a_unit_in_two_physical_batches(mlp, mlp_batch):
+def test_training_refuses_a_unit_in_two_physical_batches(mlp):
     training = _training(mlp)
-    x, y = mlp_batch
-    training.accumulate(x[:5], y[:5], units=IDS[:5])
-    with pytest.raises(ConfigurationError, match=r"unit\(s\) \[7, 40\].*one physical batch"):
-        training.accumulate(x[5:], y[5:], units=IDS[5:])
-    training.accumulate(x[5:], y[5:], units=IDS[5:] + 100)  # other units: fine
-    training.finish_step()
-    training.accumulate(x[5:], y[5:], units=IDS[5:])  # a new logical step: fine again
+    x, y, units = _pairs(training, 0)
+    training.accumulate(x[:3], y[:3], units=units[:3])  # the second example's first row
+    with pytest.raises(ConfigurationError, match=r"unit\(s\) \[1\].*one physical batch"):
+        training.accumulate(x[3:], y[3:], units=units[3:])
     training.zero_grad()
+    training.accumulate(x[:4], y[:4], units=units[:4])
+    training.accumulate(x[4:], y[4:], units=units[4:])  # other units: fine
+    training.finish_step()
+
+
+def test_training_refuses_units_that_group_drawn_examples(mlp):
+    """Without privacy_units a unit may only hold one drawn example's rows: grouping two
+    clips them together (removing one could move the sum by 2·C)."""
+    training = _training(mlp)
+    x, y, units = _pairs(training, 0)
+    merged = units.clone()
+    merged[merged == 1] = 0  # examples 0 and 1 as one unit
+    with pytest.raises(ConfigurationError, match="arrived as"):
+        training.step(x, y, units=merged)
+    assert training.steps == 0
+    assert training.pending_batches == 0
+    training.step(x, y, units=units)  # one unit per drawn example: fine
+    assert training.steps == 1
 
 
 @pytest.mark.parametrize(

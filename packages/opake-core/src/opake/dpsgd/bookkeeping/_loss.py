@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from opake.core.errors import ConfigurationError, InputTypeError
 
@@ -12,8 +12,11 @@ if TYPE_CHECKING:
 
 __all__ = ["BatchedLoss", "causal_lm_losses"]
 
+#: what ``fn`` returns: ``[B]`` losses, or ``(losses, aux)`` with ``has_aux``
+_Out_co = TypeVar("_Out_co", covariant=True)
 
-class BatchedLoss:
+
+class BatchedLoss(Generic[_Out_co]):
     """A loss that maps a *batch* to its vector of per-example losses ``[B]``.
 
     ``BatchedLoss(fn, model)``: ``fn(*args)`` takes the same positional arguments as a
@@ -41,7 +44,7 @@ class BatchedLoss:
 
     __slots__ = ("fn", "module")
 
-    def __init__(self, fn: Callable[..., Any], model: Any) -> None:
+    def __init__(self, fn: Callable[..., _Out_co], model: object) -> None:
         import torch
 
         if not callable(fn):
@@ -57,7 +60,7 @@ class BatchedLoss:
         self.fn = fn
         self.module: torch.nn.Module = module
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any) -> _Out_co:
         """Evaluate ``fn`` on a batch: ``[B]`` per-example losses (or ``(losses, aux)``)."""
         return self.fn(*args)
 
@@ -65,14 +68,16 @@ class BatchedLoss:
         name = getattr(self.fn, "__name__", repr(self.fn))
         return f"BatchedLoss({name}, {type(self.module).__name__})"
 
-    def per_example(self, *, batch_argnums: tuple[int, ...], has_aux: bool) -> Callable[..., Any]:
+    def per_example(
+        self, *, batch_argnums: tuple[int, ...], has_aux: bool
+    ) -> Callable[..., torch.Tensor | tuple[torch.Tensor, object]]:
         """The one-example loss: ``fn`` on a batch of one, entry 0 (what vmap differentiates)."""
         import torch
         from torch.utils._pytree import tree_map
 
         fn = self.fn
 
-        def one(*args: Any) -> Any:
+        def one(*args: Any) -> torch.Tensor | tuple[torch.Tensor, object]:
             call = [
                 tree_map(lambda x: x[None] if isinstance(x, torch.Tensor) else x, a)
                 if i in batch_argnums
@@ -96,7 +101,7 @@ class BatchedLoss:
         return one
 
 
-def _single(losses: Any) -> torch.Tensor:
+def _single(losses: object) -> torch.Tensor:
     import torch
 
     if not isinstance(losses, torch.Tensor) or tuple(losses.shape) != (1,):

@@ -9,7 +9,8 @@ A layer use leaves one *piece* per parameter it touches:
   per-layer fallbacks).
 - :class:`Implicit` — per-example gradients held by an operator that computes norms, weighted
   sums and inner products itself (:class:`ImplicitGrad`; e.g. the output projection inside a
-  loss-only linear cross-entropy, whose logit gradients never exist as one tensor).
+  loss-only linear cross-entropy, whose logit gradients never exist as one tensor, or a stack
+  ``[E, R, C]`` of fused experts' weights, each example's held as its routed slots).
 
 From pieces the engine needs their certified norms (:mod:`._certify`, on the Gram matrices of
 :func:`gram_a` and :func:`opake.dpsgd.certify.gram`, or the materialised gradient of
@@ -82,10 +83,12 @@ class Dense:
 
 @runtime_checkable
 class ImplicitGrad(Protocol):
-    """Per-example gradients ``G_i`` of one ``[R, C]`` matrix that an operator never forms.
+    """Per-example gradients ``G_i`` of one parameter that an operator never forms: an
+    ``[R, C]`` matrix, or a stack of them (``[E, R, C]``).
 
     ``opake.kernels.linear_cross_entropy_example_grads`` returns one (the output projection
-    inside a linear cross-entropy). All results are fp32 ``[B]`` unless stated.
+    inside a linear cross-entropy, ``[V, H]``); opake-models' fused experts another
+    (``[E, R, C]``). All results are fp32 ``[B]`` unless stated.
     """
 
     @property
@@ -94,8 +97,8 @@ class ImplicitGrad(Protocol):
         ...
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """The matrix's shape ``(R, C)``."""
+    def shape(self) -> tuple[int, ...]:
+        """The parameter's shape: ``(R, C)``, or ``(E, R, C)`` for a stack of matrices."""
         ...
 
     def sq_norms(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -105,12 +108,14 @@ class ImplicitGrad(Protocol):
     def weighted_sum(
         self, weights: torch.Tensor, keep: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(Σ_i w_i G_i [R, C], the bias's or None)``; rows not kept contribute zero."""
+        """``(Σ_i w_i G_i, the bias's or None)``, the sum in the parameter's shape; rows not
+        kept contribute zero."""
         ...
 
     def inner_outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``⟨G_i, Σ_s a_s ⊗ b_s⟩``: ``a`` int64 row ids ``[B, S]`` or ``[B, S, R]``, ``b``
-        ``[B, S, C]``."""
+        """``⟨G_i, Σ_s a_s ⊗ b_s⟩`` for an ``[R, C]`` matrix (the engine asks only when an
+        :class:`OuterSum` use of the same shape shares the parameter): ``a`` int64 row ids
+        ``[B, S]`` or ``[B, S, R]``, ``b`` ``[B, S, C]``."""
         ...
 
     def abs_norms(self) -> torch.Tensor:
@@ -120,20 +125,22 @@ class ImplicitGrad(Protocol):
         ...
 
     def example_rows(self, index: int, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of example ``index``'s gradient ``G_index``, fp64 ``[rows, C]``,
-        computed the same way on every call (the exact route of the certified clipping)."""
+        """Rows ``start:stop`` of example ``index``'s gradient ``G_index`` along its first
+        dimension, each flattened, fp64 (``[rows, C]`` for a matrix, ``[rows, R·C]`` for a
+        stack), computed the same way on every call (the exact route of the certified
+        clipping)."""
         ...
 
 
 @dataclass(frozen=True)
 class Implicit:
-    """A matrix's per-example gradients held by an :class:`ImplicitGrad` operator."""
+    """A parameter's per-example gradients held by an :class:`ImplicitGrad` operator."""
 
     op: ImplicitGrad
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """The parameter's shape ``(R, C)``."""
+    def shape(self) -> tuple[int, ...]:
+        """The parameter's shape (the operator's: ``(R, C)`` or ``(E, R, C)``)."""
         return self.op.shape
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from opake.core.errors import OperationError
 from opake.dpsgd.bookkeeping._pieces import Dense, Implicit, ImplicitGrad, OuterSum, Piece
@@ -54,17 +54,26 @@ def holding(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> Ite
                 continue
             for mod, attr in where.get(id(param), ()):
                 saved.append((mod, attr, mod._parameters[attr]))
-                mod._parameters[attr] = tensor  # type: ignore[assignment]
+                # a plain tensor in a Parameter's slot for one backward (torch declares the
+                # slots Parameter-only; functional_call swaps tensors in the same way)
+                slots = cast("dict[str, torch.Tensor | None]", mod._parameters)
+                slots[attr] = tensor
         yield
     finally:
         for mod, attr, old in reversed(saved):
             mod._parameters[attr] = old
 
 
+class _TapFunction(Protocol):
+    """The ``autograd.Function`` class below, as called here (torch leaves ``apply`` untyped)."""
+
+    def apply(self, x: torch.Tensor, sink: torch.Tensor, use: LayerUse) -> torch.Tensor: ...
+
+
 class Tap:
     """Identity autograd node that hands its output gradient to a record."""
 
-    fn: Any = None
+    fn: _TapFunction | None = None
 
     @classmethod
     def apply(cls, x: torch.Tensor, sink: torch.Tensor, use: LayerUse) -> torch.Tensor:
@@ -87,7 +96,7 @@ class Tap:
                     return grad, None, None
 
             cls.fn = Tap
-        return cls.fn.apply(x, sink, use)  # type: ignore[no-any-return]
+        return cls.fn.apply(x, sink, use)
 
 
 def _receive(use: LayerUse, grad: torch.Tensor) -> None:

@@ -63,7 +63,7 @@ class BookkeepingRunner:
 
     def __init__(
         self,
-        loss: BatchedLoss,
+        loss: BatchedLoss[object],
         *,
         argnums: int,
         batch_argnums: tuple[int, ...],
@@ -102,8 +102,8 @@ class BookkeepingRunner:
     # ------------------------------------------------------------------ recording
     def _hook(self, layer: LayerRule) -> Callable[..., Any]:
         def hook(
-            module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-        ) -> Any:
+            module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: object
+        ) -> torch.Tensor | None:
             import torch
 
             if not self._recording:

@@ -110,9 +110,12 @@ def flat_batch(x: torch.Tensor, batch: int, layer: str) -> torch.Tensor:
 
 
 def first_input(use: LayerUse) -> torch.Tensor:
-    """The first positional input of the call (or the first keyword one)."""
+    """The first positional input of the call (or the first keyword one): a tensor for the
+    layers whose rules read it (a call's inputs are held untyped, as recorded)."""
     if use.args:
-        return use.args[0]  # type: ignore[no-any-return]
+        first: torch.Tensor = use.args[0]
+        return first
     if not use.kwargs:
         raise use.fail("it was called without inputs")
-    return next(iter(use.kwargs.values()))  # type: ignore[no-any-return]
+    keyword: torch.Tensor = next(iter(use.kwargs.values()))
+    return keyword

@@ -148,7 +148,7 @@ class CallRecord:
         )
 
 
-class LazySums(dict):  # type: ignore[type-arg]
+class LazySums(dict[str, "torch.Tensor"]):
     """Running fp32 sums by leaf name, each allocated (zeros) on its first lookup.
 
     The book-keeping engine frees each layer's recorded tensors as it adds that layer's sum,

@@ -1,8 +1,8 @@
 """``grad_fn``: per call, pick the engine, then chunk → factors → accumulate.
 
 The clip state computes the factors (:mod:`._base`), the engine the norms and the weighted sum
-(:mod:`._chunks`); this module only validates the call, picks the engine (logged on
-``opake.core``) and runs the loop.
+(:mod:`._chunks`), the call's checks and chunks are :mod:`._call`; this module picks the
+engine (logged on ``opake.core``) and runs the loop.
 """
 
 from __future__ import annotations
@@ -11,18 +11,26 @@ import contextlib
 import dataclasses
 import logging
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from opake.core.errors import ConfigurationError, InputTypeError, OpakePrivacyWarning
+from opake.core.errors import ConfigurationError, OpakePrivacyWarning
 from opake.dpsgd.bookkeeping._check import BookkeepingInconclusiveError, BookkeepingMismatchError
 from opake.dpsgd.bookkeeping._runner import BookkeepingRunner
-from opake.dpsgd.bookkeeping._units import RowUnits, UnitsUnsupportedError
+from opake.dpsgd.bookkeeping._units import UnitsUnsupportedError
 from opake.dpsgd.certify import adjust_factors, division_slack, divisor_up, full_precision
 from opake.dpsgd.clipping import _vmap_engine as vmap_engine
 from opake.dpsgd.clipping._base import ChunkNorms, ClipState, GroupSpec
 from opake.dpsgd.clipping._bookkeeping import BookkeepingEngine
+from opake.dpsgd.clipping._call import (
+    Call,
+    batch_size,
+    cast_floats,
+    check_args,
+    check_mask,
+    check_state,
+    chunks,
+)
 from opake.dpsgd.clipping._choice import choose as choose_engine
 from opake.dpsgd.clipping._chunks import (
     CallRecord,
@@ -42,20 +50,9 @@ __all__ = ["ClippedGradFn"]
 
 _log = logging.getLogger("opake.core")
 
-
-@dataclass(frozen=True)
-class _Call:
-    """One ``grad_fn`` call, checked: what every chunk of it needs."""
-
-    args: tuple[Any, ...]  # the differentiated argument replaced by its named leaves
-    tree: DiffTree
-    state: ClipState
-    batch: int
-    groups: tuple[int, ...] | None
-    mask: torch.Tensor | None
-    differentiable: bool
-    small: bool
-    units: UnitCall | None = None
+#: one engine's run of a call: the sums by leaf name, the call's aux, the count the state
+#: advances by (adaptive clipping), the engine's name
+_Run = tuple[dict[str, "torch.Tensor"], ClipAux, "torch.Tensor", str]
 
 
 class ClippedGradFn:
@@ -128,58 +125,7 @@ class ClippedGradFn:
             f"batch_argnums={self.batch_argnums}, microbatch_size={self.microbatch_size})"
         )
 
-    # ------------------------------------------------------------------ argument checks
-    def _check_args(self, args: tuple[Any, ...]) -> DiffTree:
-        needed = max(self.argnums, *self.batch_argnums) + 1
-        if len(args) < needed:
-            raise ConfigurationError(
-                f"grad_fn got {len(args)} positional argument(s); argnums={self.argnums} and "
-                f"batch_argnums={self.batch_argnums} need at least {needed}"
-            )
-        return DiffTree.of(args[self.argnums], argnums=self.argnums)
-
-    def _batch_size(self, args: tuple[Any, ...]) -> int:
-        import torch
-        from torch.utils._pytree import tree_leaves
-
-        sizes: set[int] = set()
-        for pos in self.batch_argnums:
-            leaves = [x for x in tree_leaves(args[pos]) if isinstance(x, torch.Tensor)]
-            if not leaves:
-                raise InputTypeError(
-                    f"grad_fn: batch argument {pos} holds no tensor; batch_argnums must point at "
-                    "tensors (or pytrees of tensors) whose first dimension is the batch"
-                )
-            for leaf in leaves:
-                if leaf.dim() == 0:
-                    raise ConfigurationError(
-                        f"grad_fn: batch argument {pos} holds a 0-d tensor; every batched "
-                        "tensor needs a leading batch dimension"
-                    )
-                sizes.add(int(leaf.shape[0]))
-        if len(sizes) != 1:
-            raise ConfigurationError(
-                f"grad_fn: batch arguments {self.batch_argnums} disagree on the batch size "
-                f"({sorted(sizes)}); every batched tensor must have the same first dimension"
-            )
-        return sizes.pop()
-
-    def _check_mask(self, mask: object, batch: int, device: torch.device) -> torch.Tensor | None:
-        import torch
-
-        if mask is None:
-            return None
-        if (
-            not isinstance(mask, torch.Tensor)
-            or mask.dtype != torch.bool
-            or tuple(mask.shape) != (batch,)
-        ):
-            raise InputTypeError(
-                f"grad_fn(example_mask=...): expected a bool tensor of shape ({batch},), "
-                f"got {getattr(mask, 'dtype', type(mask))} {tuple(getattr(mask, 'shape', ()))}"
-            )
-        return mask.to(device)
-
+    # ------------------------------------------------------------------ group lookup
     def _groups(self, names: tuple[str, ...], state: ClipState) -> tuple[int, ...] | None:
         key = (names, state.group_names() or ())
         if key not in self._group_cache:
@@ -271,28 +217,26 @@ class ClippedGradFn:
         end_step: bool = True,
         example_mask: torch.Tensor | None = None,
         units: torch.Tensor | None = None,
-    ) -> Any:
-        """Clipped, summed per-example gradients of ``loss_fn`` over the batch arguments."""
+    ) -> tuple[Any, ClipState]:
+        """Clipped, summed per-example gradients of ``loss_fn`` over the batch arguments.
+
+        Returns ``(grads, new_state)``, or ``((grads, aux), new_state)`` with ``return_aux``:
+        ``grads`` has the structure of the differentiated argument (a :class:`ClippedGrads`
+        for a flat dict; Any: that structure is the caller's), ``aux`` a :class:`ClipAux`.
+        """
         import torch
 
-        if not isinstance(state, self._kind):
-            raise ConfigurationError(
-                f"grad_fn(state=...): got a {type(state).__name__}; this grad_fn was built for "
-                f"{self._kind.__name__}: pass the state returned by clipped_grad or by the "
-                "previous grad_fn call"
-            )
-        if not isinstance(end_step, bool):
-            raise InputTypeError(f"grad_fn(end_step={end_step!r}): expected True or False")
-        tree = self._check_args(args)
-        batch = self._batch_size(args)
+        check_state(state, self._kind, end_step)
+        tree = check_args(args, self.argnums, self.batch_argnums)
+        batch = batch_size(args, self.batch_argnums)
         device = next(iter(tree.leaves.values())).device
         groups = self._groups(tree.names, state)
-        mask = self._check_mask(example_mask, batch, device)
+        mask = check_mask(example_mask, batch, device)
         ids = check_units(units, batch, device)
         plan = None if ids is None else UnitCall.plan(ids, mask, self.microbatch_size)
         differentiable = outer_transform_differentiates()
         if self.compute_dtype is not None:
-            args = self._cast(args)
+            args = cast_floats(args, self.compute_dtype)
             tree = DiffTree.of(args[self.argnums], argnums=self.argnums)
         call = list(args)
         call[self.argnums] = tree.leaves
@@ -300,7 +244,7 @@ class ClippedGradFn:
         small = self._prefer_expanded(args, differentiable)
         runner = self._choose(tree, small, differentiable, plan is not None)
         run = self._runner(
-            _Call(args, tree, state, batch, groups, mask, differentiable, small, plan)
+            Call(args, tree, state, batch, groups, mask, differentiable, small, plan)
         )
         with contextlib.nullcontext() if differentiable else torch.no_grad():
             try:
@@ -337,23 +281,8 @@ class ClippedGradFn:
             return (out, aux), new_state
         return out, new_state
 
-    def _cast(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        import torch
-        from torch.utils._pytree import tree_map
-
-        dtype = self.compute_dtype
-        if dtype is None:
-            return args
-
-        def cast(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and x.is_floating_point():
-                return x.to(dtype)
-            return x
-
-        return tuple(tree_map(cast, a) for a in args)
-
-    def _runner(self, call: _Call) -> Callable[[BookkeepingRunner | None], Any]:
-        def run(runner: BookkeepingRunner | None) -> Any:
+    def _runner(self, call: Call) -> Callable[[BookkeepingRunner | None], _Run]:
+        def run(runner: BookkeepingRunner | None) -> _Run:
             engine = self._engine(
                 runner, call.tree, differentiable=call.differentiable, small=call.small
             )
@@ -372,47 +301,8 @@ class ClippedGradFn:
 
         return run
 
-    def _chunks(self, args: tuple[Any, ...], batch: int) -> Iterator[tuple[int, int, Any]]:
-        import torch
-        from torch.utils._pytree import tree_map
-
-        step = self.microbatch_size or batch
-        for start in range(0, batch, step or 1):
-            stop = min(start + step, batch)
-            if start == 0 and stop == batch:
-                yield start, stop, args
-                continue
-
-            def cut(x: Any, a: int = start, b: int = stop) -> Any:
-                return x[a:b] if isinstance(x, torch.Tensor) else x
-
-            batched = self.batch_argnums
-            yield (
-                start,
-                stop,
-                tuple(tree_map(cut, arg) if i in batched else arg for i, arg in enumerate(args)),
-            )
-
-    def _parts(
-        self, call: _Call, device: torch.device
-    ) -> Iterator[tuple[Any, int, torch.Tensor, RowUnits | None]]:
-        """``(chunk_args, rows, is_real, units)`` per chunk: slices of ``microbatch_size``
-        rows, or whole privacy units (``units``: per unit, then)."""
-        import torch
-
-        if call.units is not None:
-            yield from call.units.parts(call.args, self.batch_argnums)
-            return
-        for start, stop, chunk_args in self._chunks(call.args, call.batch):
-            is_real = (
-                torch.ones(stop - start, dtype=torch.bool, device=device)
-                if call.mask is None
-                else call.mask[start:stop]
-            )
-            yield chunk_args, stop - start, is_real, None
-
     def _run(
-        self, engine: ChunkEngine, call: _Call
+        self, engine: ChunkEngine, call: Call
     ) -> tuple[dict[str, torch.Tensor], ClipAux, torch.Tensor]:
         """chunk → factors (the clip state) → accumulate (the engine), for every chunk."""
         import torch
@@ -426,7 +316,9 @@ class ClippedGradFn:
         if call.units is not None:
             real = call.units.real_count()
         record = CallRecord(device, real, call.differentiable)
-        for chunk_args, m, is_real, units in self._parts(call, device):
+        for chunk_args, m, is_real, units in chunks(
+            call, self.microbatch_size, self.batch_argnums, device
+        ):
             out = engine.chunk(chunk_args, m, units) if units else engine.chunk(chunk_args, m)
             norms = ChunkNorms(out.leaf_sq, out.bound_sq, is_real, call.groups)
             factors = state.factors(norms)
@@ -446,7 +338,7 @@ class ClippedGradFn:
             aux = call.units.finish(aux)
         return sums, aux, record.count
 
-    def _slack(self, out: ChunkOut, call: _Call) -> torch.Tensor | None:
+    def _slack(self, out: ChunkOut, call: Call) -> torch.Tensor | None:
         """The chunk's slack plus what the final division by ``normalize_by`` can add."""
         if self.normalize_by == 1.0:
             return out.slack

@@ -91,8 +91,9 @@ class DiffTree:
                     "tensors as other arguments of loss_fn, not inside the differentiated one)"
                 )
 
-    def rebuild(self, leaves: Mapping[str, Any]) -> Any:
-        """The user's structure with these leaves (a dict for a plain tree)."""
+    def rebuild(self, leaves: Mapping[str, torch.Tensor]) -> Any:  # Any: the caller's pytree
+        """The user's structure with these leaves (a dict for a plain tree). Any: that
+        structure is the caller's pytree, known only at the call."""
         if self._spec is None:
             return dict(leaves)
         from torch.utils._pytree import tree_unflatten
@@ -105,7 +106,7 @@ class DiffTree:
             return loss_fn
         rebuild = self.rebuild
 
-        def on_leaves(*args: Any) -> Any:
+        def on_leaves(*args: Any) -> object:
             call = list(args)
             call[argnums] = rebuild(call[argnums])
             return loss_fn(*call)

@@ -105,7 +105,7 @@ class UnitCall:
 
     def parts(
         self, args: tuple[Any, ...], batch_argnums: tuple[int, ...]
-    ) -> Iterator[tuple[Any, int, torch.Tensor, RowUnits]]:
+    ) -> Iterator[tuple[tuple[Any, ...], int, torch.Tensor, RowUnits]]:
         """``(chunk_args, rows, is_real [units], RowUnits)`` for every chunk."""
         import torch
         from torch.utils._pytree import tree_map
@@ -121,7 +121,7 @@ class UnitCall:
         for u0, u1 in self.ranges:
             rows = self.order[cum[u0] : cum[u1]]
 
-            def cut(x: Any, rows: torch.Tensor = rows) -> Any:
+            def cut(x: object, rows: torch.Tensor = rows) -> object:
                 return x[rows] if isinstance(x, torch.Tensor) else x
 
             chunk = tuple(
@@ -141,12 +141,12 @@ class UnitCall:
         back = torch.empty_like(self.order)
         back[self.order] = torch.arange(len(self.order), device=self.order.device)
 
-        def restore(x: Any) -> Any:
+        def restore(x: object) -> object:
             return x[back] if isinstance(x, torch.Tensor) else x
 
         return dataclasses.replace(
             aux,
-            loss_values=restore(aux.loss_values),
+            loss_values=aux.loss_values[back],
             loss_aux=tree_map(restore, aux.loss_aux),
             unit_ids=self.ids,
         )

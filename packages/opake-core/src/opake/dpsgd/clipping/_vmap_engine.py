@@ -45,6 +45,9 @@ __all__ = [
 
 # expanded-forward path when differentiated numel ≤ this fraction of the rest of the model
 _EXPAND_FRACTION = 0.1
+#: a chunk's per-example gradients by leaf name ``[m, ...]``, losses ``[m]``, and the loss's
+#: aux stacked over the chunk (``None`` without ``has_aux``)
+_PerExample = tuple[dict[str, "torch.Tensor"], "torch.Tensor", object]
 
 
 def small_fraction(diff_numel: int, other_numel: int) -> bool:
@@ -153,8 +156,8 @@ class VmapEngine:
 
         argnums, has_aux, loss_fn = self.argnums, self.has_aux, self.loss_fn
 
-        def per_example(*args: Any) -> Any:
-            def f(diff: dict[str, torch.Tensor]) -> Any:
+        def per_example(*args: Any) -> tuple[object, ...]:
+            def f(diff: dict[str, torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, object]:
                 call = list(args)
                 call[argnums] = diff
                 loss, aux = checked_loss(loss_fn(*call), has_aux)
@@ -169,7 +172,7 @@ class VmapEngine:
 
         return per_example
 
-    def _expanded_per_example(self, args: tuple[Any, ...], m: int) -> Any:
+    def _expanded_per_example(self, args: tuple[Any, ...], m: int) -> _PerExample:
         """Per-example gradients from a vmapped forward over expanded parameters."""
         import torch
         from torch.utils._pytree import tree_map
@@ -185,13 +188,13 @@ class VmapEngine:
         )
         loss_fn, has_aux = self.loss_fn, self.has_aux
 
-        def one(*example: Any) -> Any:
+        def one(*example: Any) -> torch.Tensor | tuple[torch.Tensor, object]:
             loss, aux = checked_loss(loss_fn(*example), has_aux)
             return (loss, aux) if has_aux else loss
 
         with torch.enable_grad():
             out = torch.func.vmap(one, in_dims=in_dims, randomness=self.randomness)(*call)
-            loss, aux = out if has_aux else (out, None)
+            loss, aux = out if isinstance(out, tuple) else (out, None)  # a pair: has_aux
             grads = torch.autograd.grad(loss.sum(), list(leaves.values()), allow_unused=True)
         per_example = {
             name: torch.zeros_like(leaf) if grad is None else grad
@@ -207,7 +210,7 @@ class VmapEngine:
         are those of the summed tensors: the very tensors :meth:`accumulate` adds.
         """
         torch = self._torch
-        out = None
+        out: _PerExample | None = None
         if self.expanded:
             try:
                 out = self._expanded_per_example(args, m)
@@ -220,9 +223,9 @@ class VmapEngine:
                 self._vmapped = torch.func.vmap(
                     self.per_example_fn(), in_dims=in_dims, randomness=self.randomness
                 )
-            out = self._vmapped(*args)
-        grads, loss = out[0], out[1]
-        aux = out[2] if self.has_aux else None
+            stacked = self._vmapped(*args)  # (grads, loss[, aux]) of every example
+            out = (stacked[0], stacked[1], stacked[2] if self.has_aux else None)
+        grads, loss, aux = out
         if units is not None and not units.identity:
             grads = {n: units.sum_rows(grads[n]) for n in self.names}
             m = units.count

@@ -14,9 +14,15 @@ import bisect
 import itertools
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, SupportsFloat, SupportsIndex
+from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
+from opake.dpsgd.noise._checks import (
+    as_device,
+    check_grads,
+    check_noise_multiplier,
+    resolve_sensitivity,
+)
 from opake.dpsgd.noise._noisy import NoisyGrads
 from opake.dpsgd.randomness._source import Randomness, check_seed, resolve_randomness
 
@@ -31,73 +37,6 @@ _GRID_BITS = 24
 #: σ·S in [2^-_STD_EXPONENT, 2^_STD_EXPONENT] keeps x/Λ a normal fp64 number (so exact) for
 #: every non-zero fp32 x
 _STD_EXPONENT = 800
-
-
-def _check_noise_multiplier(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InputTypeError(
-            f"noise_multiplier={value!r} ({type(value).__name__}): expected a positive float σ"
-        )
-    sigma = float(value)
-    if not math.isfinite(sigma) or sigma <= 0.0:
-        raise ConfigurationError(
-            f"noise_multiplier={value!r}: expected a finite σ > 0 (σ = 0 adds no noise and is not "
-            "private; use opake.accounting.calibrate_noise to pick σ for a target ε)"
-        )
-    return sigma
-
-
-def _resolve_sensitivity(grads: Mapping[str, Any], sensitivity: object) -> float:
-    carried = getattr(grads, "max_norm", None)
-    values: list[tuple[str, object]] = []
-    if sensitivity is not None:
-        values.append(("sensitivity", sensitivity))
-    if carried is not None:
-        values.append(("grads.max_norm", carried))
-    if not values:
-        raise ConfigurationError(
-            "no sensitivity: pass sensitivity= (the L2 bound C of the summed clipped gradients) "
-            "or the dict returned by clipped_grad's grad_fn, which carries max_norm"
-        )
-    resolved = []
-    for name, value in values:
-        wrong = f"{name}={value!r} ({type(value).__name__}): expected a float"
-        if not isinstance(value, SupportsFloat | SupportsIndex | str | bytes):
-            raise InputTypeError(wrong)  # what float() would refuse with a TypeError
-        try:
-            number = float(value)
-        except (TypeError, ValueError) as err:
-            raise InputTypeError(wrong) from err
-        if not math.isfinite(number) or number <= 0.0:
-            raise ConfigurationError(
-                f"{name}={value!r}: expected a finite sensitivity > 0 (the clipping bound C "
-                "divided by normalize_by)"
-            )
-        resolved.append(number)
-    if len(resolved) == 2 and not math.isclose(resolved[0], resolved[1], rel_tol=1e-6):
-        raise ConfigurationError(
-            f"sensitivity={resolved[0]!r} disagrees with grads.max_norm={resolved[1]!r}: the noise "
-            "must be calibrated to the bound the gradients were clipped to; drop sensitivity= "
-            "and let the gradients carry it"
-        )
-    return resolved[0]
-
-
-def _check_grads(grads: object) -> None:
-    import torch
-
-    if not isinstance(grads, Mapping):
-        raise InputTypeError(
-            f"grads={type(grads).__name__}: expected a name -> tensor dict (what clipped_grad's "
-            "grad_fn returns)"
-        )
-    for name, value in grads.items():
-        if not isinstance(value, torch.Tensor):
-            raise InputTypeError(f"grads[{name!r}]={type(value).__name__}: expected a torch.Tensor")
-        if not value.is_floating_point():
-            raise InputTypeError(
-                f"grads[{name!r}] has dtype {value.dtype}: expected a real floating-point tensor"
-            )
 
 
 def _noise_dtype(value: torch.Tensor) -> torch.dtype:
@@ -255,9 +194,9 @@ def add_noise(
     """
     import torch
 
-    sigma = _check_noise_multiplier(noise_multiplier)
-    _check_grads(grads)
-    sens = _resolve_sensitivity(grads, sensitivity)
+    sigma = check_noise_multiplier(noise_multiplier)
+    check_grads(grads)
+    sens = resolve_sensitivity(grads, sensitivity)
     if generator is not None:
         if not isinstance(generator, torch.Generator):
             raise InputTypeError(
@@ -316,11 +255,11 @@ class GaussianNoise:
         secure: bool | None = None,
         device: str | torch.device | None = None,
     ) -> None:
-        self._noise_multiplier = _check_noise_multiplier(noise_multiplier)
+        self._noise_multiplier = check_noise_multiplier(noise_multiplier)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise InputTypeError(f"seed={seed!r} ({type(seed).__name__}): expected an int")
         self._source = resolve_randomness(randomness, seed, owner="GaussianNoise", secure=secure)
-        self._device = None if device is None else _as_device(device)
+        self._device = None if device is None else as_device(device)
         self._calls = 0
         self.last_noise_std: float | None = None
 
@@ -331,7 +270,7 @@ class GaussianNoise:
 
     @noise_multiplier.setter
     def noise_multiplier(self, value: float) -> None:
-        self._noise_multiplier = _check_noise_multiplier(value)
+        self._noise_multiplier = check_noise_multiplier(value)
 
     @property
     def secure(self) -> bool:
@@ -368,8 +307,8 @@ class GaussianNoise:
         agree. The returned dict carries ``noise_std`` (σ·S), also kept as
         :attr:`last_noise_std`.
         """
-        _check_grads(grads)
-        sens = _resolve_sensitivity(grads, sensitivity)
+        check_grads(grads)
+        sens = resolve_sensitivity(grads, sensitivity)
         std = self._noise_multiplier * sens
         noisy = _draw(grads, std, self._source, self._calls)
         self._calls += 1
@@ -399,7 +338,7 @@ class GaussianNoise:
         """
         import torch
 
-        _check_grads(grads)
+        check_grads(grads)
         for name, value in grads.items():
             if value.dtype not in (torch.float32, torch.float64) or not value.is_contiguous():
                 layout = "contiguous" if value.is_contiguous() else "non-contiguous"
@@ -408,7 +347,7 @@ class GaussianNoise:
                     "in-place noise needs contiguous fp32 or fp64 accumulators (use add() for "
                     "other tensors)"
                 )
-        sens = _resolve_sensitivity(grads, sensitivity)
+        sens = resolve_sensitivity(grads, sensitivity)
         std = self._noise_multiplier * sens
         noisy = _draw(grads, std, self._source, self._calls, in_place=True)
         self._calls += 1
@@ -457,7 +396,7 @@ class GaussianNoise:
         calls = state["calls"]
         if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
             raise ConfigurationError(f"noise state calls={calls!r}: expected an int ≥ 0")
-        sigma = _check_noise_multiplier(state["noise_multiplier"])
+        sigma = check_noise_multiplier(state["noise_multiplier"])
         if not self.secure:
             self._source = Randomness.seeded(check_seed(state["seed"]))
         self._noise_multiplier = sigma
@@ -466,15 +405,3 @@ class GaussianNoise:
     def __repr__(self) -> str:
         mode = "secure" if self.secure else f"seed={self.seed}"
         return f"GaussianNoise(noise_multiplier={self._noise_multiplier}, {mode})"
-
-
-def _as_device(device: object) -> torch.device:
-    import torch
-
-    wrong = f"device={device!r}: expected a torch.device or a string like 'cpu' or 'cuda:0'"
-    if not isinstance(device, torch.device | str | int):
-        raise InputTypeError(wrong)
-    try:
-        return torch.device(device)
-    except (TypeError, RuntimeError) as err:
-        raise InputTypeError(wrong) from err

@@ -5,6 +5,7 @@ Implementation of :class:`~opake.dpsgd.sampling.UnitPoissonSampler`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ from opake.core.errors import ConfigurationError, InputTypeError
 from opake.dpsgd.randomness import Randomness
 from opake.dpsgd.sampling._base import _BaseSampler, _int, _rate, _sharding, _source
 
-__all__ = ["UnitPoissonSampler", "UnitSummary"]
+__all__ = ["UnitPoissonSampler", "UnitSummary", "count_units"]
 
 #: 64-bit words per ChaCha20 block (keystream offsets are whole blocks)
 _WORDS_PER_BLOCK = 8
@@ -247,10 +248,32 @@ def _group(units: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 
 def _key(key: Hashable) -> Hashable:
-    """numpy scalars compare equal to Python ones; use the Python value so 3 and np.int64(3)
-    are one unit."""
-    item = getattr(key, "item", None)
-    return item() if isinstance(key, np.generic) and callable(item) else key
+    """A unit key that compares by value: numpy scalars become the Python value (3 and
+    np.int64(3) are one unit); keys that would hash by identity (tensors, arrays) or never equal
+    themselves (NaN, a missing id) are refused — each would make its record a unit of its own."""
+    if isinstance(key, np.generic):
+        key = key.item()
+    if isinstance(key, np.ndarray) or type(key).__module__.startswith("torch"):
+        raise InputTypeError(
+            f"units: a {type(key).__name__} unit key compares by identity, so every record would "
+            "be its own unit; pass plain values (e.g. ids.tolist())"
+        )
+    if isinstance(key, float) and math.isnan(key):
+        raise ConfigurationError(
+            "units: a NaN unit key (a missing id?) never equals itself, so each such record "
+            "would be its own unit; give every record its unit"
+        )
+    return key
+
+
+def count_units(units: Sequence[Hashable]) -> int:
+    """How many units *units* (one key per record) names, as :class:`UnitPoissonSampler`
+    groups them.
+
+    >>> count_units(["a", "b", "a", 3, 3.0])
+    3
+    """
+    return int(_group(units)[2].size - 1)
 
 
 def _fingerprint(dense: np.ndarray) -> str:

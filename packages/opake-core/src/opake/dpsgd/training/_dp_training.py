@@ -7,11 +7,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
-from opake.dpsgd.training import _persist
 from opake.dpsgd.training._budget import Budget, Spending
 from opake.dpsgd.training._options import (
     _accounting_of,
@@ -29,22 +27,22 @@ from opake.dpsgd.training._options import (
     _rate,
     _rates_of,
 )
+from opake.dpsgd.training._persist import TrainingState
 from opake.dpsgd.training._result import PrivacyBudgetExhausted, StepResult, _result
 from opake.dpsgd.training._units import StepUnits
-from opake.dpsgd.training._views import TrainingViews
 
 if TYPE_CHECKING:
-    import os
-
     import torch
+    from torch.distributed import ProcessGroup
 
-    from opake.dpsgd.clipping import ClipAux
+    from opake.accounting import PrivacyAccountant
+    from opake.dpsgd.clipping import ClipAux, ClipState
     from opake.dpsgd.distributed import DistributedDPOptimizer
 
 __all__ = ["DPTraining", "PrivacyBudgetExhausted", "StepResult"]
 
 
-class DPTraining(TrainingViews):
+class DPTraining(TrainingState):
     """The DP-SGD training step: sampling, clipping, noise, update, accounting, budget.
 
     One object holds the sampler, the clipped-gradient function, the DP optimizer, the
@@ -70,7 +68,8 @@ class DPTraining(TrainingViews):
         params: the trainable ``name -> tensor`` dict (sharing storage with the module).
         args: fixed positional arguments between ``params`` and the batch (default none).
         batch_args: how many batched arguments follow (default 1).
-        module: the ``nn.Module`` (replica checks and parameter broadcast across ranks).
+        module: the ``nn.Module`` (replica checks and parameter broadcast across ranks), or
+            a ``name -> tensor`` dict of the tensors to check and broadcast (default ``params``).
         dataset_size: N, the number of examples sampled from.
         expected_batch_size: the expected *global* logical batch ``q·N`` (or ``sample_rate``).
         sample_rate: the Poisson rate q (or ``expected_batch_size``).
@@ -126,6 +125,7 @@ class DPTraining(TrainingViews):
 
     _hooks: list[Callable[[StepResult], None]]
     _pending_aux: list[Any]
+    _step_state: ClipState | None
 
     def __init__(
         self,
@@ -135,7 +135,7 @@ class DPTraining(TrainingViews):
         *,
         args: tuple[Any, ...] = (),
         batch_args: int = 1,
-        module: Any = None,
+        module: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
         dataset_size: int,
         expected_batch_size: float | None = None,
         sample_rate: float | None = None,
@@ -143,17 +143,17 @@ class DPTraining(TrainingViews):
         target_epsilon: float | None = None,
         steps: int | None = None,
         delta: float,
-        clipping_norm: Any = 1.0,
+        clipping_norm: float | Mapping[str, float] | ClipState = 1.0,
         engine: str = "auto",
         microbatch_size: int | None = None,
         randomness: str = "error",
-        accountant: Any = "pld",
+        accountant: str | PrivacyAccountant = "pld",
         accountant_options: Mapping[str, Any] | None = None,
         sampler: str = "poisson",
         max_batch_size: int | None = None,
         steps_per_epoch: int | None = None,
         seed: int | None = None,
-        process_group: Any = None,
+        process_group: ProcessGroup | None = None,
         offload_state: bool = False,
         unused_params: str = "warn",
         privacy_units: Sequence[Hashable] | None = None,
@@ -205,7 +205,12 @@ class DPTraining(TrainingViews):
         self._check_budget()
 
     def _dp_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: Any, group: Any, sigma: float, seed: Any
+        self,
+        optimizer: torch.optim.Optimizer,
+        module: torch.nn.Module | Mapping[str, torch.Tensor],
+        group: ProcessGroup | None,
+        sigma: float,
+        seed: int | None,
     ) -> Callable[..., DistributedDPOptimizer]:
         """The DP optimizer over the sampler, accountant and clip state (its remaining
         keywords are the caller's)."""
@@ -285,8 +290,11 @@ class DPTraining(TrainingViews):
         units, rows = self._units.check(
             units, records, batch, example_mask, step=self.steps, world_size=self.world_size
         )
-        if not self._pending_aux:
+        if self._step_state is None:  # a new logical step
             self._check_budget()  # refuse before touching the data of a step we may not take
+            # the clip state as the step found it: a dropped step (zero_grad) restores it, so
+            # adaptive clipping's count never holds the units of a step that was not taken
+            self._step_state = self._clip_state
             # a new logical step: the last step's ``.grad`` (one gradient-sized tensor per
             # parameter) is not needed through this step's clipping, as a non-private loop's
             # ``zero_grad()`` at the top of the step would release it
@@ -317,6 +325,7 @@ class DPTraining(TrainingViews):
                 "batch of the step (an empty Poisson batch too: it contributes zeros)"
             )
         try:
+            self._units.check_complete(self._sampler, self.steps)
             self._check_budget()
             report = self._optimizer.step()
         except BaseException:
@@ -324,7 +333,7 @@ class DPTraining(TrainingViews):
             raise
         self._clip_state = self._clip_state.end_step(reduce=self._optimizer.all_reduce_sum)
         result = _result(report, self._pending_aux)
-        self._pending_aux = []
+        self._pending_aux, self._step_state = [], None
         self._units.reset()
         for hook in list(self._hooks):
             hook(result)
@@ -358,8 +367,11 @@ class DPTraining(TrainingViews):
         return self.finish_step()
 
     def zero_grad(self) -> None:
-        """Drop a pending accumulation (nothing noised, nothing accounted)."""
-        self._pending_aux = []
+        """Drop a pending accumulation (nothing noised, nothing accounted; the clip state is
+        the one the step started with)."""
+        if self._step_state is not None:
+            self._clip_state = self._step_state
+        self._pending_aux, self._step_state = [], None
         self._units.reset()
         self._optimizer.zero_grad()
 
@@ -373,11 +385,6 @@ class DPTraining(TrainingViews):
             raise OperationError("set_params() in the middle of a logical step")
         self._args = _check_new_params(self._params, self._args, params, args)
         self._params = params
-
-    @property
-    def pending_batches(self) -> int:
-        """Physical batches accumulated into the step in progress."""
-        return len(self._pending_aux)
 
     def add_hook(self, hook: Callable[[StepResult], None]) -> Callable[[], None]:
         """Call ``hook(result)`` after every logical step; returns a function removing it."""
@@ -393,64 +400,12 @@ class DPTraining(TrainingViews):
 
     # -- state -------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs besides the model: optimizer, noise generator, sampler
-        position (= logical steps taken), accountant history, clipping state.
-
-        Refused while physical batches are pending (their un-noised sum is never saved).
-        """
-        return _persist.state_dict(_persist.parts_of(self))
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the next step equals the uninterrupted run's (seeded)."""
-        self._clip_state = _persist.load_state_dict(_persist.parts_of(self), state)
-        self._after_load()
-
     def _after_load(self) -> None:
-        self._pending_aux = []
+        self._pending_aux, self._step_state = [], None
         self._units.reset()
         self._spending.reset()
         if self._sampler.position != self.steps:
             self._sampler.seek(self.steps)
-
-    def save(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        model: Any = None,
-        extra: Mapping[str, Any] | None = None,
-        rng: bool = True,
-        collective: bool = True,
-    ) -> Path:
-        """Write the training state (and ``model``, if given) atomically to ``path``.
-
-        Every rank calls it under ``torch.distributed``; rank 0 writes (see
-        ``save_checkpoint_distributed``). With ``collective=False`` this process writes alone
-        (no collective: call it on one rank only; the state is the same on every rank).
-        ``extra``: plain values returned by :meth:`load`.
-        """
-        parts = _persist.parts_of(self)
-        return _persist.save(parts, path, model=model, extra=extra, rng=rng, collective=collective)
-
-    def load(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        model: Any = None,
-        rng: bool = True,
-        collective: bool = True,
-    ) -> dict[str, Any]:
-        """Restore what :meth:`save` wrote (every rank); returns the saved ``extra``.
-
-        ``collective=False`` reads without collectives (each rank may call it on its own).
-        """
-        extra, clip = _persist.load(
-            _persist.parts_of(self), path, model=model, rng=rng, collective=collective
-        )
-        if clip is not None:
-            self._clip_state = clip
-        self._after_load()
-        return extra
 
     def __repr__(self) -> str:
         return (

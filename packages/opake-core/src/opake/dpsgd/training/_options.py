@@ -8,7 +8,7 @@ import math
 import numbers
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from opake.core.choices import ACCOUNTANTS, ENGINES, SAMPLERS
 from opake.core.errors import ConfigurationError, InputTypeError
@@ -18,7 +18,12 @@ if TYPE_CHECKING:
     from opake.dpsgd.sampling import FixedShapePoissonSampler, PoissonSampler, UnitPoissonSampler
 
 
-def _positive(name: str, value: object, *, integer: bool = False) -> Any:
+@overload
+def _positive(name: str, value: object, *, integer: Literal[True]) -> int: ...
+@overload
+def _positive(name: str, value: object, *, integer: Literal[False] = False) -> float: ...
+def _positive(name: str, value: object, *, integer: bool = False) -> int | float:
+    """``value`` as an int ≥ 1 (``integer``) or a finite float > 0, or a typed error."""
     if integer:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise InputTypeError(f"{name}={value!r} ({type(value).__name__}): expected an int > 0")
@@ -239,7 +244,9 @@ def _check_privacy_units(
             f"privacy_units with {world_size} ranks: a unit's records on two ranks would be "
             "clipped separately, and batches are not sharded by unit yet; train in one process"
         )
-    count = len(set(keys))
+    from opake.dpsgd.sampling._units import count_units
+
+    count = count_units(keys)  # as the unit sampler groups them (by value)
     return PrivacyUnits(
         keys, count, None if cap is None else _positive("max_records_per_unit", cap, integer=True)
     )
@@ -315,8 +322,17 @@ def _check_choices(
         raise InputTypeError(f"seed={seed!r}: expected None (secure) or an int ≥ 0")
 
 
-def _optional_positive(name: str, value: object, *, integer: bool = False) -> Any:
-    return None if value is None else _positive(name, value, integer=integer)
+@overload
+def _optional_positive(name: str, value: object, *, integer: Literal[True]) -> int | None: ...
+@overload
+def _optional_positive(
+    name: str, value: object, *, integer: Literal[False] = False
+) -> float | None: ...
+def _optional_positive(name: str, value: object, *, integer: bool = False) -> int | float | None:
+    """:func:`_positive`, ``None`` allowed."""
+    if value is None:
+        return None
+    return _positive(name, value, integer=True) if integer else _positive(name, value)
 
 
 def _accounting_of(sampler: Any, extra: Mapping[str, Any], clip_state: Any) -> dict[str, Any]:

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, OperationError
+from opake.dpsgd.training._views import TrainingViews
 
 if TYPE_CHECKING:
     import os
 
-    from opake.dpsgd.training._dp_training import DPTraining
+    from opake.dpsgd.clipping import ClipState
 
 _STATE_VERSION = 1
 _CONFIG_KEY = "opake.training"
@@ -43,7 +44,7 @@ class Parts:
     group: Any
 
 
-def parts_of(training: DPTraining) -> Parts:
+def parts_of(training: TrainingViews) -> Parts:
     """The components of ``training`` persistence saves and restores, read through its public
     views."""
     return Parts(
@@ -58,7 +59,7 @@ def parts_of(training: DPTraining) -> Parts:
     )
 
 
-def config_of(training: DPTraining) -> dict[str, Any]:
+def config_of(training: TrainingViews) -> dict[str, Any]:
     """The settings that decide the privacy accounting, from the training's public views."""
     return {
         "dataset_size": training.dataset_size,
@@ -105,7 +106,7 @@ def state_dict(parts: Parts) -> dict[str, Any]:
     }
 
 
-def load_state_dict(parts: Parts, state: Mapping[str, Any]) -> Any:
+def load_state_dict(parts: Parts, state: Mapping[str, Any]) -> ClipState:
     """Restore ``DPTraining.state_dict()`` into the components; returns the clip state the
     training takes (validated before anything is restored)."""
     from opake.dpsgd.clipping import clip_state_from_dict
@@ -173,7 +174,7 @@ def load(
     model: Any,
     rng: bool,
     collective: bool,
-) -> tuple[dict[str, Any], Any]:
+) -> tuple[dict[str, Any], ClipState | None]:
     """``DPTraining.load()``: restore the components; returns the saved ``extra`` and the clip
     state the training takes (``None``: keep its own)."""
     from opake.dpsgd.checkpoint import load_checkpoint
@@ -200,3 +201,63 @@ def load(
     # earlier opake train): the optimizer, sampler and accountant were each validated and
     # restored above (a file without an accountant is refused), so nothing is forgotten
     return extra, ckpt.clip_state
+
+
+class TrainingState(TrainingViews):
+    """``DPTraining``'s persistence: its state dict and checkpoint file (a base class, read
+    through the public views; the step restores itself in ``_after_load``)."""
+
+    _clip_state: ClipState
+
+    def _after_load(self) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs besides the model: optimizer, noise generator, sampler
+        position (= logical steps taken), accountant history, clipping state.
+
+        Refused while physical batches are pending (their un-noised sum is never saved).
+        """
+        return state_dict(parts_of(self))
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the next step equals the uninterrupted run's (seeded)."""
+        self._clip_state = load_state_dict(parts_of(self), state)
+        self._after_load()
+
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        model: Any = None,
+        extra: Mapping[str, Any] | None = None,
+        rng: bool = True,
+        collective: bool = True,
+    ) -> Path:
+        """Write the training state (and ``model``, if given) atomically to ``path``.
+
+        Every rank calls it under ``torch.distributed``; rank 0 writes (see
+        ``save_checkpoint_distributed``). With ``collective=False`` this process writes alone
+        (no collective: call it on one rank only; the state is the same on every rank).
+        ``extra``: plain values returned by :meth:`load`.
+        """
+        parts = parts_of(self)
+        return save(parts, path, model=model, extra=extra, rng=rng, collective=collective)
+
+    def load(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        model: Any = None,
+        rng: bool = True,
+        collective: bool = True,
+    ) -> dict[str, Any]:
+        """Restore what :meth:`save` wrote (every rank); returns the saved ``extra``.
+
+        ``collective=False`` reads without collectives (each rank may call it on its own).
+        """
+        extra, clip = load(parts_of(self), path, model=model, rng=rng, collective=collective)
+        if clip is not None:
+            self._clip_state = clip
+        self._after_load()
+        return extra

@@ -57,6 +57,7 @@ class StepUnits:
 
     def __init__(self, sampler: Any = None) -> None:
         self._seen: set[int] = set()
+        self._used = False  # units= came with a physical batch of this step
         self._records = None if sampler is None else RecordUnits(sampler)
 
     def check(
@@ -136,17 +137,39 @@ class StepUnits:
             )
         return ids
 
+    def check_complete(self, sampler: Any, step: int) -> None:
+        """Before the noise: without ``privacy_units``, ``units=`` may only group the rows of
+        one drawn example each (a DPO pair's two rows), so the step's units must be exactly as
+        many as the examples the sampler drew for it. Grouping several examples into one unit
+        clips them together — removing one of them could then move the sum by up to 2·C, which
+        breaks the example-level guarantee (``privacy_units`` is the user-level way)."""
+        if self._records is not None or not self._used:
+            return
+        from opake.dpsgd.sampling import PADDING_INDEX
+
+        drawn = sum(1 for i in sampler.batch_at(step) if i != PADDING_INDEX)
+        if len(self._seen) != drawn:
+            raise ConfigurationError(
+                f"units=: the {drawn} example(s) the sampler drew for this step arrived as "
+                f"{len(self._seen)} unit(s). Without privacy_units, each unit must be the rows of "
+                "exactly one drawn example (e.g. a DPO pair's two rows): grouping examples "
+                "clips them together and breaks the per-example guarantee. Build "
+                "DPTraining(privacy_units=...) for user-level DP; the step was dropped"
+            )
+
     def commit(self, rows: tuple[set[int] | None, object]) -> None:
         """Record a summed physical batch's units (and records)."""
         ids, records = rows
-        if ids:
+        if ids is not None:
             self._seen |= ids
+            self._used = True
         if self._records is not None:
             self._records.commit(records)
 
     def reset(self) -> None:
         """A new logical step."""
         self._seen.clear()
+        self._used = False
         if self._records is not None:
             self._records.reset()
 

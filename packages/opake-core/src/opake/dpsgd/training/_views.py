@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from opake.accounting import PrivacyAccountant
     from opake.dpsgd.clipping import ClippedGradFn, ClipState
     from opake.dpsgd.distributed import DistributedContext, DistributedDPOptimizer
@@ -27,6 +29,12 @@ class TrainingViews:
     _spending: Spending
     _secure: bool
     _context: DistributedContext
+    _pending_aux: list[Any]
+
+    @property
+    def pending_batches(self) -> int:
+        """Physical batches accumulated into the step in progress."""
+        return len(self._pending_aux)
 
     @property
     def sampler(self) -> PoissonSampler | FixedShapePoissonSampler | UnitPoissonSampler:
@@ -106,6 +114,8 @@ class TrainingViews:
         return int(self._context.rank)
 
     @property
-    def process_group(self) -> Any:
-        """The ``torch.distributed`` group the ranks reduce over (``None``: one process)."""
-        return self._context.group
+    def process_group(self) -> ProcessGroup | None:
+        """The ``torch.distributed`` group the ranks reduce over (``None``: the default group,
+        or one process)."""
+        group: ProcessGroup | None = self._context.group  # DistributedContext holds it untyped
+        return group

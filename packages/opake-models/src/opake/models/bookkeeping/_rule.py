@@ -64,9 +64,8 @@ def pieces(use: LayerUse) -> dict[str, Piece]:
     with torch.no_grad():
         _, saved = experts_forward(use.module, params, x, index, weights)
         built = saved.build(use.grad)
-    # ExpertGrads is an [E, R, C] operator; ImplicitGrad declares the shape of an [R, C] one
     return {
-        attr: Dense(value) if isinstance(value, torch.Tensor) else Implicit(value)  # type: ignore[arg-type]
+        attr: Dense(value) if isinstance(value, torch.Tensor) else Implicit(value)
         for attr, value in built.items()
     }
 

@@ -1,4 +1,5 @@
-"""``apply_model_patches``: runtime patches, family dispatch, shared HF pieces, one report."""
+"""``apply_model_patches``: runtime patches, family dispatch, one report per model (the parts
+themselves: :mod:`._parts`); the registry of patched models and the way back."""
 
 from __future__ import annotations
 
@@ -7,23 +8,17 @@ import threading
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
-from opake.core import ops
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.patches._patcher import Patcher
-from opake.patches.hf._compat import disable_kv_cache, dropout_status, route_gradient_checkpointing
-from opake.patches.hf._loss_only import install_loss_only
-from opake.patches.hf._mask import install_mask_conversion
-from opake.patches.hf._unbatched import install_unbatched_calls
-from opake.patches.model._contract import FamilyApply, read_family_patch
 from opake.patches.model._options import (
     KernelsOption,
     PatchOptions,
     check_kernels,
     resolve_loss_kernel,
 )
+from opake.patches.model._parts import KernelUse, apply_parts
 from opake.patches.runtime._state import (
     RuntimePatchState,
     apply_runtime_patches,
@@ -57,14 +52,6 @@ _OPTION_NAMES = (
     "chunked_linear_cross_entropy",
     "kernels",
 )
-
-
-@dataclass(frozen=True)
-class KernelUse:
-    """Which backend runs one op, and why."""
-
-    backend: str
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -286,7 +273,7 @@ def apply_model_patches(
         options = _options(base, family.name, model_type, runtime, given)
         patcher = Patcher()
         try:
-            parts = _apply(base, family, options, patcher)
+            parts = apply_parts(base, family, options, patcher)
         except BaseException:
             patcher.undo()
             raise
@@ -362,94 +349,6 @@ def _log_report(report: ModelPatchReport) -> None:
         _log.info("kernel %r: backend %r (%s)", op, use.backend, use.reason)
     for part, why in report.skipped.items():
         _log.info("%s not applied: %s", part, why)
-
-
-class _Parts(TypedDict):
-    """The fields of a :class:`ModelPatchReport` that :func:`_apply` fills in."""
-
-    applied: tuple[str, ...]
-    kernels: Mapping[str, KernelUse]
-    skipped: Mapping[str, str]
-    notes: tuple[str, ...]
-
-
-def _apply(
-    base: torch.nn.Module, family: ModelFamily, options: PatchOptions, patcher: Patcher
-) -> _Parts:
-    applied: list[str] = []
-    skipped: dict[str, str] = {}
-    kernels: dict[str, KernelUse] = {}
-    notes: list[str] = []
-    if options.compat:
-        if disable_kv_cache(base, patcher):
-            applied.append("kv_cache: config.use_cache=False")
-        if options.vmap_checkpointing:
-            n = route_gradient_checkpointing(base, patcher)
-            applied.append(
-                "gradient_checkpointing: routed to the vmap-safe checkpoint, use_reentrant=False"
-                + (f" ({n} modules already enabled)" if n else "")
-            )
-        else:
-            from opake.patches.runtime._hf import make_hooks_transform_safe, restore_hooks
-
-            changed = make_hooks_transform_safe(base)
-            if changed:
-                patcher.push(lambda: restore_hooks(changed))
-            skipped["gradient_checkpointing"] = "vmap_checkpointing=False"
-    else:
-        skipped["compat"] = "compat=False"
-    apply: FamilyApply = family.load_apply()
-    result = apply(base, options)
-    fields = read_family_patch(result, family.name)
-    patcher.push(result.undo)
-    applied.extend(fields["applied"])
-    kernels.update({op: KernelUse(*use) for op, use in fields["kernels"].items()})
-    skipped.update(fields["skipped"])
-    hf = fields["hf"]
-    head = hf.head if hf is not None else None
-    if not options.performance:
-        skipped["loss_only"] = "performance=False"
-    elif head is None:
-        skipped["loss_only"] = f"family {family.name!r} describes no causal-LM head for this model"
-    elif options.loss_kernel is None:
-        skipped["loss_only"] = options.loss_kernel_reason
-    else:
-        install_loss_only(base, head, options.loss_kernel, patcher)
-        applied.append(
-            f"loss_only: {ops.LINEAR_CROSS_ENTROPY} via the {options.loss_kernel.backend} backend"
-        )
-        kernels[ops.LINEAR_CROSS_ENTROPY] = KernelUse(
-            options.loss_kernel.backend, options.loss_kernel.reason
-        )
-    attention = hf.attention if hf is not None else None
-    if not options.compat:
-        pass
-    elif attention is None:
-        skipped["attention_mask"] = f"family {family.name!r} describes no attention kind"
-    else:
-        install_mask_conversion(base, attention, patcher)
-        applied.append(f"attention_mask: 2-D masks become 4-D float additive ({attention})")
-    if options.compat:  # last: the outermost wrapper, so every other part sees a batch
-        install_unbatched_calls(base, patcher)
-        applied.append(
-            "unbatched_calls: a 1-D input_ids (one example, as under vmap) runs as a batch of "
-            "one; its outputs come back without the batch dimension"
-        )
-    active = dropout_status(base)
-    if active:
-        notes.append(
-            "dropout is active in training mode ("
-            + ", ".join(active[:4])
-            + (", ..." if len(active) > 4 else "")
-            + "): under vmap pass randomness='different' (e.g. clipped_grad(..., "
-            "randomness='different')) so each example draws its own mask, or call model.eval()."
-        )
-    return {
-        "applied": tuple(applied),
-        "kernels": MappingProxyType(kernels),
-        "skipped": MappingProxyType(skipped),
-        "notes": tuple(notes),
-    }
 
 
 def remove_model_patches(model: object) -> bool:

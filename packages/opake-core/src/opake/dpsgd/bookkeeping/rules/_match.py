@@ -10,7 +10,7 @@ if TYPE_CHECKING:
 __all__ = ["embed_scale", "is_conv1d", "plain"]
 
 
-def plain(module: torch.nn.Module, base: type) -> bool:
+def plain(module: torch.nn.Module, base: type[torch.nn.Module]) -> bool:
     """``module`` is a ``base`` that runs ``base.forward`` (a subclass overriding ``forward``,
     e.g. a scaled embedding, computes something else: its closed-form rule would be wrong).
 
@@ -19,7 +19,7 @@ def plain(module: torch.nn.Module, base: type) -> bool:
     >>> plain(layer, torch.nn.Linear), plain(layer, torch.nn.Embedding)
     (True, False)
     """
-    return isinstance(module, base) and type(module).forward is base.forward  # type: ignore[attr-defined]
+    return isinstance(module, base) and type(module).forward is base.forward
 
 
 def is_conv1d(module: torch.nn.Module) -> bool:

@@ -42,6 +42,7 @@ def example() -> RuleExample:
     """A ``Conv1D(6, 8)`` (8 inputs, 6 outputs) over 5 tokens."""
     from transformers.pytorch_utils import Conv1D
 
+    # transformers leaves Conv1D's constructor unannotated
     return RuleExample(Conv1D(6, 8), width=8)  # type: ignore[no-untyped-call]
 
 

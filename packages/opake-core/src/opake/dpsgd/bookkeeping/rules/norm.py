@@ -53,10 +53,12 @@ class TorchNorm:
 
     def pieces(self, use: LayerUse) -> dict[str, Piece]:
         """``x̂`` by the functional over the module's ``normalized_shape`` and ``eps``."""
+        import torch
         import torch.nn.functional as F
 
         module = use.module
-        shape = tuple(module.normalized_shape)  # type: ignore[arg-type]
+        assert isinstance(module, torch.nn.LayerNorm | torch.nn.RMSNorm)  # what matches() takes
+        shape = tuple(module.normalized_shape)
         x = first_input(use).float().reshape(use.batch, -1, *shape)
         normalise = getattr(F, self.functional)
         return norm_pieces(use, normalise(x, shape, eps=module.eps))

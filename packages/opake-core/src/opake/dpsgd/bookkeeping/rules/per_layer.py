@@ -8,7 +8,7 @@ rule is worth a closed-form rule of its own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from opake.core.plugins import BookkeepingRule
 from opake.dpsgd.bookkeeping._pieces import Dense
@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from opake.dpsgd.bookkeeping._pieces import Piece
 
 __all__ = ["RULE", "example", "matches", "pieces"]
+
+_Tree = TypeVar("_Tree")
 
 
 def matches(module: torch.nn.Module, attrs: frozenset[str]) -> bool | str:
@@ -80,17 +82,22 @@ def pieces(use: LayerUse) -> dict[str, Piece]:
     const = {k: v.detach() for k, v in use.params.items() if k not in names and v is not None}
     dims = _batch_dims(use)
 
-    def unsqueeze(tree: Any, tree_dims: Any) -> Any:
-        return tree_map(
+    def unsqueeze(tree: _Tree, tree_dims: object) -> _Tree:
+        # the same structure, its batched leaves given back a batch dimension of one
+        out: _Tree = tree_map(
             lambda x, d: x[None] if d == 0 else x, tree, tree_dims, is_leaf=lambda x: x is None
         )
+        return out
 
-    def one(args: tuple[Any, ...], kwargs: dict[str, Any], g: torch.Tensor) -> Any:
+    def one(
+        args: tuple[Any, ...], kwargs: dict[str, Any], g: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
             out = functional_call(
                 use.module, {**p, **const}, unsqueeze(args, dims[0]), unsqueeze(kwargs, dims[1])
             )
-            return out[0]  # type: ignore[no-any-return]
+            y: torch.Tensor = out[0]  # row 0 of the output (a tensor: the recording hook checked)
+            return y
 
         y, pullback = vjp(f, train)[:2]
         (grads,) = pullback(g)
