@@ -10,6 +10,10 @@ scheduler the Trainer builds, ε/δ/σ/q in every log, the DP state in every che
 when ``target_epsilon`` is spent, and DDP through ``torchrun``. See
 ``docs/guide/hf-trainer.md``.
 
+Post-training: :mod:`opake.transformers.trl` (``DPSFTTrainer``, ``DPDPOTrainer``: TRL's trainers
+with the same DP step; the ``trl`` extra) and :mod:`opake.transformers.losses` (the per-example
+SFT and DPO losses, for ``clipped_grad`` / ``DPTraining``). See ``docs/guide/post-training.md``.
+
 Names are imported on first use (``import opake.transformers`` does not import transformers).
 
 >>> import opake.transformers as ot

@@ -1,21 +1,119 @@
-"""``DPTrainingArguments``: ``TrainingArguments`` plus the DP-SGD settings."""
+"""``DPTrainingArguments``: ``TrainingArguments`` plus the DP-SGD settings.
+
+The DP settings are one dataclass mixin, :class:`DPArguments`, combined with
+``TrainingArguments`` here and with TRL's ``SFTConfig`` / ``DPOConfig`` in
+:mod:`opake.transformers.trl`: every DP trainer reads and checks them the same way."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import TrainingArguments
 
 from opake.core.choices import ACCOUNTANTS, ENGINES, SAMPLERS
 from opake.core.errors import ConfigurationError
 
-__all__ = ["DPTrainingArguments"]
+__all__ = ["DPArguments", "DPTrainingArguments"]
 
 _CLIPPING = ("flat", "automatic")
 
 
 @dataclass
-class DPTrainingArguments(TrainingArguments):
+class DPArguments:
+    """The DP-SGD fields of every Opake trainer's arguments (a dataclass mixin).
+
+    Combined with a ``TrainingArguments`` subclass, first in the bases:
+    ``@dataclass class DPTrainingArguments(DPArguments, TrainingArguments)``. The fields are
+    documented on :class:`DPTrainingArguments`; ``__post_init__`` sets ``ignore_data_skip``
+    and runs :meth:`check_dp` after the base class's own ``__post_init__``.
+    """
+
+    target_epsilon: float | None = field(
+        default=None, metadata={"help": "Privacy budget ε (calibrates σ without noise_multiplier)."}
+    )
+    noise_multiplier: float | None = field(
+        default=None, metadata={"help": "Noise multiplier σ (noise std / clipping bound)."}
+    )
+    target_delta: float | None = field(
+        default=None, metadata={"help": "δ of the (ε, δ) guarantee; default 1/N²."}
+    )
+    per_sample_max_grad_norm: float = field(
+        default=1.0, metadata={"help": "C: each example's gradient is clipped to this L2 norm."}
+    )
+    clipping: str = field(default="flat", metadata={"help": "flat or automatic (AUTO-S)."})
+    accountant: str = field(default="pld", metadata={"help": "pld or rdp."})
+    dp_sampler: str = field(default="poisson", metadata={"help": "poisson or fixed."})
+    engine: str = field(default="auto", metadata={"help": "auto, vmap or bookkeeping."})
+    microbatch_size: int | None = field(
+        default=None, metadata={"help": "Examples per chunk of a physical batch."}
+    )
+    memory_budget_gb: float | None = field(
+        default=None,
+        metadata={"help": "Peak memory (GiB) the automatic microbatch is held to."},
+    )
+    reproducible: bool = field(
+        default=False,
+        metadata={"help": "Seed Poisson sampling and noise from `seed` (not secure)."},
+    )
+    max_grad_norm: float = field(
+        default=0.0,
+        metadata={"help": "Off for DP: the per-example clipping is per_sample_max_grad_norm."},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # type: ignore[misc]
+        combined: Any = self  # the TrainingArguments side of the combined class
+        combined.ignore_data_skip = True
+        self.check_dp()
+
+    def check_dp(self) -> None:
+        """Validate the DP fields (raises ``ConfigurationError`` naming the field)."""
+        if self.noise_multiplier is None and self.target_epsilon is None:
+            raise ConfigurationError(
+                f"{type(self).__name__} needs target_epsilon (σ calibrated for the planned run) "
+                "or noise_multiplier"
+            )
+        for name in ("target_epsilon", "noise_multiplier", "per_sample_max_grad_norm"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ConfigurationError(f"{name}={value!r}: expected a number > 0")
+        if self.target_delta is not None and not 0.0 < self.target_delta < 1.0:
+            raise ConfigurationError(f"target_delta={self.target_delta!r}: expected 0 < δ < 1")
+        if not (isinstance(self.dp_sampler, str) and self.dp_sampler in SAMPLERS):
+            sampler: object = self.dp_sampler
+            given = repr(sampler) if isinstance(sampler, str) else type(sampler).__name__
+            raise ConfigurationError(
+                f"dp_sampler={given}: "
+                f"expected one of {', '.join(SAMPLERS)} — DPTrainer draws its own Poisson "
+                "batches, the only sampling its ε is computed for; a shuffle into batches of one "
+                "size (ShuffleSampler, a DataLoader's sampler) is not Poisson sampling, whatever "
+                "sample rate comes with it. Use dp_sampler='poisson' (or 'fixed': truncated "
+                "Poisson in static shapes)"
+            )
+        for name, allowed in (
+            ("clipping", _CLIPPING),
+            ("accountant", ACCOUNTANTS),
+            ("engine", ENGINES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ConfigurationError(
+                    f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}"
+                )
+        budget = self.memory_budget_gb
+        if budget is not None and not (
+            isinstance(budget, int | float) and not isinstance(budget, bool) and budget > 0
+        ):
+            raise ConfigurationError(
+                f"memory_budget_gb={budget!r}: expected a number of GiB > 0 (or None: half of "
+                "the memory available)"
+            )
+        if self.microbatch_size is not None and self.microbatch_size < 1:
+            raise ConfigurationError(f"microbatch_size={self.microbatch_size!r}: expected ≥ 1")
+
+
+@dataclass
+class DPTrainingArguments(DPArguments, TrainingArguments):
     """``TrainingArguments`` for :class:`~opake.transformers.DPTrainer` (DP-SGD).
 
     A logical DP step is one optimizer step: its Poisson batch has the expected size
@@ -56,84 +154,3 @@ class DPTrainingArguments(TrainingArguments):
         >>> args.target_epsilon, args.max_grad_norm, args.reproducible
         (8.0, 0.0, False)
     """
-
-    target_epsilon: float | None = field(
-        default=None, metadata={"help": "Privacy budget ε (calibrates σ without noise_multiplier)."}
-    )
-    noise_multiplier: float | None = field(
-        default=None, metadata={"help": "Noise multiplier σ (noise std / clipping bound)."}
-    )
-    target_delta: float | None = field(
-        default=None, metadata={"help": "δ of the (ε, δ) guarantee; default 1/N²."}
-    )
-    per_sample_max_grad_norm: float = field(
-        default=1.0, metadata={"help": "C: each example's gradient is clipped to this L2 norm."}
-    )
-    clipping: str = field(default="flat", metadata={"help": "flat or automatic (AUTO-S)."})
-    accountant: str = field(default="pld", metadata={"help": "pld or rdp."})
-    dp_sampler: str = field(default="poisson", metadata={"help": "poisson or fixed."})
-    engine: str = field(default="auto", metadata={"help": "auto, vmap or bookkeeping."})
-    microbatch_size: int | None = field(
-        default=None, metadata={"help": "Examples per chunk of a physical batch."}
-    )
-    memory_budget_gb: float | None = field(
-        default=None,
-        metadata={"help": "Peak memory (GiB) the automatic microbatch is held to."},
-    )
-    reproducible: bool = field(
-        default=False,
-        metadata={"help": "Seed Poisson sampling and noise from `seed` (not secure)."},
-    )
-    max_grad_norm: float = field(
-        default=0.0,
-        metadata={"help": "Off for DP: the per-example clipping is per_sample_max_grad_norm."},
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()  # type: ignore[no-untyped-call]
-        self.ignore_data_skip = True
-        self.check_dp()
-
-    def check_dp(self) -> None:
-        """Validate the DP fields (raises ``ConfigurationError`` naming the field)."""
-        if self.noise_multiplier is None and self.target_epsilon is None:
-            raise ConfigurationError(
-                "DPTrainingArguments needs target_epsilon (σ calibrated for the planned run) or "
-                "noise_multiplier"
-            )
-        for name in ("target_epsilon", "noise_multiplier", "per_sample_max_grad_norm"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, int | float) and value > 0):
-                raise ConfigurationError(f"{name}={value!r}: expected a number > 0")
-        if self.target_delta is not None and not 0.0 < self.target_delta < 1.0:
-            raise ConfigurationError(f"target_delta={self.target_delta!r}: expected 0 < δ < 1")
-        if not (isinstance(self.dp_sampler, str) and self.dp_sampler in SAMPLERS):
-            sampler: object = self.dp_sampler
-            given = repr(sampler) if isinstance(sampler, str) else type(sampler).__name__
-            raise ConfigurationError(
-                f"dp_sampler={given}: "
-                f"expected one of {', '.join(SAMPLERS)} — DPTrainer draws its own Poisson "
-                "batches, the only sampling its ε is computed for; a shuffle into batches of one "
-                "size (ShuffleSampler, a DataLoader's sampler) is not Poisson sampling, whatever "
-                "sample rate comes with it. Use dp_sampler='poisson' (or 'fixed': truncated "
-                "Poisson in static shapes)"
-            )
-        for name, allowed in (
-            ("clipping", _CLIPPING),
-            ("accountant", ACCOUNTANTS),
-            ("engine", ENGINES),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ConfigurationError(
-                    f"{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}"
-                )
-        budget = self.memory_budget_gb
-        if budget is not None and not (
-            isinstance(budget, int | float) and not isinstance(budget, bool) and budget > 0
-        ):
-            raise ConfigurationError(
-                f"memory_budget_gb={budget!r}: expected a number of GiB > 0 (or None: half of "
-                "the memory available)"
-            )
-        if self.microbatch_size is not None and self.microbatch_size < 1:
-            raise ConfigurationError(f"microbatch_size={self.microbatch_size!r}: expected ≥ 1")

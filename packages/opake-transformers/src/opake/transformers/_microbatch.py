@@ -38,6 +38,7 @@ from opake.profiling import (
     available_memory_gb,
     choose_microbatch,
     format_gb,
+    largest_poisson_batch,
     measure_memory_line,
 )
 
@@ -51,6 +52,7 @@ __all__ = [
     "longest_example",
     "measure_line",
     "probe_batch",
+    "trainer_microbatch",
 ]
 
 logger = logging.getLogger("opake.transformers")
@@ -208,3 +210,62 @@ def default_microbatch(
 def _chosen(m: int | None, reason: str) -> MicrobatchChoice:
     logger.info("per-device microbatch (microbatch_size not set): %s", reason)
     return MicrobatchChoice(m, reason)
+
+
+def trainer_microbatch(
+    trainer: Any,
+    loss: Any,
+    params: tuple[Any, ...],
+    *,
+    rows: int,
+    length: int | None,
+    randomness: str,
+    max_batch: int | None,
+) -> MicrobatchChoice:
+    """:func:`default_microbatch` for a DP trainer's physical batches: *loss* is what the probe
+    differentiates, *rows* the rows of the forward one example is (two for a DPO pair),
+    *length* the most tokens of a row, *max_batch* the fixed-shape sampler's slots (or
+    ``None``: Poisson batches, up to the expected size plus five standard deviations)."""
+    from opake.dpsgd.clipping import AutoSClipping, clipped_grad
+    from opake.transformers._losses import base_model
+
+    a = trainer.args
+    model = trainer.model
+    n = trainer._dataset_size()
+    chunks = a.gradient_accumulation_steps * a.world_size
+    if max_batch is not None:  # fixed shapes: every physical batch has this many slots
+        expected = largest = -(-max_batch // chunks)
+    else:
+        expected = int(a.per_device_train_batch_size)
+        logical_expected = trainer._expected_batch_size()
+        logical = largest_poisson_batch(logical_expected, logical_expected / n, n)
+        largest = -(-logical // chunks)
+
+    def make_grad_fn(m: int) -> Any:
+        clip: Any = a.per_sample_max_grad_norm
+        if a.clipping == "automatic":
+            clip = AutoSClipping(clipping_norm=a.per_sample_max_grad_norm)
+        return clipped_grad(
+            loss,
+            argnums=0,
+            clipping_norm=clip,
+            batch_argnums=(2,),
+            microbatch_size=m,
+            randomness=randomness,
+            engine=a.engine,
+            check_unused=False,
+        )
+
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    return default_microbatch(
+        make_grad_fn,
+        params,
+        task=trainer._task,
+        model_config=getattr(base_model(model), "config", None),
+        vocab=getattr(embeddings, "num_embeddings", None),
+        length=length,
+        expected=expected * rows,
+        largest=largest * rows,
+        device=a.device,
+        budget_gb=a.memory_budget_gb,
+    )

@@ -15,7 +15,7 @@ from transformers import TrainerCallback
 from opake.core.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from opake.transformers._trainer import DPTrainer
+    from opake.transformers._dp_mixin import DPTrainerMixin
 
 __all__ = ["DPStep", "PrivacyBudget"]
 
@@ -30,7 +30,7 @@ class DPStep(torch.optim.Optimizer):
     accumulated clipped sum once and steps the inner optimizer.
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, trainer: DPTrainer) -> None:
+    def __init__(self, inner: torch.optim.Optimizer, trainer: DPTrainerMixin) -> None:
         super().__init__(inner.param_groups, inner.defaults)
         self.state = inner.state
         self.inner = inner
@@ -59,7 +59,7 @@ class PrivacyBudget(TrainerCallback):
     its own position), so the Trainer's own count starts the resumed epoch from zero; the
     global step is what was trained."""
 
-    def __init__(self, trainer: DPTrainer) -> None:
+    def __init__(self, trainer: DPTrainerMixin) -> None:
         self._trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:

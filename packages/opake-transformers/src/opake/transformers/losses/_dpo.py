@@ -1,0 +1,267 @@
+"""The DPO loss per preference pair, one pair = one privacy unit, on both clipping engines.
+
+A batch of ``P`` pairs has ``2P`` rows in TRL's layout: rows ``0 .. P-1`` are the chosen
+sequences (prompt + chosen completion), rows ``P .. 2P-1`` the rejected ones, in the same pair
+order; ``labels`` are -100 on the prompt and on padding. With ``π`` a row's summed
+log-probability of its completion tokens (:func:`sequence_log_probs`) under the policy and
+``π_ref`` under the reference model, pair ``i``'s loss is
+
+    ℓ_i = −log σ(β · [(π_c − π_ref,c) − (π_r − π_ref,r)])        (:func:`dpo_losses`)
+
+Its gradient is ``a_i · ∇π_c − a_i · ∇π_r`` with ``a_i = −β σ(−margin_i)``: the gradient of the
+row losses ``w_row · π_row`` summed over the pair's two rows, where ``w`` (:func:`dpo_weights`)
+is computed from the pair's own four log-probabilities at the current parameters. So
+:class:`DPOLoss` works in two steps per physical batch: :meth:`DPOLoss.prepare` runs the policy
+once without gradient and attaches each row's ``w`` (and returns the pairs' losses), then the
+clipping engine differentiates ``w_row · π_row`` per row and clips each pair — both rows, as
+one privacy unit (``units=``) — as a whole. Each row's loss depends on its own tokens and its
+pair's ``w`` only, so the per-row check of the book-keeping engine and the per-row ``vmap``
+engine both apply unchanged, and the clipped unit gradient is exactly ``∇ℓ_i``: one record moves
+the clipped sum by at most ``C``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from opake.core.errors import ConfigurationError, InputTypeError
+from opake.transformers.losses._completion import sequence_log_probs, target_counts
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["WEIGHT_KEY", "DPOLoss", "PreparedPairs", "dpo_losses", "dpo_weights"]
+
+#: key of each row's DPO weight in a prepared batch (removed before the model sees the batch)
+WEIGHT_KEY = "opake_dpo_weight"
+
+
+def _margins(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+) -> torch.Tensor:
+    chosen_ratio = chosen.float() - ref_chosen.float()
+    return beta * (chosen_ratio - (rejected.float() - ref_rejected.float()))
+
+
+def dpo_losses(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    *,
+    beta: float,
+) -> torch.Tensor:
+    """Each pair's DPO loss ``[P]`` (TRL's ``loss_type="sigmoid"``) from the summed completion
+    log-probabilities of the policy and the reference model.
+
+    >>> import torch
+    >>> round(float(dpo_losses(torch.tensor([-3.0]), torch.tensor([-3.0]),
+    ...                        torch.tensor([-3.0]), torch.tensor([-3.0]), beta=0.1)[0]), 4)
+    0.6931
+    """
+    import torch.nn.functional as F
+
+    return -F.logsigmoid(_margins(chosen, rejected, ref_chosen, ref_rejected, beta))
+
+
+def dpo_weights(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    *,
+    beta: float,
+) -> torch.Tensor:
+    """``∂ℓ_i/∂π`` for each row ``[2P]`` (chosen rows, then rejected rows): ``−β σ(−m_i)`` and
+    ``+β σ(−m_i)``, ``m_i`` the pair's margin. Bounded by ``β`` in absolute value.
+
+    >>> import torch
+    >>> w = dpo_weights(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), beta=0.2)
+    >>> w.tolist()
+    [-0.10000000149011612, 0.10000000149011612]
+    """
+    import torch
+
+    scale = beta * torch.sigmoid(-_margins(chosen, rejected, ref_chosen, ref_rejected, beta))
+    return torch.cat([-scale, scale])
+
+
+@dataclass(frozen=True)
+class PreparedPairs:
+    """One physical batch of pairs, ready for ``accumulate(batch, units=units)``.
+
+    Attributes:
+        batch: the ``2P`` rows with each row's weight (:data:`WEIGHT_KEY`).
+        units: ``[2P]`` int64: each row's privacy unit (its pair's id, the same for both rows).
+        losses: ``[P]`` each pair's DPO loss (a diagnostic: **not private**).
+        margins: ``[P]`` each pair's reward margin ``β·[(π_c − π_ref,c) − (π_r − π_ref,r)]``
+            (a diagnostic: **not private**).
+    """
+
+    batch: dict[str, torch.Tensor]
+    units: torch.Tensor
+    losses: torch.Tensor
+    margins: torch.Tensor
+
+
+class DPOLoss:
+    """The DPO loss of preference pairs for ``clipped_grad`` / ``DPTraining`` (see the module
+    docstring): call :meth:`prepare` on each physical batch, then clip with
+    ``units=prepared.units``; the object itself is the batched per-row loss
+    ``fn(trainable, frozen, batch) -> [2P]`` for :class:`~opake.dpsgd.bookkeeping.BatchedLoss`.
+
+    Args:
+        fmodel: the ``fmodel`` of ``make_functional(model, partition_trainable=True)``.
+        model: the model (PEFT or plain causal LM).
+        beta: β, how far the policy may move from the reference (TRL's ``beta``).
+        loss_only: take ``π`` from the patched model's loss-only head (no logits).
+        autocast: a context factory for the forward (bf16); the losses are fp32.
+
+    Example:
+        >>> import torch
+        >>> from opake.core.testing import tiny_llama
+        >>> from opake.dpsgd.bookkeeping import BatchedLoss
+        >>> from opake.dpsgd.clipping import clipped_grad
+        >>> from opake.functional import make_functional
+        >>> model = tiny_llama(hidden_size=16, num_hidden_layers=1, vocab_size=32,
+        ...                    intermediate_size=32, seed=0)
+        >>> fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
+        >>> dpo = DPOLoss(fmodel, model, beta=0.1)
+        >>> rows = {"input_ids": torch.tensor([[3, 4, 5, 6], [3, 4, 9, 0]]),  # chosen, rejected
+        ...         "labels": torch.tensor([[-100, -100, 5, 6], [-100, -100, 9, -100]])}
+        >>> pairs = dpo.prepare(trainable, frozen, rows, ref_chosen=torch.tensor([-7.0]),
+        ...                     ref_rejected=torch.tensor([-3.5]))
+        >>> pairs.units.tolist(), tuple(pairs.losses.shape)
+        ([0, 0], (1,))
+        >>> grad_fn, state = clipped_grad(BatchedLoss(dpo, fmodel), clipping_norm=1.0,
+        ...                               batch_argnums=2)
+        >>> grads, state = grad_fn(trainable, frozen, pairs.batch, state=state,
+        ...                        units=pairs.units)
+        >>> float(grads.max_norm)
+        1.0
+    """
+
+    def __init__(
+        self,
+        fmodel: Callable[..., Any],
+        model: Any,
+        *,
+        beta: float = 0.1,
+        loss_only: bool = False,
+        autocast: Callable[[], Any] | None = None,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise ConfigurationError(
+                f"DPOLoss got unknown keyword argument(s) {sorted(unknown)}; expected beta, "
+                "loss_only, autocast"
+            )
+        if not callable(fmodel):
+            raise InputTypeError(f"DPOLoss(fmodel={fmodel!r}): expected make_functional's fmodel")
+        if isinstance(beta, bool) or not isinstance(beta, int | float) or not beta > 0:
+            raise ConfigurationError(f"DPOLoss(beta={beta!r}): expected a number > 0")
+        self.fmodel = fmodel
+        self.model = model
+        self.beta = float(beta)
+        self.loss_only = bool(loss_only)
+        self._enter = autocast if autocast is not None else contextlib.nullcontext
+        self.__name__ = "dpo_row_losses"
+
+    def log_probs(
+        self,
+        trainable: dict[str, torch.Tensor],
+        frozen: dict[str, torch.Tensor],
+        batch: Mapping[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Each row's summed log-probability of its completion tokens ``[R]`` (fp32)."""
+        labels = batch["labels"]
+        inputs: dict[str, Any] = {k: v for k, v in batch.items() if k not in ("labels", WEIGHT_KEY)}
+        params = (trainable, frozen)
+        with self._enter():
+            if self.loss_only:
+                out = self.fmodel(
+                    params,
+                    **inputs,
+                    labels=labels,
+                    loss_only=True,
+                    per_example_loss=True,
+                    use_cache=False,
+                )
+                mean: torch.Tensor = out.loss.float()
+                return -mean * target_counts(labels).to(mean.dtype)
+            out = self.fmodel(params, **inputs, use_cache=False)
+        return sequence_log_probs(out.logits, labels)
+
+    def __call__(
+        self,
+        trainable: dict[str, torch.Tensor],
+        frozen: dict[str, torch.Tensor],
+        batch: Mapping[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """``w_row · π_row`` for each row: differentiated per row, summed per pair (units)."""
+        weight = batch.get(WEIGHT_KEY)
+        if weight is None:
+            raise ConfigurationError(
+                f"DPOLoss: the batch has no {WEIGHT_KEY!r}; pass the batch that "
+                "DPOLoss.prepare(...) returned (each row's DPO weight), with its units"
+            )
+        return weight.float() * self.log_probs(trainable, frozen, batch)
+
+    def prepare(
+        self,
+        trainable: dict[str, torch.Tensor],
+        frozen: dict[str, torch.Tensor],
+        batch: Mapping[str, torch.Tensor],
+        *,
+        ref_chosen: torch.Tensor,
+        ref_rejected: torch.Tensor,
+        ids: torch.Tensor | None = None,
+    ) -> PreparedPairs:
+        """Attach each row's DPO weight, from one policy forward without gradient.
+
+        ``batch``: ``2P`` rows (chosen rows, then rejected rows); ``ref_chosen`` /
+        ``ref_rejected``: ``[P]`` the reference model's summed completion log-probabilities
+        (computed once beforehand, or for this batch); ``ids``: ``[P]`` each pair's privacy unit
+        id (default ``0 .. P-1``; in a training loop, ids unique within the logical step, e.g.
+        the dataset indices).
+        """
+        import torch
+
+        rows = int(batch["input_ids"].shape[0])
+        if rows % 2:
+            raise ConfigurationError(
+                f"DPOLoss.prepare: {rows} rows; expected 2P rows (the P chosen sequences, then "
+                "the P rejected ones, as TRL's DataCollatorForPreference lays them out)"
+            )
+        pairs = rows // 2
+        for name, value in (("ref_chosen", ref_chosen), ("ref_rejected", ref_rejected)):
+            if tuple(value.shape) != (pairs,):
+                raise ConfigurationError(
+                    f"DPOLoss.prepare({name}=...): shape {tuple(value.shape)}; expected "
+                    f"({pairs},), one reference log-probability per pair"
+                )
+        with torch.no_grad():
+            logp = self.log_probs(trainable, frozen, batch).detach()
+        chosen, rejected = logp[:pairs], logp[pairs:]
+        ref_c = ref_chosen.to(logp.device)
+        ref_r = ref_rejected.to(logp.device)
+        margins = _margins(chosen, rejected, ref_c, ref_r, self.beta)
+        weights = dpo_weights(chosen, rejected, ref_c, ref_r, beta=self.beta)
+        if ids is None:
+            ids = torch.arange(pairs, device=logp.device)
+        units = torch.cat([ids, ids]).to(device=logp.device, dtype=torch.int64)
+        prepared = {k: v for k, v in batch.items() if k != WEIGHT_KEY}
+        prepared[WEIGHT_KEY] = weights.to(logp.device)
+        return PreparedPairs(
+            batch=prepared,
+            units=units,
+            losses=dpo_losses(chosen, rejected, ref_c, ref_r, beta=self.beta),
+            margins=margins,
+        )
