@@ -48,6 +48,19 @@ class DPArguments:
     microbatch_size: int | None = field(
         default=None, metadata={"help": "Examples per chunk of a physical batch."}
     )
+    privacy_unit_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column naming each record's privacy unit (e.g. user_id): user-level DP, "
+            "ε per unit (units sampled, each unit's records clipped together)."
+        },
+    )
+    max_records_per_unit: int | None = field(
+        default=None,
+        metadata={
+            "help": "With privacy_unit_column: at most this many records of a unit per step."
+        },
+    )
     memory_budget_gb: float | None = field(
         default=None,
         metadata={"help": "Peak memory (GiB) the automatic microbatch is held to."},
@@ -107,6 +120,13 @@ class DPArguments:
             raise ConfigurationError(
                 f"memory_budget_gb={budget!r}: expected a number of GiB > 0 (or None: half of "
                 "the memory available)"
+            )
+        if self.max_records_per_unit is not None and (
+            self.privacy_unit_column is None or self.max_records_per_unit < 1
+        ):
+            raise ConfigurationError(
+                f"max_records_per_unit={self.max_records_per_unit!r}: expected an int ≥ 1, "
+                "with privacy_unit_column naming the units it caps"
             )
         if self.microbatch_size is not None and self.microbatch_size < 1:
             raise ConfigurationError(f"microbatch_size={self.microbatch_size!r}: expected ≥ 1")

@@ -185,10 +185,10 @@ class PoissonBatches:
         return self.steps_per_epoch * self.chunks
 
     def __iter__(self) -> Iterator[list[int]]:
-        from opake.dpsgd.sampling import PoissonSampler
+        from opake.dpsgd.sampling import PoissonSampler, UnitPoissonSampler
 
         sampler = self._sampler()
-        if not isinstance(sampler, PoissonSampler):
+        if not isinstance(sampler, PoissonSampler | UnitPoissonSampler):
             raise ConfigurationError(
                 f"PoissonBatches got sampler={type(sampler).__name__}: expected the DP step's "
                 "PoissonSampler or FixedShapePoissonSampler (ε is computed for Poisson sampling "
@@ -200,7 +200,18 @@ class PoissonBatches:
             if indices is None:
                 stream = iter(sampler)
                 indices = next(stream)
-            yield from split(indices, self.chunks)
+            yield from physical_batches(sampler, indices, self.chunks)
+
+
+def physical_batches(sampler: Any, indices: Sequence[int], chunks: int) -> list[list[int]]:
+    """A logical batch's physical batches: :func:`split`, or cut at unit boundaries only for a
+    unit sampler (a unit's records are clipped together, in one physical batch)."""
+    units_of = getattr(sampler, "units_of", None)
+    if units_of is None:
+        return split(indices, chunks)
+    from opake.transformers._units import split_units
+
+    return split_units(indices, units_of(indices).tolist(), chunks)
 
 
 def split(indices: Sequence[int], chunks: int) -> list[list[int]]:

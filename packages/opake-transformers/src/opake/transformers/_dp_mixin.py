@@ -44,6 +44,12 @@ from opake.transformers._train_loader import (
     check_train_loader,
     poisson_loader,
 )
+from opake.transformers._units import (
+    trainer_population,
+    trainer_unit_keys,
+    trainer_unit_rows,
+    without_column,
+)
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -113,6 +119,7 @@ class DPTrainerMixin(_Base):
         self._per_example_loss = per_example_loss
         self._task = "custom" if per_example_loss is not None else detect_task(self.model)
         self._dp: DPTraining | None = None
+        self._units: list[Any] | None = None
         # the training loader get_train_dataloader built last and its batch sampler (the only
         # ones the Trainer may iterate), and the check of each physical batch against the draw
         self._train_loader: Any = None
@@ -160,12 +167,13 @@ class DPTrainerMixin(_Base):
         return int(a.per_device_train_batch_size * a.gradient_accumulation_steps * a.world_size)
 
     def _steps_per_epoch(self) -> int:
-        n = self._dataset_size()
+        n = trainer_population(self)
         expected = self._expected_batch_size()
         if expected > n:
+            what = "examples" if trainer_unit_keys(self) is None else "privacy units"
             raise ConfigurationError(
                 f"expected logical batch {expected} (per_device_train_batch_size × "
-                f"gradient_accumulation_steps × world size) exceeds the {n} training examples"
+                f"gradient_accumulation_steps × world size) exceeds the {n} training {what}"
             )
         return max(1, round(n / expected))
 
@@ -196,6 +204,9 @@ class DPTrainerMixin(_Base):
         except ImportError:
             pass
         collator = self._dp_collator()
+        column = getattr(self.args, "privacy_unit_column", None)
+        if column is not None:  # the units come from the sampler; the model never sees them
+            collator = without_column(collator, column)
         batches = PoissonBatches(
             lambda: self.dp_training.sampler,
             chunks=self.args.gradient_accumulation_steps,
@@ -279,7 +290,9 @@ class DPTrainerMixin(_Base):
         loss = BatchedLoss(self._batched_losses(fmodel, model), fmodel)
         # dropout draws per-example masks under vmap; without it book-keeping can be exact
         randomness = "different" if has_dropout(model) else "error"
-        delta = a.target_delta if a.target_delta is not None else 1.0 / n**2
+        delta = (
+            a.target_delta if a.target_delta is not None else 1.0 / trainer_population(self) ** 2
+        )
         max_batch = self._fixed_slots(n, delta) if a.dp_sampler == "fixed" else None
         microbatch = a.microbatch_size
         if microbatch is None:
@@ -309,13 +322,15 @@ class DPTrainerMixin(_Base):
             max_batch_size=max_batch,
             steps_per_epoch=self._steps_per_epoch(),
             seed=a.seed if a.reproducible else None,
+            privacy_units=trainer_unit_keys(self),
+            max_records_per_unit=getattr(a, "max_records_per_unit", None),
         )
         logger.info(
             "DP-SGD: σ = %.4g, q = %.4g (expected batch %g of %d), δ = %.3g, C = %g, %s",
             training.noise_multiplier,
             training.sample_rate,
             training.expected_batch_size,
-            n,
+            training.dataset_size,
             delta,
             a.per_sample_max_grad_norm,
             "seeded (reproducible)" if a.reproducible else "secure randomness",
@@ -355,6 +370,7 @@ class DPTrainerMixin(_Base):
         """The per-device microbatch when ``microbatch_size`` is not set (memory-aware, from
         the profiling tuner's measurements; privacy-neutral)."""
         probe_loss, rows, length = self._probe(loss, fmodel, self.model)
+        sizes = trainer_unit_rows(self)
         return trainer_microbatch(
             self,
             probe_loss,
@@ -363,6 +379,7 @@ class DPTrainerMixin(_Base):
             length=length,
             randomness=randomness,
             max_batch=max_batch,
+            sizes=sizes,
         )
 
     def _bind_params(self) -> None:
@@ -413,7 +430,10 @@ class DPTrainerMixin(_Base):
     ) -> torch.Tensor:
         """Clip and sum one physical batch into the pending step; return each example's loss
         ``[B]`` for the logged diagnostic (``mask`` and ``indices``: per example)."""
-        aux = dp.accumulate(batch, example_mask=mask)
+        records = None
+        if dp.privacy_unit == "unit":  # the units come from the sampler through the records
+            records = [] if indices is None else [int(i) for i in indices.tolist()]
+        aux = dp.accumulate(batch, example_mask=mask, records=records)
         return aux.loss_values
 
     def _finish_step(self) -> None:

@@ -221,11 +221,14 @@ def trainer_microbatch(
     length: int | None,
     randomness: str,
     max_batch: int | None,
+    sizes: tuple[int, int] | None = None,
 ) -> MicrobatchChoice:
     """:func:`default_microbatch` for a DP trainer's physical batches: *loss* is what the probe
     differentiates, *rows* the rows of the forward one example is (two for a DPO pair),
     *length* the most tokens of a row, *max_batch* the fixed-shape sampler's slots (or
-    ``None``: Poisson batches, up to the expected size plus five standard deviations)."""
+    ``None``: Poisson batches, up to the expected size plus five standard deviations); *sizes*:
+    the expected and largest examples of a physical batch when the caller knows them better
+    (privacy units bring their records)."""
     from opake.dpsgd.clipping import AutoSClipping, clipped_grad
     from opake.transformers._losses import base_model
 
@@ -233,7 +236,9 @@ def trainer_microbatch(
     model = trainer.model
     n = trainer._dataset_size()
     chunks = a.gradient_accumulation_steps * a.world_size
-    if max_batch is not None:  # fixed shapes: every physical batch has this many slots
+    if sizes is not None:
+        expected, largest = sizes
+    elif max_batch is not None:  # fixed shapes: every physical batch has this many slots
         expected = largest = -(-max_batch // chunks)
     else:
         expected = int(a.per_device_train_batch_size)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from opake.core.errors import ConfigurationError
-from opake.transformers._collate import PoissonBatches, split
+from opake.transformers._collate import PoissonBatches, physical_batches
 
 __all__ = [
     "BATCH_INDICES_KEY",
@@ -141,8 +141,9 @@ class DrawnBatches:
     """Checks that each physical batch is this rank's share of the DP sampler's draw.
 
     Physical batch ``k`` of logical step ``t`` must hold exactly
-    ``split(sampler.batch_at(t), chunks)[k]`` (padding slots included, for fixed shapes). The
-    draw of the current step is recomputed once per step.
+    ``physical_batches(sampler, sampler.batch_at(t), chunks)[k]`` (padding slots included, for
+    fixed shapes; cut at unit boundaries for a unit sampler). The draw of the current step is
+    recomputed once per step.
     """
 
     def __init__(self, chunks: int, mode: str) -> None:
@@ -155,7 +156,7 @@ class DrawnBatches:
         """Refuse physical batch ``index`` of step ``step`` unless ``indices`` (the batch's
         :data:`BATCH_INDICES_KEY` tensor, ``None`` when absent) are the sampler's draw."""
         if self._step != step:
-            self._parts = split(sampler.batch_at(step), self._chunks)
+            self._parts = physical_batches(sampler, sampler.batch_at(step), self._chunks)
             self._step = step
         expected = self._parts[index] if index < len(self._parts) else None
         if isinstance(indices, torch.Tensor) and indices.tolist() == expected:

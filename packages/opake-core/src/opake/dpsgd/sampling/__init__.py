@@ -36,7 +36,7 @@ from opake.dpsgd.sampling._base import PADDING_INDEX
 from opake.dpsgd.sampling._data import EmptyBatchCollate, PaddedDataset, padding_mask
 from opake.dpsgd.sampling._poisson import FixedShapePoissonSampler, PoissonSampler
 from opake.dpsgd.sampling._shuffle import ShuffleSampler
-from opake.dpsgd.sampling._units import UnitPoissonSampler, UnitSummary
+from opake.dpsgd.sampling._units import UnitPoissonSampler, UnitSummary, count_units
 
 __all__ = [
     "PADDING_INDEX",
@@ -47,5 +47,6 @@ __all__ = [
     "ShuffleSampler",
     "UnitPoissonSampler",
     "UnitSummary",
+    "count_units",
     "padding_mask",
 ]
