@@ -8,7 +8,7 @@ from scipy import stats
 
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.dpsgd.randomness import Randomness
-from opake.dpsgd.sampling import UnitPoissonSampler, UnitSummary
+from opake.dpsgd.sampling import UnitPoissonSampler, UnitSummary, unit_batch_rows
 
 # 7 users with 1..7 records, interleaved (a unit's records are not adjacent)
 USERS = [f"u{j}" for i in range(7) for j in range(i, 7)]
@@ -149,3 +149,11 @@ def test_bad_arguments_raise_typed_errors() -> None:
         UnitPoissonSampler(USERS, 0.5, seed=0).units_of([28])
     # numpy and Python keys of the same value are one unit
     assert UnitPoissonSampler([np.int64(3), 3, 4], 0.5, seed=0).unit_count == 2
+
+
+def test_unit_batch_rows_are_the_capped_poisson_moments():
+    units = ["a"] * 5 + ["b"] * 1 + ["c"] * 3
+    expected, largest = unit_batch_rows(units, 0.5, cap=2)
+    assert expected == pytest.approx(0.5 * (2 + 1 + 2))
+    assert largest == 5  # at most every unit's capped rows
+    assert unit_batch_rows(units, 1.0, cap=None) == (9.0, 9)

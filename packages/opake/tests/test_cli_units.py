@@ -11,7 +11,7 @@ from opake import accounting
 from opake.cli import _trainer as trainer
 from opake.cli import main
 from opake.cli._data import Corpus, load_corpus
-from opake.cli._units import split_units, unit_batch_rows, unit_blocks
+from opake.cli._units import split_units, unit_blocks
 
 
 @pytest.fixture
@@ -41,14 +41,6 @@ def test_blocks_never_mix_units_and_validation_holds_out_whole_units(user_record
     assert held
     assert train.shape[0] + val.shape[0] == blocks.shape[0]
     assert val.shape[0] == sum(cut.units.count(u) for u in held)
-
-
-def test_unit_batch_rows_are_the_capped_poisson_moments():
-    units = ["a"] * 5 + ["b"] * 1 + ["c"] * 3
-    expected, largest = unit_batch_rows(units, 0.5, cap=2)
-    assert expected == pytest.approx(0.5 * (2 + 1 + 2))
-    assert largest == 5  # at most every unit's capped rows
-    assert unit_batch_rows(units, 1.0, cap=None) == (9.0, 9)
 
 
 def test_a_run_samples_units_and_reports_epsilon_per_unit(tiny_args, tmp_path, user_records):

@@ -20,7 +20,6 @@ __all__ = [
     "trainer_population",
     "trainer_unit_keys",
     "trainer_unit_rows",
-    "unit_batch_sizes",
     "unit_keys",
     "without_column",
 ]
@@ -81,26 +80,6 @@ def split_units(indices: Sequence[int], units: Sequence[int], chunks: int) -> li
     return [list(indices[bounds[k] : bounds[k + 1]]) for k in range(chunks)]
 
 
-def unit_batch_sizes(
-    keys: Sequence[Hashable], sample_rate: float, cap: int | None, chunks: int
-) -> tuple[int, int]:
-    """Rows of one physical batch of a unit-level Poisson batch: expected, and the largest a
-    step is sized for (five standard deviations above; unit ``u`` brings ``min(records, cap)``
-    rows with probability q).
-
-    >>> unit_batch_sizes(["a"] * 4 + ["b"] * 2, 0.5, None, 1)
-    (3, 6)
-    """
-    counts: dict[Hashable, int] = {}
-    for key in keys:
-        counts[key] = counts.get(key, 0) + 1
-    sizes = [c if cap is None else min(c, cap) for c in counts.values()]
-    expected = sample_rate * sum(sizes)
-    spread = math.sqrt(sample_rate * (1.0 - sample_rate) * sum(m * m for m in sizes))
-    largest = max(1, min(sum(sizes), math.ceil(expected + 5.0 * spread)))
-    return max(1, math.ceil(expected / chunks)), largest
-
-
 def trainer_unit_keys(trainer: Any) -> list[Any] | None:
     """Each training record's privacy unit (``args.privacy_unit_column``), else ``None``;
     read once and kept on the trainer."""
@@ -127,13 +106,17 @@ def trainer_unit_rows(trainer: Any) -> tuple[int, int] | None:
     keys = trainer_unit_keys(trainer)
     if keys is None:
         return None
+    from opake.dpsgd.sampling import unit_batch_rows
+
     a = trainer.args
-    return unit_batch_sizes(
+    expected, largest = unit_batch_rows(
         keys,
         trainer._expected_batch_size() / trainer_population(trainer),
         getattr(a, "max_records_per_unit", None),
-        int(a.gradient_accumulation_steps * a.world_size),
     )
+    # a physical batch is one of the chunks; the largest may be one unit alone, uncut
+    chunks = int(a.gradient_accumulation_steps * a.world_size)
+    return max(1, math.ceil(expected / chunks)), largest
 
 
 def without_column(collate: Callable[[list[Any]], Any], column: str) -> Callable[[list[Any]], Any]:

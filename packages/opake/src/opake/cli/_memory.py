@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from opake.cli._units import unit_batch_rows
 from opake.core.errors import ConfigurationError
 from opake.profiling import (
     MemoryLine,
@@ -222,6 +221,8 @@ def microbatch_for_run(
 
     # this rank's share of the global Poisson batch: expected, and the largest sized for
     if plan.units is not None:  # units bring their blocks (one process: ranks are refused)
+        from opake.dpsgd.sampling import unit_batch_rows
+
         expected, largest = unit_batch_rows(plan.units, plan.sample_rate, s.max_records_per_unit)
     else:
         expected = plan.sample_rate * plan.dataset_size / world_size

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from opake.cli._data import Corpus
 
-__all__ = ["UnitBlocks", "split_units", "unit_batch_rows", "unit_blocks"]
+__all__ = ["UnitBlocks", "split_units", "unit_blocks"]
 
 T = TypeVar("T")
 
@@ -109,24 +109,3 @@ def split_units(
         blocks[index(val_rows, dtype=torch.long)],
         [units[i] for i in train_rows],
     )
-
-
-def unit_batch_rows(units: Sequence[str], sample_rate: float, cap: int | None) -> tuple[float, int]:
-    """The rows (blocks) of a unit-level Poisson batch: expected, and the largest a step is sized
-    for (five standard deviations above, at most every unit's capped blocks).
-
-    Unit ``u`` brings ``m_u = min(blocks of u, cap)`` rows with probability q, independently:
-    the rows have mean ``q·Σ m_u`` and variance ``q(1−q)·Σ m_u²``.
-
-    >>> unit_batch_rows(["a"] * 4 + ["b"] * 2, 0.5, cap=None)
-    (3.0, 6)
-    >>> unit_batch_rows(["a"] * 4 + ["b"] * 2, 0.5, cap=1)
-    (1.0, 2)
-    """
-    counts: dict[str, int] = {}
-    for unit in units:
-        counts[unit] = counts.get(unit, 0) + 1
-    sizes = [c if cap is None else min(c, cap) for c in counts.values()]
-    expected = sample_rate * sum(sizes)
-    spread = math.sqrt(sample_rate * (1.0 - sample_rate) * sum(m * m for m in sizes))
-    return expected, max(1, min(sum(sizes), math.ceil(expected + 5.0 * spread)))

@@ -36,7 +36,12 @@ from opake.dpsgd.sampling._base import PADDING_INDEX
 from opake.dpsgd.sampling._data import EmptyBatchCollate, PaddedDataset, padding_mask
 from opake.dpsgd.sampling._poisson import FixedShapePoissonSampler, PoissonSampler
 from opake.dpsgd.sampling._shuffle import ShuffleSampler
-from opake.dpsgd.sampling._units import UnitPoissonSampler, UnitSummary, count_units
+from opake.dpsgd.sampling._units import (
+    UnitPoissonSampler,
+    UnitSummary,
+    count_units,
+    unit_batch_rows,
+)
 
 __all__ = [
     "PADDING_INDEX",
@@ -49,4 +54,5 @@ __all__ = [
     "UnitSummary",
     "count_units",
     "padding_mask",
+    "unit_batch_rows",
 ]

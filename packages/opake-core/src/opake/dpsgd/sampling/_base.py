@@ -65,6 +65,25 @@ def _sharding(rank: object, world_size: object) -> tuple[int, int]:
     return r, size
 
 
+def _poisson_base(
+    owner: str,
+    q: float,
+    steps_per_epoch: object,
+    keys: tuple[object, object],
+    shard: tuple[object, object],
+) -> tuple[int, Randomness, int, int]:
+    """``_BaseSampler``'s arguments for a Poisson sampler at rate *q*: batches per epoch
+    (default ``round(1/q)``), the random source from ``keys = (randomness, seed)``, and
+    ``shard = (rank, world_size)`` checked."""
+    steps = (
+        max(1, round(1.0 / q))
+        if steps_per_epoch is None
+        else _int("steps_per_epoch", steps_per_epoch, minimum=1)
+    )
+    r, size = _sharding(*shard)
+    return steps, _source(keys[0], keys[1], size, owner), r, size
+
+
 class _BaseSampler(ABC):
     """Position bookkeeping, epochs and state shared by the samplers."""
 

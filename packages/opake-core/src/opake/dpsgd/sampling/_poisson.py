@@ -14,7 +14,7 @@ import numpy as np
 from opake.accounting import truncation_probability
 from opake.core.errors import ConfigurationError
 from opake.dpsgd.randomness import Randomness
-from opake.dpsgd.sampling._base import PADDING_INDEX, _BaseSampler, _int, _rate, _sharding, _source
+from opake.dpsgd.sampling._base import PADDING_INDEX, _BaseSampler, _int, _poisson_base, _rate
 
 __all__ = ["FixedShapePoissonSampler", "PoissonSampler"]
 
@@ -66,13 +66,15 @@ class PoissonSampler(_BaseSampler):
     ) -> None:
         self._n = _int("dataset_size", dataset_size, minimum=1)
         self._q = _rate(sample_rate)
-        steps = (
-            max(1, round(1.0 / self._q))
-            if steps_per_epoch is None
-            else _int("steps_per_epoch", steps_per_epoch, minimum=1)
+        super().__init__(
+            *_poisson_base(
+                type(self).__name__,
+                self._q,
+                steps_per_epoch,
+                (randomness, seed),
+                (rank, world_size),
+            )
         )
-        r, size = _sharding(rank, world_size)
-        super().__init__(steps, _source(randomness, seed, size, type(self).__name__), r, size)
 
     @property
     def dataset_size(self) -> int:

@@ -14,9 +14,9 @@ import numpy as np
 
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.dpsgd.randomness import Randomness
-from opake.dpsgd.sampling._base import _BaseSampler, _int, _rate, _sharding, _source
+from opake.dpsgd.sampling._base import _BaseSampler, _int, _poisson_base, _rate
 
-__all__ = ["UnitPoissonSampler", "UnitSummary", "count_units"]
+__all__ = ["UnitPoissonSampler", "UnitSummary", "count_units", "unit_batch_rows"]
 
 #: 64-bit words per ChaCha20 block (keystream offsets are whole blocks)
 _WORDS_PER_BLOCK = 8
@@ -116,13 +116,15 @@ class UnitPoissonSampler(_BaseSampler):
             if max_records_per_unit is None
             else _int("max_records_per_unit", max_records_per_unit, minimum=1)
         )
-        steps = (
-            max(1, round(1.0 / self._q))
-            if steps_per_epoch is None
-            else _int("steps_per_epoch", steps_per_epoch, minimum=1)
+        super().__init__(
+            *_poisson_base(
+                type(self).__name__,
+                self._q,
+                steps_per_epoch,
+                (randomness, seed),
+                (rank, world_size),
+            )
         )
-        r, size = _sharding(rank, world_size)
-        super().__init__(steps, _source(randomness, seed, size, type(self).__name__), r, size)
 
     @property
     def unit_count(self) -> int:
@@ -281,3 +283,24 @@ def _fingerprint(dense: np.ndarray) -> str:
     import hashlib
 
     return hashlib.sha256(dense.astype("<i8").tobytes()).hexdigest()[:16]
+
+
+def unit_batch_rows(
+    units: Sequence[Hashable], sample_rate: float, cap: int | None = None
+) -> tuple[float, int]:
+    """The records of a unit-level Poisson batch: expected, and the largest a step is sized for
+    (five standard deviations above, at most every unit's capped records).
+
+    Unit ``u`` brings ``m_u = min(records of u, cap)`` records with probability q,
+    independently: the batch has mean ``q·Σ m_u`` and variance ``q(1−q)·Σ m_u²`` records.
+
+    >>> unit_batch_rows(["a"] * 4 + ["b"] * 2, 0.5)
+    (3.0, 6)
+    >>> unit_batch_rows(["a"] * 4 + ["b"] * 2, 0.5, cap=1)
+    (1.0, 2)
+    """
+    _, _, starts = _group(units)
+    sizes = [int(c) if cap is None else min(int(c), cap) for c in np.diff(starts)]
+    expected = sample_rate * sum(sizes)
+    spread = math.sqrt(sample_rate * (1.0 - sample_rate) * sum(m * m for m in sizes))
+    return expected, max(1, min(sum(sizes), math.ceil(expected + 5.0 * spread)))
