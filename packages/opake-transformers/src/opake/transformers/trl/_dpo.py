@@ -27,7 +27,7 @@ from opake.transformers._losses import has_dropout
 from opake.transformers.losses import DPOLoss, completion_losses, loss_only_available
 from opake.transformers.trl._config import DPDPOConfig
 from opake.transformers.trl._refusals import check_built, check_dpo_config
-from opake.transformers.trl._truncation import Truncation, count_dpo, report
+from opake.transformers.trl._truncation import Truncation, count_dpo, report, with_counts
 
 __all__ = ["DPDPOTrainer", "PreferenceRows"]
 
@@ -232,14 +232,7 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add ε, δ, σ, q to every log; the truncation counts to the training summary."""
-        counts = self.truncation.get("train")
-        if counts is not None and "train_runtime" in logs:
-            logs = {
-                **logs,
-                "truncated_records": counts.truncated,
-                "dropped_records": counts.dropped,
-            }
-        super().log(logs, *args, **kwargs)
+        super().log(with_counts(logs, self.truncation.get("train")), *args, **kwargs)
 
 
 def _needs_reference_copy(model: Any, config: DPDPOConfig, kwargs: Mapping[str, Any]) -> bool:

@@ -26,7 +26,7 @@ from opake.transformers._dp_mixin import DPTrainerMixin
 from opake.transformers.losses import completion_losses, loss_only_available
 from opake.transformers.trl._config import DPSFTConfig
 from opake.transformers.trl._refusals import check_built, check_sft_config
-from opake.transformers.trl._truncation import Truncation, count_sft, report
+from opake.transformers.trl._truncation import Truncation, count_sft, report, with_counts
 
 __all__ = ["DPSFTTrainer"]
 
@@ -137,11 +137,4 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Add ε, δ, σ, q to every log; the truncation counts to the training summary."""
-        counts = self.truncation.get("train")
-        if counts is not None and "train_runtime" in logs:
-            logs = {
-                **logs,
-                "truncated_records": counts.truncated,
-                "dropped_records": counts.dropped,
-            }
-        super().log(logs, *args, **kwargs)
+        super().log(with_counts(logs, self.truncation.get("train")), *args, **kwargs)

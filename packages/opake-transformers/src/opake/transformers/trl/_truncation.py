@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Truncation", "count_dpo", "count_sft", "report"]
+__all__ = ["Truncation", "count_dpo", "count_sft", "report", "with_counts"]
 
 logger = logging.getLogger("opake.transformers")
 
@@ -94,3 +94,11 @@ def report(trainer: str, name: str, counts: Truncation) -> None:
         counts.max_length,
         counts.dropped,
     )
+
+
+def with_counts(logs: dict[str, float], counts: Truncation | None) -> dict[str, float]:
+    """*logs* with the truncation counts added to the training summary (the log holding
+    ``train_runtime``); other logs unchanged."""
+    if counts is None or "train_runtime" not in logs:
+        return logs
+    return {**logs, "truncated_records": counts.truncated, "dropped_records": counts.dropped}
