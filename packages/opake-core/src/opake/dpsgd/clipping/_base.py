@@ -15,8 +15,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import cached_property
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, overload
 
 from opake.core.errors import ConfigurationError, InputTypeError
 
@@ -31,6 +30,31 @@ EPS = 1e-6  # added to the norm before dividing (as Opacus does): keeps C/(â€–gâ
 KINDS: dict[str, type[ClipState]] = {}
 
 GroupSpec = Mapping[str, str] | Callable[[str], str] | None
+_T = TypeVar("_T")
+
+
+class _once(Generic[_T]):  # noqa: N801 - used as a decorator, like functools.cached_property
+    """A lazily computed attribute kept in the instance's ``__dict__`` (frozen dataclasses too).
+
+    :func:`functools.cached_property` without its lock (Python 3.11 takes an ``RLock``, which
+    ``torch.compile`` cannot trace). ``ChunkNorms`` is never shared between threads.
+    """
+
+    def __init__(self, fn: Callable[[Any], _T]) -> None:
+        self.fn = fn
+        self.name = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _once[_T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> _T: ...
+    def __get__(self, obj: object, owner: type) -> _T | _once[_T]:
+        if obj is None:
+            return self
+        value = self.fn(obj)
+        obj.__dict__[self.name] = value
+        return value
 
 
 def _fp32_toward_zero(factor: torch.Tensor) -> torch.Tensor:
@@ -65,24 +89,24 @@ class ChunkNorms:
     is_real: torch.Tensor
     groups: tuple[int, ...] | None = None
 
-    @cached_property
+    @_once
     def total(self) -> torch.Tensor:
         """``[m]`` reported per-example norms (all leaves together)."""
         return self.leaf_sq.sum(dim=1).sqrt()
 
-    @cached_property
+    @_once
     def bound(self) -> torch.Tensor:
         """``[m]`` per-example norms to clip with."""
         return self.bound_sq.sum(dim=1).sqrt()
 
-    @cached_property
+    @_once
     def finite(self) -> torch.Tensor:
         """``[m]`` bool: both norms finite (a non-finite example contributes zero)."""
         import torch
 
         return torch.isfinite(self.total) & torch.isfinite(self.bound)
 
-    @cached_property
+    @_once
     def contributes(self) -> torch.Tensor:
         """``[m]`` bool: a real example with a finite gradient."""
         return self.finite & self.is_real

@@ -41,10 +41,17 @@ class BookkeepingEngine:
         names: tuple[str, ...],
         check: bool,
     ) -> None:
+        import torch
+
         self.runner = runner
         self.per_example = per_example
         self.names = names
         self.check = check
+        # hooks, a ContextVar of taps and host-side checks do not trace: a torch.compile that
+        # falls back to eager (no fullgraph) must not compile these frames one by one either
+        disable: Callable[[Callable[..., Any]], Any] = torch.compiler.disable
+        self.chunk = disable(self.chunk)  # type: ignore[method-assign]
+        self.accumulate = disable(self.accumulate)  # type: ignore[method-assign]
 
     def chunk(self, args: tuple[Any, ...], m: int, units: RowUnits | None = None) -> ChunkOut:
         """One batched forward/backward: losses, per-leaf squared norms (per unit with

@@ -18,7 +18,7 @@ from opake.core.errors import ConfigurationError, OpakePrivacyWarning
 from opake.dpsgd.bookkeeping._check import BookkeepingInconclusiveError, BookkeepingMismatchError
 from opake.dpsgd.bookkeeping._runner import BookkeepingRunner
 from opake.dpsgd.bookkeeping._units import UnitsUnsupportedError
-from opake.dpsgd.certify import adjust_factors, division_slack, divisor_up, full_precision
+from opake.dpsgd.certify import adjust_factors, division_slack, divisor_up
 from opake.dpsgd.clipping import _vmap_engine as vmap_engine
 from opake.dpsgd.clipping._base import ChunkNorms, ClipState, GroupSpec
 from opake.dpsgd.clipping._bookkeeping import BookkeepingEngine
@@ -39,6 +39,7 @@ from opake.dpsgd.clipping._chunks import (
     LazySums,
     outer_transform_differentiates,
 )
+from opake.dpsgd.clipping._compiled import compiling, precision, refuse, register
 from opake.dpsgd.clipping._grads import ClipAux, ClippedGrads
 from opake.dpsgd.clipping._tree import DiffTree
 from opake.dpsgd.clipping._units import UnitCall, check_units
@@ -117,6 +118,10 @@ class ClippedGradFn:
         self._expand_disabled: str | None = None
         self._logged: tuple[str, str] | None = None
         self._fraction_cache: dict[tuple[tuple[str, tuple[int, ...]], ...], int] = {}
+        #: ``normalize_by`` as fp32 rounded up, a Python float (exact in fp32): no host sync
+        #: in the call, so a compiled call traces it as a constant
+        self._divisor = float(divisor_up(normalize_by, _cpu())) if normalize_by != 1.0 else 1.0
+        register()  # the operator a compiled call measures norms with (see ._compiled)
 
     def __repr__(self) -> str:
         return (
@@ -156,6 +161,14 @@ class ClippedGradFn:
         self, tree: DiffTree, small: bool, differentiable: bool, units: bool = False
     ) -> BookkeepingRunner | None:
         """The book-keeping runner for this call, or ``None`` for the vmap engine (logged)."""
+        if compiling():  # the vmap engine only (see ._compiled), nothing logged
+            if self.requested_engine == "bookkeeping":
+                raise refuse(
+                    "engine='bookkeeping'",
+                    "its taps are forward/backward hooks recording into a ContextVar, with "
+                    "host-side checks; use engine='vmap' or 'auto' (vmap when compiled)",
+                )
+            return None
         if self._bookkeeping is not None and not tree.plain:
             if self.requested_engine == "bookkeeping":
                 raise ConfigurationError(
@@ -227,21 +240,29 @@ class ClippedGradFn:
         import torch
 
         check_state(state, self._kind, end_step)
+        compiled = compiling()
+        if compiled and type(state).advance is not ClipState.advance:
+            raise refuse(
+                f"{type(state).__name__}",
+                "a clip state that changes from step to step is rebuilt in Python",
+            )
         tree = check_args(args, self.argnums, self.batch_argnums)
         batch = batch_size(args, self.batch_argnums)
         device = next(iter(tree.leaves.values())).device
         groups = self._groups(tree.names, state)
         mask = check_mask(example_mask, batch, device)
         ids = check_units(units, batch, device)
+        if ids is not None and compiled:
+            raise refuse("units=", "cutting whole privacy units into chunks is host-side")
         plan = None if ids is None else UnitCall.plan(ids, mask, self.microbatch_size)
-        differentiable = outer_transform_differentiates()
+        differentiable = False if compiled else outer_transform_differentiates()
         if self.compute_dtype is not None:
             args = cast_floats(args, self.compute_dtype)
             tree = DiffTree.of(args[self.argnums], argnums=self.argnums)
         call = list(args)
         call[self.argnums] = tree.leaves
         args = tuple(call)
-        small = self._prefer_expanded(args, differentiable)
+        small = not compiled and self._prefer_expanded(args, differentiable)
         runner = self._choose(tree, small, differentiable, plan is not None)
         run = self._runner(
             Call(args, tree, state, batch, groups, mask, differentiable, small, plan)
@@ -266,7 +287,7 @@ class ClippedGradFn:
                 self.engine_reason = str(err)
                 sums, aux, count, engine = run(None)
         self.engine = engine
-        if self._check_unused and batch > 0 and not differentiable:
+        if self._check_unused and batch > 0 and not differentiable and not compiled:
             self._check_unused = False
             self._warn_unused(args, tree)
         new_state = state.advance(count, end_step=end_step)
@@ -309,9 +330,12 @@ class ClippedGradFn:
 
         leaves, mask, state = call.tree.leaves, call.mask, call.state
         device = next(iter(leaves.values())).device
-        sums: dict[str, torch.Tensor] = LazySums(
-            {n: tuple(v.shape) for n, v in leaves.items()}, device
-        )
+        shapes = {n: tuple(v.shape) for n, v in leaves.items()}
+        sums: dict[str, torch.Tensor] = LazySums(shapes, device)
+        if compiling():  # allocated up front: a traced dict has no __missing__
+            sums = {
+                n: torch.zeros(s, dtype=torch.float32, device=device) for n, s in shapes.items()
+            }
         real = torch.tensor(call.batch, device=device) if mask is None else mask.sum()
         if call.units is not None:
             real = call.units.real_count()
@@ -330,8 +354,8 @@ class ClippedGradFn:
             record.add(out, norms, factors, self.has_aux)
         sums = {name: sums[name] for name in leaves}  # leaf order; a leaf never added: zeros
         if self.normalize_by != 1.0:
-            divisor = divisor_up(self.normalize_by, device)
-            with full_precision():
+            divisor = torch.tensor(self._divisor, dtype=torch.float32, device=device)
+            with precision(device):
                 sums = {name: value / divisor for name, value in sums.items()}
         aux = record.result(state.group_names())
         if call.units is not None:
@@ -370,3 +394,9 @@ class ClippedGradFn:
                 OpakePrivacyWarning,
                 stacklevel=3,
             )
+
+
+def _cpu() -> torch.device:
+    import torch
+
+    return torch.device("cpu")

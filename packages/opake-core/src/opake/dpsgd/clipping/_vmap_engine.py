@@ -25,8 +25,9 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError
-from opake.dpsgd.certify import ETA, FINAL, dense_sq_norms, full_precision
+from opake.dpsgd.certify import ETA, FINAL
 from opake.dpsgd.clipping._chunks import ChunkOut
+from opake.dpsgd.clipping._compiled import compiling, precision, sq_norms
 from opake.dpsgd.clipping._kernel import clip_accumulate, kernel_runs_on
 
 if TYPE_CHECKING:
@@ -233,10 +234,10 @@ class VmapEngine:
         # fp64: no length of leaf can hide mass from them), and what scaling them by a factor,
         # then dividing by normalize_by, can add (see opake.dpsgd.certify)
         computed, bounds, slack = [], [], []
-        with full_precision():
+        with precision(loss.device):
             for n in self.names:
                 flat = grads[n].reshape(m, -1)
-                hat, up = dense_sq_norms(flat)
+                hat, up = sq_norms(flat)
                 computed.append(hat)
                 bounds.append(up * FINAL**2)
                 slack.append(torch.full_like(hat, 3.0 * ETA * math.sqrt(flat.shape[1])))
@@ -255,7 +256,7 @@ class VmapEngine:
         self, out: ChunkOut, factors: ClipFactors, sums: dict[str, torch.Tensor]
     ) -> None:
         """Add ``Σ_i factor[i, j] · nan_to_num(g_ij)`` to each leaf's fp32 sum."""
-        with full_precision():  # no enclosing autocast may run the sums in bf16
+        with precision(factors.leaf_factor.device):  # no enclosing autocast: sums in fp32
             self._accumulate(out.payload, factors.leaf_factor, sums)
 
     def _accumulate(
@@ -263,6 +264,12 @@ class VmapEngine:
     ) -> None:
         torch = self._torch
         names = self.names
+        if compiling():  # products and sums, no matrix product (see ._compiled)
+            for j, name in enumerate(names):
+                g = grads[name].reshape(leaf_factor.shape[0], -1).to(torch.float32)
+                contrib = (leaf_factor[:, j, None] * g.nan_to_num(0.0, 0.0, 0.0)).sum(dim=0)
+                sums[name] = sums[name] + contrib.reshape(sums[name].shape)
+            return
         if not self.differentiable and names and kernel_runs_on(leaf_factor.device):
             # fused multi-tensor scale-and-sum: one launch for every leaf
             clip_accumulate([grads[n] for n in names], leaf_factor, [sums[n] for n in names])

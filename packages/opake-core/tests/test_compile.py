@@ -1,0 +1,219 @@
+"""``torch.compile(grad_fn)``: the vmap engine traces into one graph and equals eager.
+
+Compiled and eager calls compute the same certified norms (the compiled graph calls the eager
+``dense_sq_norms`` as an opaque operator: bit for bit), the same factors, and the weighted sums
+with Inductor's own reduction order (within a few fp32 ulps of eager). The proven clipping
+bound does not depend on compilation: the adversarial cases below run compiled and every
+example's contribution stays within C. What does not trace is refused with an
+``OperationError`` (``fullgraph=True``) or runs eagerly (without it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch._dynamo
+
+from opake.core import testing
+from opake.dpsgd.bookkeeping import BatchedLoss
+from opake.dpsgd.clipping import AdaptiveClipping, AutoSClipping, GroupClipping, clipped_grad
+from opake.functional import make_functional
+
+# Inductor's CPU backend touches torch.jit internals that warn on torch 2.13
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.*is deprecated:DeprecationWarning")
+EXACT = 1.0 + 1e-12  # the oracle's fp64 rounding of a norm: the bound is proven, not modelled
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    params = {k: v.detach() for k, v in net.named_parameters()}
+
+    def loss_fn(p, x, y):
+        return (torch.func.functional_call(net, p, (x[None],))[0, 0] - y) ** 2
+
+    x, y = torch.randn(12, 6) * 3, torch.randn(12)
+    return loss_fn, params, x, y
+
+
+def _close(got, want, *, atol=1e-6):
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=atol)
+
+
+@pytest.mark.parametrize(
+    ("clip", "extra"),
+    [
+        (1.0, {}),
+        (AutoSClipping(1.0, 0.01), {}),
+        (0.5, {"microbatch_size": 6, "normalize_by": 12.0}),
+    ],
+    ids=["fixed", "auto_s", "fixed-microbatched-normalized"],
+)
+def test_fullgraph_vmap_engine_equals_eager(clip, extra):
+    loss_fn, params, x, y = _mlp()
+    grad_fn, state = clipped_grad(
+        loss_fn, clipping_norm=clip, batch_argnums=(1, 2), engine="vmap", return_aux=True, **extra
+    )
+    (got, aux), new_state = torch.compile(grad_fn, fullgraph=True)(params, x, y, state=state)
+    (want, want_aux), want_state = grad_fn(params, x, y, state=state)
+    _close(got, want)
+    assert new_state == want_state
+    assert got.max_norm == want.max_norm
+    assert int(got.batch_size) == int(want.batch_size)
+    # the per-leaf certified norms are the eager code's bit for bit; the reported norms sum
+    # them over leaves in a compiled (reordered) fp64 reduction
+    for field in ("grad_norms", "clipped_grad_norms", "loss_values"):
+        torch.testing.assert_close(getattr(aux, field), getattr(want_aux, field), rtol=1e-6, atol=0)
+    assert int(aux.nonfinite_count) == int(want_aux.nonfinite_count) == 0
+
+
+def test_example_mask_and_nonfinite_examples_compiled():
+    loss_fn, params, x, y = _mlp()
+    x = x.clone()
+    x[3] = float("nan")
+    mask = torch.ones(12, dtype=torch.bool)
+    mask[7] = False
+    grad_fn, state = clipped_grad(
+        loss_fn, clipping_norm=1.0, batch_argnums=(1, 2), engine="vmap", return_aux=True
+    )
+    compiled = torch.compile(grad_fn, fullgraph=True)
+    (got, aux), _ = compiled(params, x, y, state=state, example_mask=mask)
+    (want, want_aux), _ = grad_fn(params, x, y, state=state, example_mask=mask)
+    _close(got, want)
+    assert int(aux.nonfinite_count) == int(want_aux.nonfinite_count) == 1
+    assert int(aux.batch_size) == 11
+
+
+def _bounded(grad_fn, state, args, bound):
+    batch = args[1].shape[0]
+    for i in range(batch):
+        one = testing.contribution(grad_fn, args, state=state, index=i, batch=batch)
+        assert all(bool(torch.isfinite(v).all()) for v in one.values())
+        assert testing.exact_norm(one) <= bound * EXACT, i
+
+
+@pytest.mark.parametrize(
+    ("examples", "clip", "kind"),
+    [
+        # huge output gradients (fp32 block norms overflow: the fp64 route), cancellation
+        (
+            [
+                ("repeated", "alternating", 0.0, 19.0, -12.0),
+                ("cancelling", "random", 0.0, 0.0, -8.0),
+            ],
+            1.0,
+            "fixed",
+        ),
+        # tiny inputs whose squares underflow next to huge targets, NaN/Inf, an all-zero example
+        (
+            [
+                ("random", "random", -25.0, 15.0, 0.0),
+                ("nonfinite", "random", 0.0, 0.0, 0.0),
+                ("zero", "zero", 0.0, 0.0, 0.0),
+            ],
+            1e-3,
+            "auto_s",
+        ),
+    ],
+    ids=["overflow-cancelling", "underflow-nonfinite-zero"],
+)
+def test_proven_clipping_holds_compiled(examples, clip, kind):
+    """Adversarial examples (from the clipping-proof tests' patterns) through the compiled
+    ``grad_fn``: each example's contribution alone is within the bound, exactly."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 3)
+    fmodel, params = make_functional(layer)
+    loss = BatchedLoss(lambda p, x, y: (fmodel(p, x) * y).sum(dim=(1, 2)), fmodel)
+    gen = torch.Generator().manual_seed(0)
+    x, y = testing.adversarial_batch(
+        examples, gen, tokens=False, width=8, steps=5, out_shape=(5, 3)
+    )
+    state = clip if kind == "fixed" else AutoSClipping(clip, 0.01)
+    grad_fn, state = clipped_grad(
+        loss, clipping_norm=state, batch_argnums=(1, 2), engine="vmap", check_unused=False
+    )
+    _bounded(torch.compile(grad_fn, fullgraph=True), state, (params, x, y), clip)
+
+
+def _unsupported():
+    return torch._dynamo.exc.Unsupported
+
+
+def test_units_are_refused_fullgraph_and_run_eagerly_otherwise():
+    loss_fn, params, x, y = _mlp()
+    units = torch.arange(12) // 3
+    grad_fn, state = clipped_grad(loss_fn, clipping_norm=1.0, batch_argnums=(1, 2), engine="vmap")
+    with pytest.raises(_unsupported(), match="privacy units"):
+        torch.compile(grad_fn, fullgraph=True)(params, x, y, state=state, units=units)
+    torch._dynamo.reset()
+    got, _ = torch.compile(grad_fn)(params, x, y, state=state, units=units)
+    want, _ = grad_fn(params, x, y, state=state, units=units)
+    _close(got, want)
+
+
+def test_bookkeeping_is_refused_fullgraph_and_runs_eagerly_otherwise():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(6, 2)
+    fmodel, params = make_functional(net)
+    loss = BatchedLoss(lambda p, x, y: ((fmodel(p, x) - y) ** 2).sum(dim=1), fmodel)
+    x, y = torch.randn(8, 6), torch.randn(8, 2)
+    grad_fn, state = clipped_grad(
+        loss, clipping_norm=1.0, batch_argnums=(1, 2), engine="bookkeeping"
+    )
+    with pytest.raises(_unsupported(), match="engine='bookkeeping'"):
+        torch.compile(grad_fn, fullgraph=True)(params, x, y, state=state)
+    torch._dynamo.reset()
+    got, _ = torch.compile(grad_fn)(params, x, y, state=state)
+    assert grad_fn.engine == "bookkeeping"
+    want, _ = grad_fn(params, x, y, state=state)
+    _close(got, want, atol=0.0)
+
+
+@pytest.mark.parametrize(
+    "clip",
+    [
+        GroupClipping({"0": 0.5, "2": 0.5}),
+        AdaptiveClipping(1.0, count_noise_multiplier=1.0, expected_batch_size=12, seed=0),
+    ],
+    ids=["group", "adaptive"],
+)
+def test_group_and_adaptive_compile_with_graph_breaks(clip):
+    """Not fullgraph (docs/guide/clipping.md): group clipping compiles with a graph break,
+    adaptive clipping is refused while tracing and runs eagerly; both equal eager."""
+    loss_fn, params, x, y = _mlp()
+    grad_fn, state = clipped_grad(loss_fn, clipping_norm=clip, batch_argnums=(1, 2), engine="vmap")
+    got, new_state = torch.compile(grad_fn)(params, x, y, state=state)
+    want, want_state = grad_fn(params, x, y, state=state)
+    _close(got, want)
+    assert new_state == want_state
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("OPAKE_TEST_COMPILE_MODELS") != "1",
+    reason="opt-in (about 40 s of compilation on a 2-core CPU): OPAKE_TEST_COMPILE_MODELS=1",
+)
+def test_fullgraph_tiny_llama_equals_eager():
+    pytest.importorskip("transformers")
+    model = testing.tiny_llama(hidden_size=16, num_hidden_layers=1, intermediate_size=32)
+    fmodel, params = make_functional(model)
+
+    def loss_fn(p, ids):
+        return fmodel(p, ids[None], labels=ids[None]).loss
+
+    ids = torch.randint(0, 128, (3, 4), generator=torch.Generator().manual_seed(0))
+    grad_fn, state = clipped_grad(loss_fn, clipping_norm=1.0, batch_argnums=(1,), engine="vmap")
+    got, _ = torch.compile(grad_fn, fullgraph=True)(params, ids, state=state)
+    want, _ = grad_fn(params, ids, state=state)
+    _close(got, want, atol=1e-6)
