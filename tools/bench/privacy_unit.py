@@ -43,8 +43,9 @@ import torch
 EOS = 256
 
 
-def user_records(max_users: int, record_bytes: int) -> dict[str, list[bytes]]:
-    """Standard-library modules (users) → their top-level definitions' source (records)."""
+def user_records(max_users: int, record_bytes: int, most: int) -> dict[str, list[bytes]]:
+    """Standard-library modules (users) → their first *most* top-level definitions' source
+    (records)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "__pycache__", "turtledemo"}
     users: dict[str, list[bytes]] = {}
@@ -62,7 +63,7 @@ def user_records(max_users: int, record_bytes: int) -> dict[str, list[bytes]]:
                 text = ast.get_source_segment(source, node) or ""
                 records.append(text.encode()[:record_bytes])
         if len(records) >= 3:
-            users[str(path.relative_to(root))] = records
+            users[str(path.relative_to(root))] = records[:most]
     return users
 
 
@@ -144,7 +145,25 @@ def run(
         options |= {"noise_multiplier": 1e-12, "delta": 1e-5, "clipping_norm": 1e12}
     else:
         options |= {"target_epsilon": privacy[0], "delta": privacy[1]}
-    training = DPTraining(BatchedLoss(losses, fmodel), optimizer, params, module=model, **options)
+    from opake.core.errors import ConfigurationError
+
+    try:
+        training = DPTraining(
+            BatchedLoss(losses, fmodel), optimizer, params, module=model, **options
+        )
+    except ConfigurationError as err:  # no σ reaches the target: nothing can be trained
+        if "unreachable" not in str(err):
+            raise
+        return {
+            "run": kind,
+            "val_loss": val_loss(model, data["val"]),
+            "sigma": float("inf"),
+            "epsilon": float("nan"),
+            "delta": privacy[1] if privacy else None,
+            "rows_per_step": 0.0,
+            "step_ms": float("nan"),
+            "engine": "none (unreachable)",
+        }
     times, rows = [], 0
     for _, idx in zip(range(args.steps), training.batches(), strict=False):
         start = time.perf_counter()
@@ -173,7 +192,7 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def prepare(args: argparse.Namespace) -> dict[str, Any]:
-    users = user_records(args.users, args.record_bytes)
+    users = user_records(args.users, args.record_bytes, args.user_records)
     blocks, keys = user_blocks(users, args.block)
     names = sorted(set(keys))
     gen = torch.Generator().manual_seed(args.seed)
@@ -199,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--users", type=int, default=150, help="standard-library modules used")
     parser.add_argument("--record-bytes", type=int, default=384, help="bytes kept per record")
+    parser.add_argument(
+        "--user-records", type=int, default=24, help="definitions kept per module (user)"
+    )
     parser.add_argument("--block", type=int, default=64, help="tokens (bytes) per block")
     parser.add_argument("--cap", type=int, default=8, help="blocks of one user per step")
     parser.add_argument("--users-per-step", type=int, default=8)
