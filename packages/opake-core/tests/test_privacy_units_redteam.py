@@ -241,7 +241,6 @@ def test_dptraining_refuses_every_way_to_clip_a_unit_in_two_parts():
         "split over physical batches": [cut, other],
         "not drawn": [[*indices, not_drawn[0]]],
         "capped out": [[*indices, capped_out[0]]] if capped_out else [[*indices, not_drawn[0]]],
-        "repeated in one batch": [[*indices, indices[0]]],
         "repeated over batches": [indices, [indices[-1]]],
     }
     for name, parts in cases.items():

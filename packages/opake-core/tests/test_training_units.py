@@ -175,7 +175,6 @@ def test_a_unit_split_over_two_physical_batches_is_refused():
         ({"units": "tensor"}, "pass records=indices"),
         ({}, "without records="),
         ({"records": "foreign"}, "not in the batch the unit sampler drew"),
-        ({"records": "twice"}, "twice in this logical step"),
         ({"records": "short"}, "for a batch of"),
     ],
 )
@@ -189,9 +188,6 @@ def test_steps_need_the_drawn_records(call, match):
         kwargs["units"] = torch.zeros(len(idx), dtype=torch.int64)
     if kwargs.get("records") == "foreign":
         rows = [*idx[:-1], next(r for r in range(N) if r not in idx)]
-        kwargs["records"] = rows
-    if kwargs.get("records") == "twice":
-        rows = idx + idx[:1]
         kwargs["records"] = rows
     if kwargs.get("records") == "short":
         kwargs["records"] = idx[:-1]
@@ -252,3 +248,18 @@ def test_dp_optimizer_refuses_a_unit_sampler():
             noise_multiplier=SIGMA,
             sampler=UnitPoissonSampler(USERS, 0.25, seed=0),
         )
+
+
+def test_a_record_may_span_rows_of_one_batch_but_not_two_batches():
+    """A DPO pair's two rows name one record: accepted within one physical batch (they are in
+    the record's unit, clipped together); the record again in a later physical batch of the
+    step is refused."""
+    x, y = _data()
+    _, training = _training(expected_batch_size=6.0)
+    idx = next(training.batches())
+    rows = idx + idx  # every record twice, as a pair's chosen and rejected rows
+    training.accumulate(x[rows], y[rows], records=rows)
+    with pytest.raises(ConfigurationError, match="earlier physical batch"):
+        training.accumulate(x[idx[:1]], y[idx[:1]], records=idx[:1])
+    training.finish_step()
+    assert training.steps == 1

@@ -136,7 +136,7 @@ def test_bad_unit_settings_are_refused(tmp_path):
         _trainer(tmp_path, data, max_steps=1, dp_sampler="fixed").train()
 
 
-def test_sft_trains_per_user_and_dpo_refuses_users(tmp_path):
+def test_sft_and_dpo_train_per_user(tmp_path):
     spec = importlib.util.spec_from_file_location(
         "_trl_helpers", Path(__file__).with_name("_trl_helpers.py")
     )
@@ -163,10 +163,17 @@ def test_sft_trains_per_user_and_dpo_refuses_users(tmp_path):
     assert dp.privacy_unit == "unit"
     assert dp.dataset_size == 5
     assert dp.steps == 2
-    with pytest.raises(ConfigurationError, match="user-level DPO"):
-        DPDPOTrainer(
-            model=T.model(),
-            args=T.dpo_config(tmp_path / "dpo", privacy_unit_column="user"),
-            train_dataset=T.preferences(),
-            processing_class=T.tokenizer(),
-        )
+    pairs = T.preferences()
+    pairs = pairs.add_column("user", [f"u{i % 4}" for i in range(len(pairs))])
+    dpo = DPDPOTrainer(
+        model=T.model(),
+        args=T.dpo_config(
+            tmp_path / "dpo", privacy_unit_column="user", max_steps=2, per_device_train_batch_size=1
+        ),
+        train_dataset=pairs,
+        processing_class=T.tokenizer(),
+    )
+    dpo.train()
+    assert dpo.dp_training.privacy_unit == "unit"
+    assert dpo.dp_training.dataset_size == 4
+    assert dpo.dp_training.steps == 2

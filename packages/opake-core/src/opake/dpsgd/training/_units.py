@@ -10,7 +10,6 @@ With ``DPTraining(privacy_units=...)`` the caller names each row's record instea
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
@@ -178,9 +177,10 @@ class RecordUnits:
     """``DPTraining(privacy_units=...)``: each physical batch names its records, and the units
     come from the sampler that drew them — never from the caller.
 
-    A step's records must be rows of the batch the unit sampler drew for that step, each at most
-    once: Poisson sampling over units is what the accountant's ε (per unit) is computed for, and
-    a unit's gradient is bounded by C only if all of its rows in the step are clipped together.
+    A step's records must be rows of the batch the unit sampler drew for that step, each in one
+    physical batch (several rows of one record — a DPO pair — are fine: they are in its unit):
+    Poisson sampling over units is what the accountant's ε (per unit) is computed for, and a
+    unit's gradient is bounded by C only if all of its rows in the step are clipped together.
 
     >>> from opake.dpsgd.sampling import UnitPoissonSampler
     >>> sampler = UnitPoissonSampler(["a", "b", "a", "c"], 1.0, seed=0)
@@ -223,12 +223,14 @@ class RecordUnits:
                 f"{step}: with privacy_units, every row must come from training.batches() (ε "
                 "per unit holds for that sampling only)"
             )
-        counts = Counter(listed)
-        repeated = sorted({r for r, c in counts.items() if c > 1} | (set(counts) & self._seen))
+        # a record may span several rows of one physical batch (a DPO pair's chosen and
+        # rejected rows name the same record): they are in its unit, clipped together; a record
+        # in two physical batches of the step would be counted twice
+        repeated = sorted(set(listed) & self._seen)
         if repeated:
             raise ConfigurationError(
-                f"records {repeated[:10]} appear twice in this logical step: pass each drawn "
-                "record once"
+                f"records {repeated[:10]} appear twice in this logical step (in an earlier "
+                "physical batch too): pass each drawn record in one physical batch"
             )
         units = torch.as_tensor(self._sampler.units_of(listed), dtype=torch.int64)
         return units if leaf is None else units.to(leaf.device)

@@ -184,7 +184,8 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
         indices: torch.Tensor | None,
     ) -> torch.Tensor:
         """Weigh each pair's rows (reference and policy log-probabilities, no gradient), then
-        clip and sum with each record's two rows as one unit; returns the pairs' DPO losses."""
+        clip and sum with each record's two rows as one unit (with ``privacy_unit_column``: all
+        rows of a user's pairs as one unit); returns the pairs' DPO losses."""
         assert self._dpo_loss is not None
         assert self._dp_params is not None
         attention = batch.pop(_MASK_KEY)
@@ -198,7 +199,11 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
             trainable, frozen, batch, ref_chosen=ref[0], ref_rejected=ref[1], ids=ids
         )
         rows_mask = None if mask is None else torch.cat([mask, mask])
-        dp.accumulate(prepared.batch, example_mask=rows_mask, units=prepared.units)
+        if dp.privacy_unit == "unit":  # user-level: each row's record (both rows of a pair)
+            records = [] if indices is None else [int(i) for i in indices.tolist()] * 2
+            dp.accumulate(prepared.batch, example_mask=rows_mask, records=records)
+        else:
+            dp.accumulate(prepared.batch, example_mask=rows_mask, units=prepared.units)
         self._record(prepared.margins, mask)
         return prepared.losses
 

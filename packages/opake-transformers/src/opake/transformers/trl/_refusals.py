@@ -110,15 +110,6 @@ DPO_REFUSED: tuple[_Entry, ...] = (
             "process only (no sampler shards the batch by unit yet); train DPO in one process"
         ),
     ),
-    (
-        "privacy_unit_column",
-        lambda a: a.privacy_unit_column is not None,
-        (
-            "user-level DPO (all pairs of one user clipped together) is not supported yet: each "
-            "pair is its own privacy unit here; drop privacy_unit_column (ε then protects one "
-            "preference record)"
-        ),
-    ),
 )
 
 
