@@ -45,7 +45,7 @@ def test_a_step_samples_users_and_equals_the_composition(tmp_path):
     from opake.functional import make_functional
     from opake.transformers import DPDataCollator
     from opake.transformers._losses import per_example_losses
-    from opake.transformers._units import split_units
+    from opake.transformers._sampling import split_units
 
     data = _data()
     trainer = _trainer(tmp_path, data, max_steps=1, max_records_per_unit=3)
@@ -112,7 +112,7 @@ def test_epsilon_is_per_user_at_the_unit_rate(tmp_path):
 
 
 def test_physical_batches_cut_at_unit_boundaries_only():
-    from opake.transformers._units import split_units
+    from opake.transformers._sampling import split_units
 
     indices = list(range(10))
     units = [0, 0, 0, 1, 2, 2, 2, 2, 3, 3]

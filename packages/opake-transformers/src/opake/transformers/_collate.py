@@ -209,7 +209,7 @@ def physical_batches(sampler: Any, indices: Sequence[int], chunks: int) -> list[
     units_of = getattr(sampler, "units_of", None)
     if units_of is None:
         return split(indices, chunks)
-    from opake.transformers._units import split_units
+    from opake.transformers._sampling import split_units
 
     return split_units(indices, units_of(indices).tolist(), chunks)
 

@@ -36,6 +36,13 @@ from opake.transformers._hf_checks import make_checks_transform_safe
 from opake.transformers._losses import detect_task, has_dropout, per_example_losses
 from opake.transformers._microbatch import MicrobatchChoice, longest_example, trainer_microbatch
 from opake.transformers._refusals import SECOND_RUN, check_arguments, check_model
+from opake.transformers._sampling import (
+    trainer_fixed_slots,
+    trainer_population,
+    trainer_unit_keys,
+    trainer_unit_rows,
+    without_column,
+)
 from opake.transformers._step import DPStep, PrivacyBudget
 from opake.transformers._train_loader import (
     BATCH_INDICES_KEY,
@@ -43,12 +50,6 @@ from opake.transformers._train_loader import (
     DrawnBatches,
     check_train_loader,
     poisson_loader,
-)
-from opake.transformers._units import (
-    trainer_population,
-    trainer_unit_keys,
-    trainer_unit_rows,
-    without_column,
 )
 
 if TYPE_CHECKING:
@@ -293,7 +294,7 @@ class DPTrainerMixin(_Base):
         delta = (
             a.target_delta if a.target_delta is not None else 1.0 / trainer_population(self) ** 2
         )
-        max_batch = self._fixed_slots(n, delta) if a.dp_sampler == "fixed" else None
+        max_batch = trainer_fixed_slots(self, n, delta) if a.dp_sampler == "fixed" else None
         microbatch = a.microbatch_size
         if microbatch is None:
             self.microbatch_choice = self._default_microbatch(
@@ -325,33 +326,21 @@ class DPTrainerMixin(_Base):
             privacy_units=trainer_unit_keys(self),
             max_records_per_unit=getattr(a, "max_records_per_unit", None),
         )
+        column = getattr(a, "privacy_unit_column", None)
         logger.info(
-            "DP-SGD: σ = %.4g, q = %.4g (expected batch %g of %d), δ = %.3g, C = %g, %s",
+            "DP-SGD: σ = %.4g, q = %.4g (expected batch %g of %d %s), δ = %.3g, C = %g, %s; "
+            "ε per %s",
             training.noise_multiplier,
             training.sample_rate,
             training.expected_batch_size,
             training.dataset_size,
+            "examples" if column is None else f"units ({column})",
             delta,
             a.per_sample_max_grad_norm,
             "seeded (reproducible)" if a.reproducible else "secure randomness",
+            "example" if column is None else f"unit ({column})",
         )
         return training
-
-    def _fixed_slots(self, n: int, delta: float) -> int:
-        """The fixed-shape sampler's slots: truncation charge ≤ δ/1000 at the target ε, rounded
-        up to a multiple of the physical batches of all ranks (one static shape everywhere;
-        more slots only lower the truncation probability)."""
-        from opake.accounting import fixed_shape_slots
-
-        a = self.args
-        return fixed_shape_slots(
-            dataset_size=n,
-            sample_rate=self._expected_batch_size() / n,
-            steps=self._planned_steps(),
-            delta=delta,
-            target_epsilon=a.target_epsilon,
-            multiple_of=int(a.gradient_accumulation_steps * a.world_size),
-        )
 
     def _probe(self, loss: Any, fmodel: Any, model: Any) -> tuple[Any, int, int | None]:
         """What the memory probe measures: ``(loss, rows per example, longest row)`` — the

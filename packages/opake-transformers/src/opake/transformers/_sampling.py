@@ -1,10 +1,11 @@
-"""User-level DP for the DP trainers: ``privacy_unit_column`` (the column naming each record's
-privacy unit — a user, a patient — so that ε protects all of a unit's records together).
+"""What the DP trainers sample: records, or privacy units; the fixed-shape sampler's slots.
 
-The trainer reads the column from the raw training dataset, samples units
-(``DPTraining(privacy_units=...)``), splits each logical batch into physical batches at unit
-boundaries only (a unit's records clipped together must reach the step in one physical batch)
-and names each physical batch's records (``records=``), so the units come from the sampler.
+With ``privacy_unit_column`` (the column naming each record's privacy unit — a user, a patient —
+so that ε protects all of a unit's records together) the trainer reads the column from the raw
+training dataset, samples units (``DPTraining(privacy_units=...)``), splits each logical batch
+into physical batches at unit boundaries only (a unit's records clipped together must reach the
+step in one physical batch) and names each physical batch's records (``records=``), so the units
+come from the sampler.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from opake.core.errors import ConfigurationError
 
 __all__ = [
     "split_units",
+    "trainer_fixed_slots",
     "trainer_population",
     "trainer_unit_keys",
     "trainer_unit_rows",
@@ -135,3 +137,21 @@ def without_column(collate: Callable[[list[Any]], Any], column: str) -> Callable
         )
 
     return collate_records
+
+
+def trainer_fixed_slots(trainer: Any, n: int, delta: float) -> int:
+    """The fixed-shape sampler's slots: truncation charge ≤ δ/1000 at the target ε, rounded up
+    to a multiple of the physical batches of all ranks (one static shape everywhere; more slots
+    only lower the truncation probability)."""
+    from opake.accounting import fixed_shape_slots
+
+    a = trainer.args
+    slots: int = fixed_shape_slots(
+        dataset_size=n,
+        sample_rate=trainer._expected_batch_size() / n,
+        steps=trainer._planned_steps(),
+        delta=delta,
+        target_epsilon=a.target_epsilon,
+        multiple_of=int(a.gradient_accumulation_steps * a.world_size),
+    )
+    return slots
