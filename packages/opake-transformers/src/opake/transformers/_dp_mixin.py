@@ -419,11 +419,10 @@ class DPTrainerMixin(_Base):
     ) -> torch.Tensor:
         """Clip and sum one physical batch into the pending step; return each example's loss
         ``[B]`` for the logged diagnostic (``mask`` and ``indices``: per example)."""
-        records = None
         if dp.privacy_unit == "unit":  # the units come from the sampler through the records
             records = [] if indices is None else [int(i) for i in indices.tolist()]
-        aux = dp.accumulate(batch, example_mask=mask, records=records)
-        return aux.loss_values
+            return dp.accumulate(batch, example_mask=mask, records=records).loss_values
+        return dp.accumulate(batch, example_mask=mask).loss_values
 
     def _finish_step(self) -> None:
         self.dp_training.finish_step()

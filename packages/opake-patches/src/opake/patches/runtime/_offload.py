@@ -126,6 +126,12 @@ def make_patched_disable(
     def disable_saved_tensors_hooks(error_message: str) -> Iterator[None]:
         import torch
 
+        if torch.compiler.is_compiling():  # torch.compile traces the stock behaviour: no
+            # save_on_cpu hooks of Opake's are pushed inside a compiled region (Dynamo cannot
+            # read their ContextVar either)
+            with stock(error_message):
+                yield
+            return
         ours = list(_OUR_HOOKS.get())
         suspended: list[tuple[Any, Any]] = []
         while ours:
