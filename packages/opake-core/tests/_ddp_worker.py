@@ -625,7 +625,12 @@ def main(argv: list[str]) -> int:
             traceback.print_exc()
             sys.stderr.flush()
             os._exit(1)  # do not wait in destroy_process_group for ranks that are gone
-    return 0
+    # The group is destroyed and every output is on disk. Skip the interpreter's finalization:
+    # a gloo worker thread torn down during it can abort the process (SIGABRT, "terminate
+    # called without an active exception"), which would fail a run that has succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

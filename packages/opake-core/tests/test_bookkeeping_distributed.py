@@ -199,4 +199,10 @@ def main(out: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    status = main(Path(sys.argv[1]))
+    # the group is destroyed and the output is on disk: skip the interpreter's finalization,
+    # where a gloo worker thread can abort the process ("terminate called without an active
+    # exception") after a run that has succeeded
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

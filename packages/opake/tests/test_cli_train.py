@@ -246,6 +246,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_torchrun_two_ranks_match_one_process(tiny_args, tmp_path):
     import os
+    import shutil
     import subprocess
     import sys
     from pathlib import Path
@@ -256,25 +257,35 @@ def test_torchrun_two_ranks_match_one_process(tiny_args, tmp_path):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     opake = Path(sys.executable).with_name("opake")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=1",
-            "--nproc-per-node=2",
-            "--master-addr=127.0.0.1",
-            f"--master-port={_free_port()}",
-            "--no-python",
-            str(opake),
-            *tiny_args("--steps", "3", "--reproducible", out=two)[0:],
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+
+    def launch() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=1",
+                "--nproc-per-node=2",
+                "--master-addr=127.0.0.1",
+                f"--master-port={_free_port()}",
+                "--no-python",
+                str(opake),
+                *tiny_args("--steps", "3", "--reproducible", out=two)[0:],
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+
+    proc = launch()
+    if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
+        # torch's gloo threads can abort a process during interpreter finalization, after the
+        # run is complete (a torch teardown race, seen rarely on a loaded 2-core machine): the
+        # run itself is what this test checks, so it gets one more launch, from scratch
+        shutil.rmtree(two, ignore_errors=True)
+        proc = launch()
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("done: 3 steps") == 1  # rank 0 reports for both
     a = json.loads((one / "summary.json").read_text())
