@@ -28,24 +28,11 @@ EXACT = 1.0 + 1e-12  # the oracle's fp64 rounding of a norm: the bound is proven
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    """Each test traces from scratch, with torch's own functions bound: opake-patches' runtime
-    patches (installed by other tests of the suite) are not traceable by Dynamo yet, so they are
-    taken off for the test and put back after."""
-    import importlib.util
-
-    runtime = None
-    if importlib.util.find_spec("opake.patches") is not None:
-        from opake.patches import runtime
-
-        state = runtime.runtime_patch_state()
-        runtime.remove_runtime_patches()
+    """Each test traces from scratch (with or without opake-patches' runtime patches, which
+    other tests of the suite may have installed: compiled transforms trace either way)."""
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-    if runtime is not None:
-        runtime.apply_runtime_patches(
-            vmap_checkpointing=state.vmap_checkpointing, save_on_cpu=state.save_on_cpu
-        )
 
 
 def _mlp():

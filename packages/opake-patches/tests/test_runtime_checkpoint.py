@@ -323,6 +323,8 @@ def test_torch_compile_over_checkpointed_transform_raises(patched):
             compiled(torch.randn(3, 4))
     finally:
         torch._dynamo.reset()
+    # the refusal leaves no global state behind: saved-tensor hooks work again
+    assert torch._C._autograd._saved_tensors_hooks_is_enabled()
 
 
 def test_vmap_checkpoint_function_directly():

@@ -357,7 +357,13 @@ def vmap_checkpoint(
     """
     import torch
 
-    if torch.compiler.is_compiling() or _from_compiled_graph(function, context_fn):
+    if torch.compiler.is_compiling():
+        raise OperationError(_COMPILE_MESSAGE)
+    if _from_compiled_graph(function, context_fn):
+        # a compiled graph replays the transforms' disable_saved_tensors_hooks as plain calls,
+        # without a finally: raising here would leave saved-tensor hooks disabled for the whole
+        # process (every later save_on_cpu would silently stop offloading)
+        torch._C._autograd._saved_tensors_hooks_enable()
         raise OperationError(_COMPILE_MESSAGE)
     if context_fn is not None and not _is_noop_context_fn(context_fn):
         raise OperationError(

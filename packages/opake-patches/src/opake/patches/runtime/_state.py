@@ -144,11 +144,18 @@ def _install_checkpoint() -> list[_Patch]:
     return [_Patch("torch.utils.checkpoint", "checkpoint", stock, checkpoint)]
 
 
-def _install_checkpoint_extras() -> Callable[[], None]:
+def _install_checkpoint_extras(patches: list[_Patch]) -> Callable[[], None]:
     from opake.patches.runtime._hf import install_transformers_patch, uninstall_transformers_patch
 
     install_transformers_patch()
     return uninstall_transformers_patch
+
+
+def _install_save_on_cpu_extras(patches: list[_Patch]) -> Callable[[], None]:
+    from opake.patches.runtime._dynamo import register
+
+    (disable,) = [p for p in patches if p.name == "disable_saved_tensors_hooks"]
+    return register(disable.stock, disable.patched)
 
 
 def _install_save_on_cpu() -> list[_Patch]:
@@ -176,8 +183,9 @@ _INSTALLERS: dict[str, Callable[[], list[_Patch]]] = {
     "save_on_cpu": _install_save_on_cpu,
 }
 # patches that are not a module attribute: install, return the undo
-_EXTRAS: dict[str, Callable[[], Callable[[], None]]] = {
+_EXTRAS: dict[str, Callable[[list[_Patch]], Callable[[], None]]] = {
     "vmap_checkpointing": _install_checkpoint_extras,
+    "save_on_cpu": _install_save_on_cpu_extras,
 }
 
 
@@ -197,7 +205,7 @@ def _enable(name: str) -> None:
     _registry.active[name] = patches
     extra = _EXTRAS.get(name)
     if extra is not None:
-        _registry.undo[name] = extra()
+        _registry.undo[name] = extra(patches)
 
 
 def _disable(name: str) -> None:
