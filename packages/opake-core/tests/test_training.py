@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,59 +19,43 @@ from opake.dpsgd.sampling import PoissonSampler, padding_mask
 from opake.dpsgd.training import DPTraining, PrivacyBudgetExhausted
 from opake.functional import make_functional
 
+_spec = importlib.util.spec_from_file_location(
+    "_training_helpers", Path(__file__).with_name("_training_helpers.py")
+)
+assert _spec is not None
+assert _spec.loader is not None
+T = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(T)
+
 N, B, SIGMA, C, LR, DELTA, SEED = 64, 8.0, 1.3, 0.7, 0.2, 1e-5, 11
 FAST = {"accountant": "rdp"}
-
-
-def _data():
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(N, 8, generator=gen) * torch.linspace(0.2, 5.0, N)[:, None]
-    y = torch.randint(0, 4, (N,), generator=gen)
-    return x, y
-
-
-def _loss(fmodel):
-    def loss_fn(params, x, y):  # one example
-        logits = fmodel(params, x[None])
-        return torch.nn.functional.cross_entropy(logits, y[None])
-
-    return loss_fn
+SETTINGS = {
+    "dataset_size": N,
+    "expected_batch_size": B,
+    "noise_multiplier": SIGMA,
+    "delta": DELTA,
+    "clipping_norm": C,
+    "seed": SEED,
+    **FAST,
+}
 
 
 def _training(model=None, **options):
-    model = model if model is not None else tiny_mlp(seed=0)
-    fmodel, params = make_functional(model)
-    settings = {
-        "batch_args": 2,
-        "dataset_size": N,
-        "expected_batch_size": B,
-        "noise_multiplier": SIGMA,
-        "delta": DELTA,
-        "clipping_norm": C,
-        "seed": SEED,
-        **FAST,
-        **options,
-    }
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    return model, DPTraining(_loss(fmodel), opt, params, module=model, **settings)
-
-
-def _params(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return T.training({**SETTINGS, **options}, model, lr=LR)
 
 
 def test_one_step_equals_a_hand_written_step_and_the_oracle():
-    x, y = _data()
+    x, y = T.data(N)
     model, training = _training()
     indices = next(training.batches())
     assert indices == PoissonSampler(N, B / N, seed=SEED).global_batch(0).tolist()
-    start = _params(model)
+    start = T.params(model)
     result = training.step(x[indices], y[indices])
 
     # hand-written: clipped_grad + DPOptimizer, same seeds
     manual = tiny_mlp(seed=0)
     fmodel, params = make_functional(manual)
-    grad_fn, state = clipped_grad(_loss(fmodel), clipping_norm=C, batch_argnums=(1, 2))
+    grad_fn, state = clipped_grad(T.loss(fmodel), clipping_norm=C, batch_argnums=(1, 2))
     grads, _ = grad_fn(params, x[indices], y[indices], state=state)
     opt = DPOptimizer(
         torch.optim.SGD(manual.parameters(), lr=LR),
@@ -80,12 +66,12 @@ def test_one_step_equals_a_hand_written_step_and_the_oracle():
     )
     opt.accumulate(grads)
     opt.step()
-    for name, value in _params(manual).items():
-        torch.testing.assert_close(_params(model)[name], value, atol=1e-6, rtol=1e-6)
+    for name, value in T.params(manual).items():
+        torch.testing.assert_close(T.params(model)[name], value, atol=1e-6, rtol=1e-6)
 
     # the obvious reference: per-example autograd loop, clip, sum, one noise draw, / q·N, SGD
     total = reference_clipped_grad(
-        _loss(make_functional(tiny_mlp(seed=0))[0]),
+        T.loss(make_functional(tiny_mlp(seed=0))[0]),
         (start, x[indices], y[indices]),
         clipping_norm=C,
         batch_argnums=(1, 2),
@@ -95,7 +81,7 @@ def test_one_step_equals_a_hand_written_step_and_the_oracle():
     )
     for name, value in start.items():
         expected = value - LR * noisy[name] / B
-        torch.testing.assert_close(_params(model)[name], expected, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(T.params(model)[name], expected, atol=2e-6, rtol=1e-5)
     assert result.step == 1
     assert result.batch_size == len(indices)
     assert result.report.expected_batch_size == B
@@ -103,7 +89,7 @@ def test_one_step_equals_a_hand_written_step_and_the_oracle():
 
 
 def test_accumulated_physical_batches_equal_one_physical_batch():
-    x, y = _data()
+    x, y = T.data(N)
     model_a, one = _training()
     model_b, split = _training()
     for _, (a, b) in zip(range(4), zip(one.batches(), split.batches(), strict=True), strict=False):
@@ -112,12 +98,12 @@ def test_accumulated_physical_batches_equal_one_physical_batch():
         half = len(b) // 2
         result = split.logical_step([(x[b[:half]], y[b[:half]]), (x[b[half:]], y[b[half:]])])
         assert result.report.physical_batches == 2
-    for name, value in _params(model_a).items():
-        torch.testing.assert_close(_params(model_b)[name], value, atol=1e-6, rtol=1e-6)
+    for name, value in T.params(model_a).items():
+        torch.testing.assert_close(T.params(model_b)[name], value, atol=1e-6, rtol=1e-6)
 
 
 def test_a_new_step_releases_the_last_steps_grad_before_clipping():
-    x, y = _data()
+    x, y = T.data(N)
     model, training = _training()
     batches = training.batches()
     first = next(batches)
@@ -143,7 +129,7 @@ def test_a_new_step_releases_the_last_steps_grad_before_clipping():
 
 
 def test_epsilon_after_n_steps_equals_the_accountant_for_the_schedule():
-    x, y = _data()
+    x, y = T.data(N)
     _, training = _training()
     for _, indices in zip(range(7), training.batches(), strict=False):
         training.step(x[indices], y[indices])
@@ -154,22 +140,22 @@ def test_epsilon_after_n_steps_equals_the_accountant_for_the_schedule():
 
 
 def test_empty_poisson_batch_still_takes_a_noisy_step():
-    x, y = _data()
+    x, y = T.data(N)
     model, training = _training()
-    before = _params(model)
+    before = T.params(model)
     result = training.step(x[:0], y[:0])
     assert result.batch_size == 0
     assert result.loss != result.loss  # nan: no example
-    assert any(not torch.equal(before[n], v) for n, v in _params(model).items())
+    assert any(not torch.equal(before[n], v) for n, v in T.params(model).items())
     assert training.accountant.steps == 1
 
 
 def test_budget_is_calibrated_spent_and_refused_before_touching_data():
-    x, y = _data()
+    x, y = T.data(N)
     calls = []
     model = tiny_mlp(seed=0)
     fmodel, params = make_functional(model)
-    loss = _loss(fmodel)
+    loss = T.loss(fmodel)
 
     def counted(p, xi, yi):
         calls.append(1)
@@ -230,7 +216,7 @@ def test_noise_multiplier_with_a_budget_stops_at_the_budget():
 
 
 def test_resume_from_state_dict_and_from_a_file_is_bitwise(tmp_path):
-    x, y = _data()
+    x, y = T.data(N)
     model_a, full = _training()
     for _, idx in zip(range(6), full.batches(), strict=False):
         full.step(x[idx], y[idx])
@@ -244,7 +230,7 @@ def test_resume_from_state_dict_and_from_a_file_is_bitwise(tmp_path):
     state = copy.deepcopy(first.state_dict())
     assert state["sampler"]["position"] == 3
     first.save(tmp_path / "run.pt", model=model_b, extra={"note": "half"})
-    saved_params = _params(model_b)
+    saved_params = T.params(model_b)
 
     for how in ("state_dict", "file"):
         model_c, second = _training(model=tiny_mlp(seed=5))
@@ -256,13 +242,13 @@ def test_resume_from_state_dict_and_from_a_file_is_bitwise(tmp_path):
         assert second.steps == 3
         for _, idx in zip(range(3), second.batches(), strict=False):
             second.step(x[idx], y[idx])
-        for name, value in _params(model_a).items():
-            assert torch.equal(_params(model_c)[name], value), (how, name)
+        for name, value in T.params(model_a).items():
+            assert torch.equal(T.params(model_c)[name], value), (how, name)
         assert second.epsilon() == full.epsilon()
 
 
 def test_resume_refuses_other_privacy_settings(tmp_path):
-    x, y = _data()
+    x, y = T.data(N)
     _, first = _training()
     first.step(x[:3], y[:3])
     state = first.state_dict()
@@ -272,7 +258,7 @@ def test_resume_refuses_other_privacy_settings(tmp_path):
 
 
 def test_state_is_refused_mid_step_and_accumulation_can_be_dropped():
-    x, y = _data()
+    x, y = T.data(N)
     _, training = _training()
     training.accumulate(x[:3], y[:3])
     assert training.pending_batches == 1
@@ -286,7 +272,7 @@ def test_state_is_refused_mid_step_and_accumulation_can_be_dropped():
 
 
 def test_hooks_receive_every_step_and_can_be_removed():
-    x, y = _data()
+    x, y = T.data(N)
     _, training = _training()
     seen = []
     remove = training.add_hook(seen.append)
@@ -301,7 +287,7 @@ def test_hooks_receive_every_step_and_can_be_removed():
 
 
 def test_fixed_shape_sampling_masks_padding_and_accounts_the_truncation():
-    x, y = _data()
+    x, y = T.data(N)
     _, training = _training(sampler="fixed", max_batch_size=24)
     indices = next(training.batches())
     assert len(indices) == 24
@@ -322,7 +308,7 @@ def test_fixed_shape_sampling_masks_padding_and_accounts_the_truncation():
 
 
 def test_adaptive_clipping_count_query_is_accounted():
-    x, y = _data()
+    x, y = T.data(N)
     sigma_b = 5.0
     state = AdaptiveClipping(1.0, count_noise_multiplier=sigma_b, expected_batch_size=B, seed=2)
     sigma_grad = gradient_noise_multiplier(SIGMA, count_noise_multiplier=sigma_b)
@@ -364,7 +350,7 @@ def test_secure_by_default_and_bad_options_raise():
 
 
 def test_set_params_rebinds_the_gradient_function_to_new_storage():
-    x, y = _data()
+    x, y = T.data(N)
     model, training = _training()
     # a wrapper gave the parameters new storage: the old functional view is stale
     with torch.no_grad():
@@ -375,7 +361,7 @@ def test_set_params_rebinds_the_gradient_function_to_new_storage():
     aux = training.accumulate(x[:4], y[:4])
     training.zero_grad()
     grad_fn, state = clipped_grad(
-        _loss(make_functional(model)[0]), clipping_norm=C, batch_argnums=(1, 2), return_aux=True
+        T.loss(make_functional(model)[0]), clipping_norm=C, batch_argnums=(1, 2), return_aux=True
     )
     (_, want), _ = grad_fn(fresh, x[:4], y[:4], state=state)
     torch.testing.assert_close(aux.loss_values, want.loss_values)
@@ -388,7 +374,7 @@ def test_load_takes_a_plain_checkpoint_of_the_same_parts_and_refuses_one_without
 ):
     from opake.dpsgd.checkpoint import CheckpointError, save_checkpoint
 
-    x, y = _data()
+    x, y = T.data(N)
     _, first = _training()
     first.step(x[:4], y[:4])
     parts = {"optimizer": first.optimizer, "sampler": first.sampler, "clip_state": first.clip_state}
@@ -411,7 +397,7 @@ def test_fixed_shape_sampling_reaches_a_target_epsilon_above_ln_999():
     fmodel, params = make_functional(model)
     n, steps = 2000, 50
     training = DPTraining(
-        _loss(fmodel),
+        T.loss(fmodel),
         torch.optim.SGD(model.parameters(), lr=LR),
         params,
         batch_args=2,

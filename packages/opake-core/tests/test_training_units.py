@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,50 +16,33 @@ from opake.dpsgd.clipping import clipped_grad
 from opake.dpsgd.noise import GaussianNoise
 from opake.dpsgd.optimizer import DPOptimizer
 from opake.dpsgd.sampling import UnitPoissonSampler
-from opake.dpsgd.training import DPTraining
 from opake.functional import make_functional
+
+_spec = importlib.util.spec_from_file_location(
+    "_training_helpers", Path(__file__).with_name("_training_helpers.py")
+)
+assert _spec is not None
+assert _spec.loader is not None
+T = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(T)
 
 N, UNITS_EXPECTED, SIGMA, C, LR, DELTA, SEED = 48, 3.0, 1.1, 0.5, 0.2, 1e-5, 5
 # 12 users with 3 to 6 records each (48 records), interleaved: a user's records are not adjacent
 USERS = [f"user{(i * 5) % 12}" if i % 7 else f"user{i % 3}" for i in range(N)]
-FAST = {"accountant": "rdp"}
-
-
-def _data():
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(N, 8, generator=gen) * torch.linspace(0.2, 5.0, N)[:, None]
-    y = torch.randint(0, 4, (N,), generator=gen)
-    return x, y
-
-
-def _loss(fmodel):
-    def loss_fn(params, x, y):  # one record
-        return torch.nn.functional.cross_entropy(fmodel(params, x[None]), y[None])
-
-    return loss_fn
+SETTINGS = {
+    "dataset_size": N,
+    "expected_batch_size": UNITS_EXPECTED,
+    "noise_multiplier": SIGMA,
+    "delta": DELTA,
+    "clipping_norm": C,
+    "seed": SEED,
+    "privacy_units": USERS,
+    "accountant": "rdp",
+}
 
 
 def _training(model=None, **options):
-    model = model if model is not None else tiny_mlp(seed=0)
-    fmodel, params = make_functional(model)
-    settings = {
-        "batch_args": 2,
-        "dataset_size": N,
-        "expected_batch_size": UNITS_EXPECTED,
-        "noise_multiplier": SIGMA,
-        "delta": DELTA,
-        "clipping_norm": C,
-        "seed": SEED,
-        "privacy_units": USERS,
-        **FAST,
-        **options,
-    }
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    return model, DPTraining(_loss(fmodel), opt, params, module=model, **settings)
-
-
-def _params(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return T.training({**SETTINGS, **options}, model, lr=LR)
 
 
 def _unit_loop(start, x, y, records):
@@ -69,7 +54,7 @@ def _unit_loop(start, x, y, records):
     total = {n: torch.zeros_like(v, dtype=torch.float64) for n, v in start.items()}
     for rows in units.values():
         summed = reference_clipped_grad(
-            _loss(fmodel), (start, x[rows], y[rows]), clipping_norm=1e30, batch_argnums=(1, 2)
+            T.loss(fmodel), (start, x[rows], y[rows]), clipping_norm=1e30, batch_argnums=(1, 2)
         )
         norm = torch.sqrt(sum((g.double() ** 2).sum() for g in summed.values()))
         factor = min(1.0, C / float(norm)) if float(norm) > 0 else 1.0
@@ -79,7 +64,7 @@ def _unit_loop(start, x, y, records):
 
 
 def test_a_step_samples_units_clips_each_unit_and_equals_a_hand_written_step():
-    x, y = _data()
+    x, y = T.data(N)
     model, training = _training()
     assert training.privacy_unit == "unit"
     assert training.dataset_size == len(set(USERS)) == 12
@@ -89,14 +74,14 @@ def test_a_step_samples_units_clips_each_unit_and_equals_a_hand_written_step():
     sampler = UnitPoissonSampler(USERS, UNITS_EXPECTED / 12, seed=SEED)
     assert indices == sampler.batch_at(0)
     assert len({USERS[i] for i in indices}) >= 2  # several users, several records each
-    start = _params(model)
+    start = T.params(model)
     result = training.step(x[indices], y[indices], records=indices)
     assert result.units == len({USERS[i] for i in indices})
 
     # hand-written: grad_fn(units=) + DPOptimizer with the unit sampler's rate, same seeds
     manual = tiny_mlp(seed=0)
     fmodel, params = make_functional(manual)
-    grad_fn, state = clipped_grad(_loss(fmodel), clipping_norm=C, batch_argnums=(1, 2))
+    grad_fn, state = clipped_grad(T.loss(fmodel), clipping_norm=C, batch_argnums=(1, 2))
     units = torch.as_tensor(sampler.units_of(indices))
     grads, _ = grad_fn(params, x[indices], y[indices], state=state, units=units)
     opt = DPOptimizer(
@@ -108,8 +93,8 @@ def test_a_step_samples_units_clips_each_unit_and_equals_a_hand_written_step():
     )
     opt.accumulate(grads)
     opt.step()
-    for name, value in _params(manual).items():
-        assert torch.equal(_params(model)[name], value), name
+    for name, value in T.params(manual).items():
+        assert torch.equal(T.params(model)[name], value), name
 
     # the per-unit loop of plain autograd, one noise draw, / q·U, SGD
     total = _unit_loop(start, x, y, indices)
@@ -118,11 +103,11 @@ def test_a_step_samples_units_clips_each_unit_and_equals_a_hand_written_step():
     )
     for name, value in start.items():
         expected = value - LR * noisy[name] / UNITS_EXPECTED
-        torch.testing.assert_close(_params(model)[name], expected, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(T.params(model)[name], expected, atol=2e-6, rtol=1e-5)
 
 
 def test_epsilon_is_the_accountants_at_the_unit_rate():
-    x, y = _data()
+    x, y = T.data(N)
     _, training = _training()
     for _, idx in zip(range(4), training.batches(), strict=False):
         training.step(x[idx], y[idx], records=idx)
@@ -148,7 +133,7 @@ def test_the_cap_limits_each_units_records_per_step():
 
 
 def test_a_unit_split_over_two_physical_batches_is_refused():
-    x, y = _data()
+    x, y = T.data(N)
     _, training = _training(expected_batch_size=12.0)  # q = 1: every unit, every record
     idx = next(training.batches())
     first = [r for r in idx if USERS[r] == "user0"]
@@ -179,7 +164,7 @@ def test_a_unit_split_over_two_physical_batches_is_refused():
     ],
 )
 def test_steps_need_the_drawn_records(call, match):
-    x, y = _data()
+    x, y = T.data(N)
     _, training = _training(expected_batch_size=6.0)
     idx = next(training.batches())
     rows = idx
@@ -198,7 +183,7 @@ def test_steps_need_the_drawn_records(call, match):
 
 
 def test_records_without_privacy_units_and_bad_settings_are_refused():
-    x, y = _data()
+    x, y = T.data(N)
     _, plain = _training(privacy_units=None, expected_batch_size=8.0)
     with pytest.raises(ConfigurationError, match="without privacy_units"):
         plain.step(x[:3], y[:3], records=[0, 1, 2])
@@ -214,7 +199,7 @@ def test_records_without_privacy_units_and_bad_settings_are_refused():
 
 
 def test_resume_is_exact_and_refuses_a_regrouping():
-    x, y = _data()
+    x, y = T.data(N)
     model_a, full = _training(max_records_per_unit=3)
     for _, idx in zip(range(5), full.batches(), strict=False):
         full.step(x[idx], y[idx], records=idx)
@@ -223,15 +208,15 @@ def test_resume_is_exact_and_refuses_a_regrouping():
     for _, idx in zip(range(2), first.batches(), strict=False):
         first.step(x[idx], y[idx], records=idx)
     state = copy.deepcopy(first.state_dict())
-    saved = _params(model_b)
+    saved = T.params(model_b)
 
     model_c, second = _training(model=tiny_mlp(seed=5), max_records_per_unit=3)
     model_c.load_state_dict(saved)
     second.load_state_dict(state)
     for _, idx in zip(range(3), second.batches(), strict=False):
         second.step(x[idx], y[idx], records=idx)
-    for name, value in _params(model_a).items():
-        assert torch.equal(_params(model_c)[name], value), name
+    for name, value in T.params(model_a).items():
+        assert torch.equal(T.params(model_c)[name], value), name
     assert second.epsilon() == full.epsilon()
 
     _, regrouped = _training(privacy_units=list(reversed(USERS)), max_records_per_unit=3)
@@ -254,7 +239,7 @@ def test_a_record_may_span_rows_of_one_batch_but_not_two_batches():
     """A DPO pair's two rows name one record: accepted within one physical batch (they are in
     the record's unit, clipped together); the record again in a later physical batch of the
     step is refused."""
-    x, y = _data()
+    x, y = T.data(N)
     _, training = _training(expected_batch_size=6.0)
     idx = next(training.batches())
     rows = idx + idx  # every record twice, as a pair's chosen and rejected rows
@@ -263,3 +248,29 @@ def test_a_record_may_span_rows_of_one_batch_but_not_two_batches():
         training.accumulate(x[idx[:1]], y[idx[:1]], records=idx[:1])
     training.finish_step()
     assert training.steps == 1
+
+
+def test_the_drawn_batch_is_computed_once_per_logical_step(monkeypatch):
+    """Every physical batch checks its records against the batch the unit sampler drew for the
+    step: that batch is computed once per logical step, not once per physical batch."""
+    x, y = T.data(N)
+    _, training = _training(expected_batch_size=12.0)  # q = 1: every unit, every record
+    sampler = training.sampler
+    calls: list[int] = []
+    batch_at = sampler.batch_at
+
+    def counted(step):
+        calls.append(step)
+        return batch_at(step)
+
+    monkeypatch.setattr(sampler, "batch_at", counted)
+    for step in range(2):
+        idx = next(training.batches())
+        users = sorted({USERS[r] for r in idx})
+        assert len(users) >= 4
+        for user in users:  # one physical batch per unit
+            rows = [r for r in idx if USERS[r] == user]
+            training.accumulate(x[rows], y[rows], records=rows)
+        training.finish_step()
+        assert calls == list(range(step + 1))
+    assert training.steps == 2

@@ -13,12 +13,13 @@ from opake import accounting
 from opake.core.errors import ConfigurationError
 
 _spec = importlib.util.spec_from_file_location(
-    "_hf_helpers", Path(__file__).with_name("_hf_helpers.py")
+    "_trl_helpers", Path(__file__).with_name("_trl_helpers.py")
 )
 assert _spec is not None
 assert _spec.loader is not None
-H = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(H)
+T = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(T)
+H = T.H  # the Trainer helpers (the TRL helpers build on them)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -137,27 +138,10 @@ def test_bad_unit_settings_are_refused(tmp_path):
 
 
 def test_sft_and_dpo_train_per_user(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "_trl_helpers", Path(__file__).with_name("_trl_helpers.py")
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    T = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(T)
-    from opake.transformers.trl import DPDPOTrainer, DPSFTTrainer
-
     data = T.messages()
     data = data.add_column("user", [f"u{i % 5}" for i in range(len(data))])
-    args = T.sft_config(
-        tmp_path / "sft",
-        max_steps=2,
-        assistant_only_loss=True,
-        privacy_unit_column="user",
-        per_device_train_batch_size=1,
-    )
-    trainer = DPSFTTrainer(
-        model=T.model(), args=args, train_dataset=data, processing_class=T.tokenizer()
-    )
+    per_user = {"privacy_unit_column": "user", "max_steps": 2, "per_device_train_batch_size": 1}
+    trainer = T.sft_trainer(tmp_path / "sft", data=data, **per_user)
     trainer.train()
     dp = trainer.dp_training
     assert dp.privacy_unit == "unit"
@@ -165,14 +149,7 @@ def test_sft_and_dpo_train_per_user(tmp_path):
     assert dp.steps == 2
     pairs = T.preferences()
     pairs = pairs.add_column("user", [f"u{i % 4}" for i in range(len(pairs))])
-    dpo = DPDPOTrainer(
-        model=T.model(),
-        args=T.dpo_config(
-            tmp_path / "dpo", privacy_unit_column="user", max_steps=2, per_device_train_batch_size=1
-        ),
-        train_dataset=pairs,
-        processing_class=T.tokenizer(),
-    )
+    dpo = T.dpo_trainer(tmp_path / "dpo", data=pairs, **per_user)
     dpo.train()
     assert dpo.dp_training.privacy_unit == "unit"
     assert dpo.dp_training.dataset_size == 4

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from opake import accounting
 from opake.core.errors import ConfigurationError, InputTypeError
 
 pytest.importorskip("trl")
@@ -24,30 +23,8 @@ assert _spec.loader is not None
 T = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(T)
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
-
-
-@pytest.fixture(autouse=True)
-def _quiet_datasets():
-    import datasets
-
-    datasets.disable_progress_bars()
-    yield
-    datasets.enable_progress_bars()
-
-
-def _trainer(tmp_path, model=None, data=None, **options):
-    from opake.transformers.trl import DPDPOTrainer
-
-    return DPDPOTrainer(
-        model=model if model is not None else T.model(),
-        args=T.dpo_config(tmp_path, **options),
-        train_dataset=data if data is not None else T.preferences(),
-        processing_class=T.tokenizer(),
-    )
+pytestmark = T.MARKS
+_quiet_datasets = T.quiet_datasets
 
 
 def _record_rows(record) -> dict[str, torch.Tensor]:
@@ -68,27 +45,14 @@ def _hand_written_steps(records, engine: str, steps: int) -> dict[str, torch.Ten
     """DPTraining with DPOLoss, each record accumulated alone; the reference is a frozen copy
     of the initial model, its log-probabilities from plain logits."""
     from opake.dpsgd.bookkeeping import BatchedLoss
-    from opake.dpsgd.training import DPTraining
     from opake.functional import make_functional
     from opake.transformers.losses import DPOLoss, sequence_log_probs
 
     model, reference = T.model(), T.model().eval()
     fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
     dpo = DPOLoss(fmodel, model, beta=T.BETA)
-    training = DPTraining(
-        BatchedLoss(dpo, fmodel),
-        torch.optim.SGD(model.parameters(), lr=T.LR),
-        trainable,
-        args=(frozen,),
-        dataset_size=T.N,
-        expected_batch_size=T.PER_DEVICE * T.ACCUM,
-        noise_multiplier=T.SIGMA,
-        delta=1.0 / T.N**2,
-        clipping_norm=T.CLIP,
-        accountant="rdp",
-        seed=T.SEED,
-        engine=engine,
-    )
+    loss = BatchedLoss(dpo, fmodel)
+    training = T.hand_written_training(loss, model, trainable, frozen, engine=engine)
     batches = training.batches()
     for step in range(steps):
         indices = next(batches)
@@ -118,7 +82,7 @@ def _hand_written_steps(records, engine: str, steps: int) -> dict[str, torch.Ten
 )
 def test_two_steps_equal_a_hand_written_dp_training_loop(tmp_path, engine, sampler):
     """Fixed shapes: the padding slots' pairs are masked out, both rows of each."""
-    trainer = _trainer(tmp_path, engine=engine, max_steps=2, dp_sampler=sampler)
+    trainer = T.dpo_trainer(tmp_path, engine=engine, max_steps=2, dp_sampler=sampler)
     assert trainer.ref_model is not None  # a frozen copy of the initial model
     assert not any(p.requires_grad for p in trainer.ref_model.parameters())
     trainer.train()
@@ -133,9 +97,9 @@ def test_two_steps_equal_a_hand_written_dp_training_loop(tmp_path, engine, sampl
 
 
 def test_precomputed_reference_log_probs_give_the_same_step(tmp_path):
-    copy = _trainer(tmp_path / "copy", max_steps=2)
+    copy = T.dpo_trainer(tmp_path / "copy", max_steps=2)
     copy.train()
-    precomputed = _trainer(tmp_path / "pre", precompute_ref_log_probs=True, max_steps=2)
+    precomputed = T.dpo_trainer(tmp_path / "pre", precompute_ref_log_probs=True, max_steps=2)
     assert precomputed.ref_model is None  # no reference kept in memory
     assert "ref_chosen_logps" in precomputed.train_dataset.column_names
     precomputed.train()
@@ -149,16 +113,10 @@ def test_lora_reference_is_the_model_with_its_adapters_disabled(tmp_path):
     from peft import LoraConfig
 
     from opake.transformers.losses import sequence_log_probs
-    from opake.transformers.trl import DPDPOTrainer
     from opake.transformers.trl._dpo import PreferenceRows
 
-    trainer = DPDPOTrainer(
-        model=T.model(),
-        args=T.dpo_config(tmp_path, max_steps=2),
-        train_dataset=T.preferences(),
-        processing_class=T.tokenizer(),
-        peft_config=LoraConfig(r=2, target_modules=["q_proj", "v_proj"]),
-    )
+    lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    trainer = T.dpo_trainer(tmp_path, max_steps=2, peft_config=lora)
     assert trainer.ref_model is None  # no second copy
     model = trainer.model
     before = T.params(model)
@@ -185,37 +143,12 @@ def test_lora_reference_is_the_model_with_its_adapters_disabled(tmp_path):
 
 
 def test_resume_is_exact_and_epsilon_is_the_accountants(tmp_path):
-    full = _trainer(tmp_path / "full", max_steps=3)
-    full.train()
-    first = _trainer(tmp_path / "run", max_steps=3, save_strategy="steps", save_steps=2)
-    first.train()
-    checkpoint = tmp_path / "run" / "checkpoint-2"
-    resumed = _trainer(tmp_path / "run", max_steps=3)
-    resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert resumed.dp_training.steps == 3
-    want = T.params(full.model)
-    for name, value in T.params(resumed.model).items():
-        assert torch.equal(value, want[name]), name
-
-    q = T.PER_DEVICE * T.ACCUM / T.N
-    logged = [h for h in full.state.log_history if "loss" in h]
-    assert [h["step"] for h in logged] == [1, 2, 3]
-    for h in logged:
-        expected = accounting.epsilon(
-            sample_rate=q,
-            noise_multiplier=T.SIGMA,
-            steps=h["step"],
-            delta=1.0 / T.N**2,
-            accountant="rdp",
-        )
-        assert h["epsilon"] == pytest.approx(expected, rel=1e-12)
-        assert (h["delta"], h["noise_multiplier"], h["sample_rate"]) == (1 / T.N**2, T.SIGMA, q)
-    assert resumed.state.log_history[-1]["epsilon"] == full.state.log_history[-1]["epsilon"]
+    T.check_resume_and_epsilon(T.dpo_trainer, tmp_path)
 
 
 def test_truncation_is_counted(tmp_path):
     data = T.preferences()
-    trainer = _trainer(tmp_path, data=data, max_length=6)
+    trainer = T.dpo_trainer(tmp_path, data=data, max_length=6)
     counts = trainer.truncation["train"]
     records = trainer.train_dataset
     assert counts.records == len(data)
@@ -241,7 +174,7 @@ def test_truncation_is_counted(tmp_path):
 )
 def test_options_that_break_dp_are_refused(tmp_path, options, match):
     with pytest.raises(ConfigurationError, match=match):
-        _trainer(tmp_path, **options)
+        T.dpo_trainer(tmp_path, **options)
 
 
 def test_refusals_outside_the_config(tmp_path):
@@ -258,7 +191,7 @@ def test_refusals_outside_the_config(tmp_path):
             processing_class=T.tokenizer(),
         )
     with pytest.raises(ConfigurationError, match="dropout"):
-        _trainer(tmp_path, model=_with_dropout(), disable_dropout=False)
+        T.dpo_trainer(tmp_path, model=_with_dropout(), disable_dropout=False)
 
 
 def _with_dropout():

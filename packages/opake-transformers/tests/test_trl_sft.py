@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from opake import accounting
 from opake.core.errors import ConfigurationError, InputTypeError
 
 pytest.importorskip("trl")
@@ -22,41 +21,17 @@ assert _spec.loader is not None
 T = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(T)
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
-
-
-@pytest.fixture(autouse=True)
-def _quiet_datasets():
-    import datasets
-
-    datasets.disable_progress_bars()
-    yield
-    datasets.enable_progress_bars()
-
-
-def _trainer(tmp_path, data=None, model=None, **options):
-    from opake.transformers.trl import DPSFTTrainer
-
-    options.setdefault("assistant_only_loss", True)
-    return DPSFTTrainer(
-        model=model if model is not None else T.model(),
-        args=T.sft_config(tmp_path, **options),
-        train_dataset=data if data is not None else T.messages(),
-        processing_class=T.tokenizer(),
-    )
+pytestmark = T.MARKS
+_quiet_datasets = T.quiet_datasets
 
 
 @pytest.mark.parametrize("engine", ["bookkeeping", "vmap"])
 def test_one_step_equals_a_hand_written_dp_training_step(tmp_path, engine):
     from opake.dpsgd.bookkeeping import BatchedLoss
-    from opake.dpsgd.training import DPTraining
     from opake.functional import make_functional
     from opake.transformers.losses import completion_losses
 
-    trainer = _trainer(tmp_path, engine=engine)
+    trainer = T.sft_trainer(tmp_path, engine=engine)
     seen = []
     original = trainer.training_step
 
@@ -79,19 +54,8 @@ def test_one_step_equals_a_hand_written_dp_training_step(tmp_path, engine):
 
     model = T.model()
     fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
-    training = DPTraining(
-        BatchedLoss(completion_losses(fmodel, model), fmodel),
-        torch.optim.SGD(model.parameters(), lr=T.LR),
-        trainable,
-        args=(frozen,),
-        dataset_size=T.N,
-        expected_batch_size=T.PER_DEVICE * T.ACCUM,
-        noise_multiplier=T.SIGMA,
-        delta=1.0 / T.N**2,
-        clipping_norm=T.CLIP,
-        accountant="rdp",
-        seed=T.SEED,
-    )
+    loss = BatchedLoss(completion_losses(fmodel, model), fmodel)
+    training = T.hand_written_training(loss, model, trainable, frozen)
     chunks = T.first_batch()
     assert [i for c in chunks for i in c] == next(training.batches())
     assert sum(map(len, chunks)) > 0
@@ -110,7 +74,7 @@ def test_one_step_equals_a_hand_written_dp_training_step(tmp_path, engine):
 
 def test_conversations_without_assistant_only_loss_are_warned_about(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="opake.transformers"):
-        trainer = _trainer(tmp_path, assistant_only_loss=False)
+        trainer = T.sft_trainer(tmp_path, assistant_only_loss=False)
     assert "set assistant_only_loss=True" in caplog.text
     record = trainer.train_dataset[0]
     assert record["labels"] == record["input_ids"]  # TRL's default: every token a target
@@ -119,7 +83,7 @@ def test_conversations_without_assistant_only_loss_are_warned_about(tmp_path, ca
 def test_prompt_completion_records_are_labelled_on_the_completion_only(tmp_path):
     tok = T.tokenizer()
     data = T.prompt_completion()
-    trainer = _trainer(tmp_path, data=data, assistant_only_loss=False)
+    trainer = T.sft_trainer(tmp_path, data=data, assistant_only_loss=False)
     for index in range(len(data)):
         record = trainer.train_dataset[index]
         prompt = len(tok(data[index]["prompt"])["input_ids"])
@@ -132,11 +96,11 @@ def test_loss_only_head_of_a_patched_model_gives_the_same_step(tmp_path):
     pytest.importorskip("opake.patches")
     from opake.patches import apply_model_patches
 
-    plain = _trainer(tmp_path / "plain")
+    plain = T.sft_trainer(tmp_path / "plain")
     plain.train()
     model = T.model()
     apply_model_patches(model)
-    patched = _trainer(tmp_path / "patched", model=model)
+    patched = T.sft_trainer(tmp_path / "patched", model=model)
     assert patched.uses_loss_only
     assert not plain.uses_loss_only
     patched.train()
@@ -149,15 +113,8 @@ def test_lora_trains_only_the_adapters(tmp_path):
     pytest.importorskip("peft")
     from peft import LoraConfig
 
-    from opake.transformers.trl import DPSFTTrainer
-
-    trainer = DPSFTTrainer(
-        model=T.model(),
-        args=T.sft_config(tmp_path, assistant_only_loss=True),
-        train_dataset=T.messages(),
-        processing_class=T.tokenizer(),
-        peft_config=LoraConfig(r=2, target_modules=["q_proj", "v_proj"]),
-    )
+    lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    trainer = T.sft_trainer(tmp_path, peft_config=lora)
     before = T.params(trainer.model)
     trainer.train()
     after = T.params(trainer.model)
@@ -167,33 +124,7 @@ def test_lora_trains_only_the_adapters(tmp_path):
 
 
 def test_resume_is_exact_and_epsilon_is_the_accountants(tmp_path):
-    full = _trainer(tmp_path / "full", max_steps=3)
-    full.train()
-    first = _trainer(tmp_path / "run", max_steps=3, save_strategy="steps", save_steps=2)
-    first.train()
-    checkpoint = tmp_path / "run" / "checkpoint-2"
-    assert (checkpoint / "opake_dp_state.pt").is_file()
-    resumed = _trainer(tmp_path / "run", max_steps=3)
-    resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert resumed.dp_training.steps == 3
-    want = T.params(full.model)
-    for name, value in T.params(resumed.model).items():
-        assert torch.equal(value, want[name]), name
-
-    q = T.PER_DEVICE * T.ACCUM / T.N
-    logged = [h for h in full.state.log_history if "loss" in h]
-    assert [h["step"] for h in logged] == [1, 2, 3]
-    for h in logged:
-        expected = accounting.epsilon(
-            sample_rate=q,
-            noise_multiplier=T.SIGMA,
-            steps=h["step"],
-            delta=1.0 / T.N**2,
-            accountant="rdp",
-        )
-        assert h["epsilon"] == pytest.approx(expected, rel=1e-12)
-        assert (h["delta"], h["noise_multiplier"], h["sample_rate"]) == (1 / T.N**2, T.SIGMA, q)
-    assert resumed.state.log_history[-1]["epsilon"] == full.state.log_history[-1]["epsilon"]
+    T.check_resume_and_epsilon(T.sft_trainer, tmp_path)
 
 
 def test_truncation_is_counted_and_reported(tmp_path, caplog):
@@ -205,7 +136,7 @@ def test_truncation_is_counted_and_reported(tmp_path, caplog):
     ]
     limit = 7  # a user turn of 4 words fills it: that record has no target token left
     with caplog.at_level("WARNING", logger="opake.transformers"):
-        trainer = _trainer(tmp_path, data=data, max_length=limit)
+        trainer = T.sft_trainer(tmp_path, data=data, max_length=limit)
     counts = trainer.truncation["train"]
     assert counts.records == len(data)
     assert counts.dropped == len(data) - len(trainer.train_dataset)
@@ -235,7 +166,7 @@ def test_truncation_is_counted_and_reported(tmp_path, caplog):
 )
 def test_options_that_break_dp_are_refused(tmp_path, options, match):
     with pytest.raises(ConfigurationError, match=match):
-        _trainer(tmp_path, **options)
+        T.sft_trainer(tmp_path, **options)
 
 
 def test_refusals_outside_the_config(tmp_path):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.dpsgd.training._budget import Budget, Spending
+from opake.dpsgd.training._compile import CompiledStep, check_compile
 from opake.dpsgd.training._options import (
     _accounting_of,
     _calibrated_sigma,
@@ -104,6 +105,12 @@ class DPTraining(TrainingState):
             sampling in one process only.
         max_records_per_unit: with ``privacy_units``, at most this many records of one unit per
             step (a random subset drawn with the sampler's randomness; default all).
+        compile: compile the clipped-gradient computation with ``torch.compile`` (vmap engine,
+            one graph). The graph has one batch shape: each physical batch runs as chunks of
+            ``microbatch_size`` rows (default with ``sampler="fixed"``: ``B_max``; Poisson
+            sampling needs ``microbatch_size``), the last chunk padded with masked rows that
+            add exactly zero. The first call compiles (seconds to minutes); refused with the
+            book-keeping engine, privacy units and ``AdaptiveClipping``.
 
     Example:
         >>> import torch
@@ -158,6 +165,7 @@ class DPTraining(TrainingState):
         unused_params: str = "warn",
         privacy_units: Sequence[Hashable] | None = None,
         max_records_per_unit: int | None = None,
+        compile: bool = False,
         **unknown: Any,
     ) -> None:
         from opake.dpsgd.clipping import clipped_grad
@@ -185,15 +193,28 @@ class DPTraining(TrainingState):
             sampler, n, q, extra, self._context, how=(steps_per_epoch, seed, units)
         )
         self._args, self._params = args, params
+        engine, rows = check_compile(
+            compile,
+            engine=engine,
+            clipping_norm=clipping_norm,
+            units=units,
+            microbatch_size=microbatch_size,
+            fixed_rows=getattr(self._sampler, "max_batch_size", None),
+        )
         self._grad_fn, self._clip_state = clipped_grad(
             loss_fn,
             argnums=0,
             clipping_norm=clipping_norm,
             batch_argnums=tuple(range(1 + len(args), 1 + len(args) + self._batch_args)),
-            microbatch_size=microbatch_size,
+            microbatch_size=None if compile else microbatch_size,
             return_aux=True,
             randomness=randomness,
             engine=engine,
+        )
+        self._compiled = (
+            CompiledStep(self._grad_fn, rows or 1, fullgraph=not _is_group(clipping_norm))
+            if compile
+            else None
         )
         self._optimizer = self._dp_optimizer(
             optimizer, module if module is not None else params, process_group, sigma, seed
@@ -299,23 +320,40 @@ class DPTraining(TrainingState):
             # parameter) is not needed through this step's clipping, as a non-private loop's
             # ``zero_grad()`` at the top of the step would release it
             self._optimizer.zero_grad()
+        try:
+            grads, pending, aux = self._clipped_sum(batch, example_mask, units)
+            self._optimizer.accumulate(grads)
+        except BaseException:
+            self.zero_grad()
+            raise
+        self._pending_aux.extend(pending)
+        self._units.commit(rows)
+        out: ClipAux = aux
+        return out
+
+    def _clipped_sum(
+        self, batch: tuple[Any, ...], example_mask: torch.Tensor | None, units: Any
+    ) -> tuple[Any, list[tuple[Any, Any]], ClipAux]:
+        """One physical batch's clipped sum, its ``(aux, mask)`` records and its aux."""
+        if self._compiled is not None:
+            grads, pending, aux, self._clip_state = self._compiled(
+                self._params, self._args, batch, state=self._clip_state, example_mask=example_mask
+            )
+            return grads, list(pending), aux
         kwargs: dict[str, Any] = {"end_step": False}
         if example_mask is not None:
             kwargs["example_mask"] = example_mask
         if units is not None:
             kwargs["units"] = units
-        try:
-            (grads, aux), self._clip_state = self._grad_fn(
-                self._params, *self._args, *batch, state=self._clip_state, **kwargs
-            )
-            self._optimizer.accumulate(grads)
-        except BaseException:
-            self.zero_grad()
-            raise
-        self._pending_aux.append((aux, example_mask))
-        self._units.commit(rows)
-        out: ClipAux = aux
-        return out
+        (grads, aux), self._clip_state = self._grad_fn(
+            self._params, *self._args, *batch, state=self._clip_state, **kwargs
+        )
+        return grads, [(aux, example_mask)], aux
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the clipped-gradient computation is compiled (``compile=True``)."""
+        return self._compiled is not None
 
     def finish_step(self) -> StepResult:
         """Noise the accumulated sum once, update, account, run the hooks."""
@@ -414,3 +452,9 @@ class DPTraining(TrainingState):
             f"target_epsilon={self.target_epsilon}, world_size={self.world_size}, "
             f"{'secure' if self._secure else 'seeded'})"
         )
+
+
+def _is_group(clipping_norm: object) -> bool:
+    from opake.dpsgd.clipping import GroupClipping
+
+    return isinstance(clipping_norm, GroupClipping)

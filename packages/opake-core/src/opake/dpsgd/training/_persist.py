@@ -7,6 +7,7 @@ is un-noised private data and is never saved.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,14 +204,16 @@ def load(
     return extra, ckpt.clip_state
 
 
-class TrainingState(TrainingViews):
-    """``DPTraining``'s persistence: its state dict and checkpoint file (a base class, read
-    through the public views; the step restores itself in ``_after_load``)."""
+class TrainingState(TrainingViews, abc.ABC):
+    """``DPTraining``'s persistence: its state dict and checkpoint file (an abstract base
+    class, read through the public views; the step restores itself in :meth:`_after_load`)."""
 
     _clip_state: ClipState
 
+    @abc.abstractmethod
     def _after_load(self) -> None:
-        raise NotImplementedError
+        """Called once the components are restored: drop any step in progress and line the
+        sampler up with the restored step count (the subclass owns the step's state)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs besides the model: optimizer, noise generator, sampler

@@ -192,6 +192,14 @@ class RecordUnits:
     def __init__(self, sampler: Any) -> None:
         self._sampler = sampler
         self._seen: set[int] = set()
+        self._drawn: tuple[int, frozenset[int]] | None = None  # (step, its drawn records)
+
+    def _drawn_at(self, step: int) -> frozenset[int]:
+        """The records the sampler drew for ``step``, computed once per logical step (every
+        physical batch of the step checks against it)."""
+        if self._drawn is None or self._drawn[0] != step:
+            self._drawn = (step, frozenset(self._sampler.batch_at(step)))
+        return self._drawn[1]
 
     def units_for(self, records: object, batch: tuple[Any, ...], *, step: int) -> torch.Tensor:
         """The unit of each row (int64, on the batch's device), after checking ``records``."""
@@ -214,7 +222,7 @@ class RecordUnits:
                 f"records= names {index.size} record(s) for a batch of {rows} rows: pass the "
                 "index of every row, in row order"
             )
-        drawn = set(self._sampler.batch_at(step))
+        drawn = self._drawn_at(step)
         listed = index.tolist()
         foreign = sorted(set(listed) - drawn)
         if foreign:
@@ -245,5 +253,6 @@ class RecordUnits:
         self._seen |= set(np.asarray(records, dtype=np.int64).reshape(-1).tolist())
 
     def reset(self) -> None:
-        """A new logical step."""
+        """A new logical step (or a restored sampler): the drawn records are recomputed."""
         self._seen.clear()
+        self._drawn = None

@@ -1,0 +1,251 @@
+"""``DPTraining(compile=True)``: the clipped-gradient call compiled for one batch shape.
+
+``torch.compile`` specialises a graph to its input shapes, and ``vmap`` does not trace with a
+symbolic batch size, so a Poisson batch of a new size would compile again (seconds each, and
+torch falls back to eager after a few). The compiled step therefore sees one shape only: each
+physical batch is cut into chunks of ``rows`` rows, the last one padded by repeating the
+batch's first row with ``example_mask`` False (a masked row gets clip factor 0 and its
+non-finite entries are zeroed first, so it adds exactly zero to the sum), and the chunks' clipped
+sums are added before the optimizer sees them. What the compiled graph computes is the eager
+vmap engine's math (the certified norms are the eager code itself, see
+``opake.dpsgd.clipping._compiled``), so the per-example bound holds as proven.
+
+Refused at construction, with the reason: the book-keeping engine, privacy units and
+adaptive clipping (none of them traces in one graph). Group clipping compiles with one graph
+break (its group lookup), so it is compiled without ``fullgraph``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from opake.core.errors import ConfigurationError, InputTypeError, OperationError
+
+if TYPE_CHECKING:
+    import torch
+
+    from opake.dpsgd.clipping import ClipAux, ClippedGrads, ClipState
+
+__all__ = ["CompiledStep", "check_compile"]
+
+_LOG = logging.getLogger("opake.core")
+
+
+def check_compile(
+    compile: object,
+    *,
+    engine: str,
+    clipping_norm: object,
+    units: object,
+    microbatch_size: int | None,
+    fixed_rows: int | None,
+) -> tuple[str, int | None]:
+    """Validate ``compile=`` against the other choices; return the engine and chunk rows.
+
+    ``fixed_rows``: ``B_max`` of fixed-shape sampling (``None`` for Poisson). The chunk size is
+    ``microbatch_size``, else ``B_max``; Poisson sampling without ``microbatch_size`` is
+    refused (its batches have no one shape). Without ``compile`` nothing changes.
+    """
+    from opake.dpsgd.clipping import AdaptiveClipping
+
+    if not isinstance(compile, bool):
+        raise InputTypeError(f"compile={compile!r}: expected True or False")
+    if not compile:
+        return engine, microbatch_size
+    if engine == "bookkeeping":
+        raise ConfigurationError(
+            "compile=True with engine='bookkeeping': the book-keeping engine's forward and "
+            "backward hooks do not trace into one graph; use engine='vmap' (or 'auto') to "
+            "compile, or compile=False to keep book-keeping"
+        )
+    if units is not None:
+        raise ConfigurationError(
+            "compile=True with privacy_units: the plan that keeps each unit's rows in one chunk "
+            "is host-side and does not trace; train user-level DP with compile=False"
+        )
+    if isinstance(clipping_norm, AdaptiveClipping):
+        raise ConfigurationError(
+            "compile=True with AdaptiveClipping: its state is rebuilt in Python at every call "
+            "and does not trace; use fixed, AUTO-S or group clipping, or compile=False"
+        )
+    rows = microbatch_size if microbatch_size is not None else fixed_rows
+    if rows is None:
+        raise ConfigurationError(
+            "compile=True compiles one batch shape, and Poisson batches vary in size: pass "
+            "microbatch_size=m (each physical batch runs as chunks of m rows, the last one "
+            "padded and masked), or use sampler='fixed'"
+        )
+    if engine == "auto":
+        _LOG.info("compile=True: engine='auto' uses the vmap engine (book-keeping does not trace)")
+    return "vmap", rows
+
+
+class CompiledStep:
+    """Call a ``clipped_grad`` function compiled once, on chunks of ``rows`` rows.
+
+    Args:
+        grad_fn: the eager ``grad_fn`` (``return_aux=True``, one chunk per call).
+        rows: the rows of every compiled call.
+        fullgraph: whether the graph must be whole (``False`` for group clipping only).
+    """
+
+    def __init__(self, grad_fn: Callable[..., Any], rows: int, *, fullgraph: bool) -> None:
+        import torch
+
+        self.rows = rows
+        self._compiled = torch.compile(grad_fn, fullgraph=fullgraph, dynamic=False)
+        self._first = True
+
+    def __call__(
+        self,
+        params: Any,
+        args: tuple[Any, ...],
+        batch: tuple[Any, ...],
+        *,
+        state: ClipState,
+        example_mask: torch.Tensor | None,
+    ) -> tuple[ClippedGrads, list[tuple[ClipAux, torch.Tensor]], ClipAux, ClipState]:
+        """One physical batch: its clipped sum, each chunk's ``(aux, mask)``, the batch's
+        aux (padding rows dropped) and the new clip state."""
+        import torch
+
+        size = _batch_size(batch)
+        device = _device(batch)
+        mask = (
+            torch.ones(size, dtype=torch.bool, device=device)
+            if example_mask is None
+            else example_mask.to(device=device, dtype=torch.bool)
+        )
+        total: ClippedGrads | None = None
+        chunks: list[tuple[ClipAux, torch.Tensor]] = []
+        for start in range(0, max(size, 1), self.rows):
+            stop = min(start + self.rows, size)
+            chunk, chunk_mask = _padded(batch, mask, start, stop, self.rows)
+            (grads, aux), state = self._call(
+                params, *args, *chunk, state=state, example_mask=chunk_mask, end_step=False
+            )
+            chunks.append((aux, chunk_mask))
+            # ClippedGrads addition keeps the sensitivity (each example is in one chunk)
+            total = grads if total is None else total + grads
+        assert total is not None  # at least one chunk, an empty batch's included
+        return total, chunks, _merged(chunks, size), state
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._first:
+            return self._compiled(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            out = self._compiled(*args, **kwargs)
+        except OperationError:
+            raise
+        except Exception as err:
+            if (
+                type(err).__module__.startswith("torch._dynamo")
+                or "Unsupported" in type(err).__name__
+            ):
+                lines = [line for line in str(err).splitlines() if line.strip()]
+                detail = " ".join(lines[:2]) if lines else repr(err)
+                raise OperationError(
+                    f"compile=True: torch.compile failed on the DP step ({type(err).__name__}: "
+                    f"{detail}); the loss function must trace under vmap(grad) as one graph "
+                    "(no .item(), data-dependent branches or unsupported calls); train with "
+                    "compile=False"
+                ) from err
+            raise
+        self._first = False
+        _LOG.info(
+            "compile=True: the DP step compiled for chunks of %d rows in %.1f s",
+            self.rows,
+            time.perf_counter() - start,
+        )
+        return out
+
+
+def _leaves(batch: tuple[Any, ...]) -> list[torch.Tensor]:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    if not leaves:
+        raise InputTypeError("compile=True: the batched arguments hold no tensor")
+    return leaves
+
+
+def _batch_size(batch: tuple[Any, ...]) -> int:
+    sizes = {int(t.shape[0]) if t.dim() else -1 for t in _leaves(batch)}
+    if len(sizes) != 1 or -1 in sizes:
+        raise InputTypeError(
+            f"compile=True: every batched tensor needs the same leading (batch) dimension, "
+            f"got sizes {sorted(sizes)}"
+        )
+    return sizes.pop()
+
+
+def _device(batch: tuple[Any, ...]) -> torch.device:
+    return _leaves(batch)[0].device
+
+
+def _padded(
+    batch: tuple[Any, ...], mask: torch.Tensor, start: int, stop: int, rows: int
+) -> tuple[tuple[Any, ...], torch.Tensor]:
+    """Rows ``start:stop`` of every batched tensor, padded to ``rows`` by repeating the batch's
+    first row (row 0 of an empty batch does not exist: zeros), with the mask padded False."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    pad = rows - (stop - start)
+
+    def cut(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        part = t[start:stop]
+        if pad == 0:
+            return part
+        shape = (pad, *t.shape[1:])
+        filler = t[:1].expand(shape) if t.shape[0] else t.new_zeros(shape)
+        return torch.cat([part, filler])
+
+    chunk_mask = torch.cat([mask[start:stop], mask.new_zeros(pad)]) if pad else mask[start:stop]
+    return tree_map(cut, batch), chunk_mask
+
+
+def _merged(chunks: list[tuple[ClipAux, torch.Tensor]], size: int) -> ClipAux:
+    """The physical batch's ``ClipAux``: per-example fields concatenated over the chunks with
+    the padding rows dropped, counts summed, the clipping rate over all real examples."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    auxes = [aux for aux, _ in chunks]
+    if len(auxes) == 1 and int(auxes[0].loss_values.shape[0]) == size:
+        return auxes[0]
+
+    def rows(values: list[Any]) -> Any:
+        return torch.cat(values)[:size]
+
+    real = torch.stack([a.batch_size for a in auxes])
+    clipped = torch.stack([a.clipping_rate.double() * a.batch_size for a in auxes]).sum()
+    count = real.sum()
+    rate = (clipped / count.clamp(min=1)).to(auxes[0].clipping_rate.dtype)
+    group = None
+    maps = [a.group_grad_norms for a in auxes if a.group_grad_norms is not None]
+    if maps:
+        group = {k: rows([m[k] for m in maps]) for k in maps[0]}
+    loss_aux = None
+    if auxes[0].loss_aux is not None:
+        rest = [a.loss_aux for a in auxes[1:]]
+        loss_aux = tree_map(lambda *xs: rows(list(xs)), auxes[0].loss_aux, *rest)
+    return dataclasses.replace(
+        auxes[0],
+        loss_values=rows([a.loss_values for a in auxes]),
+        grad_norms=rows([a.grad_norms for a in auxes]),
+        clipped_grad_norms=rows([a.clipped_grad_norms for a in auxes]),
+        clipping_rate=rate,
+        batch_size=count,
+        nonfinite_count=torch.stack([a.nonfinite_count for a in auxes]).sum(),
+        loss_aux=loss_aux,
+        group_grad_norms=group,
+    )

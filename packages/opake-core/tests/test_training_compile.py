@@ -1,0 +1,197 @@
+"""DPTraining(compile=True): the compiled step equals the eager one; padding adds nothing.
+
+Compilation is slow on CPU, so most tests trace with Dynamo's ``eager`` backend (the chunking,
+padding, masking and merging are what they check); one test compiles with Inductor.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from opake.core.errors import ConfigurationError, InputTypeError, OperationError
+from opake.core.testing import tiny_mlp
+from opake.dpsgd.clipping import AdaptiveClipping, AutoSClipping
+from opake.dpsgd.training import DPTraining
+from opake.functional import make_functional
+
+N, C = 40, 0.5
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.*is deprecated:DeprecationWarning")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def eager_backend(monkeypatch):
+    """``torch.compile`` with Dynamo's ``eager`` backend (tracing without Inductor)."""
+    stock = torch.compile
+    monkeypatch.setattr(torch, "compile", functools.partial(stock, backend="eager"))
+
+
+def _data():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(N, 8, generator=gen) * torch.linspace(0.1, 6.0, N)[:, None]
+    return x, torch.randint(0, 4, (N,), generator=gen)
+
+
+def _training(**options):
+    model = tiny_mlp(in_features=8, hidden=16, classes=4, seed=0)
+    fmodel, params = make_functional(model)
+
+    def loss_fn(p, x, y):
+        return torch.nn.functional.cross_entropy(fmodel(p, x[None]), y[None])
+
+    settings = {
+        "batch_args": 2,
+        "dataset_size": N,
+        "expected_batch_size": 9.0,
+        "noise_multiplier": 0.8,
+        "delta": 1e-5,
+        "clipping_norm": C,
+        "seed": 3,
+        "accountant": "rdp",
+        **options,
+    }
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    return model, DPTraining(loss_fn, optimizer, params, **settings)
+
+
+def _accumulated(training):
+    """The clipped sum the DP optimizer holds for the pending step (before noise)."""
+    return {k: v.detach().clone() for k, v in training._optimizer._sums.items()}
+
+
+def _run(steps, **options):
+    x, y = _data()
+    model, training = _training(**options)
+    results = []
+    for _, idx in zip(range(steps), training.batches(), strict=False):
+        rows = torch.tensor(idx, dtype=torch.long)
+        mask = None
+        if options.get("sampler") == "fixed":
+            from opake.dpsgd.sampling import padding_mask
+
+            mask = padding_mask(idx)
+            rows = rows.clamp(min=0)
+        results.append(training.step(x[rows], y[rows], example_mask=mask))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, results
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"microbatch_size": 4},
+        {"microbatch_size": 3, "clipping_norm": AutoSClipping(C)},
+        {"sampler": "fixed", "max_batch_size": 16},
+    ],
+    ids=["poisson-chunks", "auto-s", "fixed"],
+)
+def test_compiled_training_equals_eager(eager_backend, options):
+    eager, eager_results = _run(4, **options)
+    compiled, results = _run(4, compile=True, **options)
+    for name, value in eager.items():
+        torch.testing.assert_close(compiled[name], value, atol=1e-5, rtol=1e-5)
+    for a, b in zip(results, eager_results, strict=True):
+        assert (a.batch_size, a.clipped) == (b.batch_size, b.clipped)
+        assert a.loss == pytest.approx(b.loss, rel=1e-5, nan_ok=True)
+
+
+def test_padding_rows_add_exactly_nothing(eager_backend):
+    """A batch of 5 runs as chunks of 4 with 3 padded rows repeating row 0 — an example made
+    to have a huge gradient: its copies are masked, so the sum is the eager sum of 5."""
+    x, y = _data()
+    x = x[:5].clone()
+    x[0] *= 1e4
+    y = y[:5]
+    _, eager = _training(microbatch_size=4)
+    _, compiled = _training(microbatch_size=4, compile=True)
+    assert compiled.compiled
+    assert not eager.compiled
+    want = eager.accumulate(x, y)
+    got = compiled.accumulate(x, y)
+    sums = [_accumulated(t) for t in (eager, compiled)]
+    for name, value in sums[0].items():
+        torch.testing.assert_close(sums[1][name], value, atol=1e-6, rtol=1e-6)
+    assert int(got.batch_size) == int(want.batch_size) == 5
+    assert got.loss_values.shape == want.loss_values.shape == (5,)
+    torch.testing.assert_close(got.grad_norms, want.grad_norms, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got.clipping_rate, want.clipping_rate)
+
+
+def test_an_empty_batch_contributes_zeros(eager_backend):
+    _, training = _training(microbatch_size=4, compile=True)
+    aux = training.accumulate(torch.zeros(0, 8), torch.zeros(0, dtype=torch.long))
+    assert int(aux.batch_size) == 0
+    assert aux.loss_values.shape == (0,)
+    assert all(float(v.abs().max()) == 0.0 for v in _accumulated(training).values())
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"engine": "bookkeeping", "microbatch_size": 4}, "book-keeping"),
+        ({"privacy_units": list(range(N)), "microbatch_size": 4}, "privacy_units"),
+        (
+            {
+                "clipping_norm": AdaptiveClipping(
+                    C, count_noise_multiplier=5.0, expected_batch_size=9.0
+                ),
+                "microbatch_size": 4,
+            },
+            "AdaptiveClipping",
+        ),
+        ({}, "microbatch_size"),
+    ],
+    ids=["bookkeeping", "units", "adaptive", "poisson-without-chunks"],
+)
+def test_what_cannot_compile_is_refused_at_construction(options, match):
+    with pytest.raises(ConfigurationError, match=match):
+        _training(compile=True, **options)
+
+
+def test_compile_takes_a_bool():
+    with pytest.raises(InputTypeError, match="compile"):
+        _training(compile="yes", microbatch_size=4)
+
+
+def test_a_loss_that_does_not_trace_is_an_opake_error(eager_backend):
+    model = tiny_mlp(in_features=8, hidden=16, classes=4, seed=0)
+    fmodel, params = make_functional(model)
+
+    def loss_fn(p, x, y):
+        loss = torch.nn.functional.cross_entropy(fmodel(p, x[None]), y[None])
+        if float(loss) > 0:  # a host sync: not traceable under vmap
+            return loss
+        return -loss
+
+    training = DPTraining(
+        loss_fn,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        params,
+        batch_args=2,
+        dataset_size=N,
+        expected_batch_size=8.0,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        seed=0,
+        microbatch_size=4,
+        compile=True,
+    )
+    x, y = _data()
+    with pytest.raises(OperationError, match="compile=True"):
+        training.step(x[:6], y[:6])
+    assert training.steps == 0
+
+
+def test_inductor_compiled_step_equals_eager():
+    eager, _ = _run(2, microbatch_size=8)
+    compiled, _ = _run(2, microbatch_size=8, compile=True)
+    for name, value in eager.items():
+        torch.testing.assert_close(compiled[name], value, atol=1e-5, rtol=1e-5)
