@@ -36,6 +36,8 @@ step bk-loss-only 150 python3 tools/bench/bk_loss_only.py --device cuda --hidden
   --vocab 128256 --batch 8 --seq 1024 --steps 3 --warmup 1 \
   --methods nonprivate nonprivate-lossonly bk-logits bk-lossonly --json "$OUT/bk_loss_only.json"
 step checkpoint-memory 120 python3 tools/bench/checkpoint_memory.py --device cuda --offload --json "$OUT/ckpt_cuda.json"
+step compile 200 python3 tools/bench/compile_step.py --device cuda --steps 5 --warmup 2 \
+  --json "$OUT/compile.json"
 step gpu-tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="--import-mode=importlib" \
   packages/opake-core/tests packages/opake-patches/tests packages/opake-kernels/tests packages/opake-profiling/tests
 exit $rc
