@@ -195,3 +195,23 @@ def test_inductor_compiled_step_equals_eager():
     compiled, _ = _run(2, microbatch_size=8, compile=True)
     for name, value in eager.items():
         torch.testing.assert_close(compiled[name], value, atol=1e-5, rtol=1e-5)
+
+
+def test_units_per_call_are_refused_compiled(eager_backend):
+    """``accumulate(units=)`` without ``privacy_units``: the compiled chunks would clip a unit's
+    rows apart (sensitivity 2·C for a unit of two rows), so it is refused, nothing pending."""
+    x, y = _data()
+    _, training = _training(microbatch_size=4, compile=True)
+    with pytest.raises(ConfigurationError, match="compile=False"):
+        training.accumulate(x[:4], y[:4], units=torch.tensor([0, 0, 1, 1]))
+    assert training.pending_batches == 0
+
+
+def test_pending_batches_counts_physical_batches_not_chunks(eager_backend):
+    x, y = _data()
+    _, training = _training(microbatch_size=2, compile=True)
+    training.accumulate(x[:5], y[:5])  # three chunks
+    assert training.pending_batches == 1
+    result = training.finish_step()
+    assert result.batch_size == 5
+    assert len(result.aux) == 1

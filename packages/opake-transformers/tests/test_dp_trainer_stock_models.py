@@ -119,6 +119,19 @@ def test_stock_gpt2_with_dropout_and_a_pad_id_trains(tmp_path):
     assert _trained_and_changed(trainer)
 
 
+@pytest.mark.filterwarnings("ignore:.*torch.jit.*is deprecated:DeprecationWarning")
+def test_stock_gpt2_with_dropout_and_a_pad_id_compiles_in_one_graph(tmp_path, monkeypatch):
+    """With ``torch_compile=True`` the padding check is skipped while Dynamo traces: asking
+    whether a transform is active (an int) would break the compiled DP step's graph."""
+    torch._dynamo.reset()
+    graphs = H.count_compiled_graphs(monkeypatch)
+    trainer = _dp_trainer(tmp_path, _gpt2(), _texts(), torch_compile=True)
+    assert _trained_and_changed(trainer)
+    torch._dynamo.reset()
+    assert trainer.dp_training.compiled
+    assert len(graphs) == 1
+
+
 def test_stock_gpt2_with_lora_trains(tmp_path):
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(

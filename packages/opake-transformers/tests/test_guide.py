@@ -45,7 +45,6 @@ def test_the_guide_names_every_refused_setting_and_no_missing_one_as_refused():
         "train_sampling_strategy": "`train_sampling_strategy`",
         "deepspeed": "DeepSpeed",
         "fsdp": "FSDP",
-        "torch_compile": "`torch_compile`",
         "neftune_noise_alpha": "NEFTune",
         "n_gpu": "DataParallel",
         "group_by_length": "`group_by_length`",

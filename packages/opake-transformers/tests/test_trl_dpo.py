@@ -170,6 +170,7 @@ def test_truncation_is_counted(tmp_path):
         ({"use_weighting": True}, "use_weighting"),
         ({"f_divergence_type": "js_divergence"}, "f_divergence_type"),
         ({"max_grad_norm": 1.0}, "max_grad_norm"),
+        ({"torch_compile": True}, "torch_compile=True: each pair's two rows"),
     ],
 )
 def test_options_that_break_dp_are_refused(tmp_path, options, match):

@@ -169,6 +169,24 @@ def test_options_that_break_dp_are_refused(tmp_path, options, match):
         T.sft_trainer(tmp_path, **options)
 
 
+@pytest.mark.filterwarnings("ignore:.*torch.jit.*is deprecated:DeprecationWarning")
+def test_torch_compile_steps_equal_the_eager_steps_in_one_graph(tmp_path, monkeypatch):
+    """TRL's collated rows padded to the longest record: one graph (traced by Dynamo and run as
+    captured, without Inductor: see test_dp_trainer_compile.py)."""
+    torch._dynamo.reset()
+    graphs = T.H.count_compiled_graphs(monkeypatch)
+    eager = T.sft_trainer(tmp_path / "eager", max_steps=2)
+    eager.train()
+    compiled = T.sft_trainer(tmp_path / "compiled", max_steps=2, torch_compile=True)
+    compiled.train()
+    torch._dynamo.reset()
+    assert compiled.dp_training.compiled
+    assert len(graphs) == 1
+    want = T.params(eager.model)
+    for name, value in T.params(compiled.model).items():
+        torch.testing.assert_close(value, want[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_refusals_outside_the_config(tmp_path):
     from trl import SFTConfig
 

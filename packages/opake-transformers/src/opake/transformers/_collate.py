@@ -83,12 +83,16 @@ class DPDataCollator:
             is then made DP-safe (labels -100 on padding, the engine mask).
         engine_mask: replace a 2-D ``attention_mask`` by the mask the per-example engines
             accept (default); ``False`` keeps it as it is (evaluation: a plain forward).
+        pad_to: pad every batch's tokens to this length (one shape for a compiled step; a
+            batch already longer keeps its length). Default ``None``: the batch's longest.
 
     Example:
         >>> collate = DPDataCollator(pad_token_id=0, causal=True)
         >>> batch = collate([{"input_ids": [5, 6, 7]}, {"input_ids": [8]}])
         >>> batch["labels"].tolist(), "attention_mask" in batch
         ([[5, 6, 7], [8, -100, -100]], False)
+        >>> DPDataCollator(causal=True, pad_to=4)([{"input_ids": [5, 6]}])["labels"].tolist()
+        [[5, 6, -100, -100]]
     """
 
     def __init__(
@@ -98,9 +102,13 @@ class DPDataCollator:
         causal: bool,
         base: Callable[[list[Any]], Any] | None = None,
         engine_mask: bool = True,
+        pad_to: int | None = None,
     ) -> None:
         if base is not None and not callable(base):
             raise InputTypeError(f"base={base!r}: expected a collator (a callable)")
+        if pad_to is not None and not (isinstance(pad_to, int) and pad_to >= 1):
+            raise InputTypeError(f"pad_to={pad_to!r}: expected a number of tokens ≥ 1 or None")
+        self.pad_to = pad_to
         self.pad_token_id = int(pad_token_id)
         self.causal = bool(causal)
         self.base = base
@@ -147,6 +155,8 @@ class DPDataCollator:
             raise ConfigurationError(
                 f"DPDataCollator: the batch has no input_ids (keys {sorted(batch)})"
             )
+        if self.pad_to is not None:
+            batch = self._padded(batch, self.pad_to)
         mask = batch.pop("attention_mask", None)
         if self.causal:
             labels = batch.get("labels")
@@ -164,6 +174,33 @@ class DPDataCollator:
             if converted is not None:
                 batch["attention_mask"] = converted
         return batch
+
+    def _padded(self, batch: dict[str, Any], length: int) -> dict[str, Any]:
+        """*batch* with every per-token tensor (``[B, T]`` like ``input_ids``) padded to
+        *length* tokens: the pad id, -100 for a causal LM's labels, 0 otherwise (other labels
+        are left as they are: ``[B, K]`` may be K classes)."""
+        import torch
+
+        ids = torch.as_tensor(batch["input_ids"])
+        if ids.dim() != 2 or ids.shape[1] >= length:
+            return batch
+        rows, width = ids.shape
+        out = dict(batch)
+        for key, value in batch.items():
+            if not isinstance(value, torch.Tensor) or value.shape[:1] != (rows,):
+                continue
+            if value.dim() > 2:
+                raise ConfigurationError(
+                    f"DPDataCollator(pad_to={length}): the collated {key!r} has shape "
+                    f"{tuple(value.shape)}, which cannot be padded to {length} tokens; have the "
+                    "data collator return per-token tensors [batch, tokens] (a 2-D mask)"
+                )
+            if key == "labels" and not self.causal:
+                continue
+            if value.dim() == 2 and value.shape[1] == width:
+                fill = -100 if key == "labels" else self.pad_token_id if key == "input_ids" else 0
+                out[key] = torch.nn.functional.pad(value, (0, length - width), value=fill)
+        return out
 
 
 class PoissonBatches:

@@ -19,7 +19,6 @@ unit) and what the memory probe measures (:meth:`_probe`).
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -32,6 +31,13 @@ from opake.core.choices import TRAINING_PLD_OPTIONS
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.transformers._args import DPArguments
 from opake.transformers._collate import DPDataCollator, PoissonBatches
+from opake.transformers._compile import (
+    accelerator_args_without_compile,
+    check_model_not_compiled,
+    chunk_rows,
+    dp_engine,
+    sequence_length,
+)
 from opake.transformers._hf_checks import make_checks_transform_safe
 from opake.transformers._losses import detect_task, has_dropout, per_example_losses
 from opake.transformers._microbatch import MicrobatchChoice, longest_example, trainer_microbatch
@@ -43,7 +49,7 @@ from opake.transformers._sampling import (
     trainer_unit_rows,
     without_column,
 )
-from opake.transformers._step import DPStep, PrivacyBudget
+from opake.transformers._step import DPStep, PrivacyBudget, log_setup
 from opake.transformers._train_loader import (
     BATCH_INDICES_KEY,
     EXAMPLE_MASK_KEY,
@@ -62,8 +68,6 @@ else:
     _Base = object
 
 __all__ = ["DP_STATE_FILE", "DPTrainerMixin"]
-
-logger = logging.getLogger("opake.transformers")
 
 #: the DP state (optimizer, noise generator, sampler position, accountant) beside the weights
 DP_STATE_FILE = "opake_dp_state.pt"
@@ -116,6 +120,7 @@ class DPTrainerMixin(_Base):
                 "draws each example independently, which an iterable dataset cannot do"
             )
         check_model(self.model)
+        check_model_not_compiled(self)
         make_checks_transform_safe(self.model)
         self._per_example_loss = per_example_loss
         self._task = "custom" if per_example_loss is not None else detect_task(self.model)
@@ -144,6 +149,12 @@ class DPTrainerMixin(_Base):
                 "DPTrainingArguments (TrainingArguments plus target_epsilon / noise_multiplier, "
                 "target_delta, per_sample_max_grad_norm, ...)"
             )
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        """The Trainer's accelerator arguments; with ``torch_compile`` it compiles no model
+        (the DP step compiles itself, once: :mod:`opake.transformers._compile`)."""
+        built: dict[str, Any] = super()._build_accelerator_args(**kwargs)
+        return accelerator_args_without_compile(built) if self.args.torch_compile else built
 
     # -- the privacy parameters ---------------------------------------------------------------
 
@@ -204,7 +215,7 @@ class DPTrainerMixin(_Base):
                 dataset = self._remove_unused_columns(dataset, description="training")
         except ImportError:
             pass
-        collator = self._dp_collator()
+        collator = self._dp_collator(pad_to=sequence_length(self.args, dataset))
         column = getattr(self.args, "privacy_unit_column", None)
         if column is not None:  # the units come from the sampler; the model never sees them
             collator = without_column(collator, column)
@@ -224,15 +235,19 @@ class DPTrainerMixin(_Base):
         self._train_loader, self._train_batches = loader, batches
         return loader
 
-    def _dp_collator(self, *, engine_mask: bool = True) -> Callable[[list[Any]], dict[str, Any]]:
+    def _dp_collator(
+        self, *, engine_mask: bool = True, pad_to: int | None = None
+    ) -> Callable[[list[Any]], dict[str, Any]]:
         """The user's collator (if any) made DP-safe: padding never mixes examples, causal-LM
-        labels from ``input_ids`` with padding ignored (``engine_mask``: see DPDataCollator)."""
+        labels from ``input_ids`` with padding ignored (``engine_mask``, ``pad_to``: see
+        DPDataCollator)."""
         pad = getattr(self.processing_class, "pad_token_id", None)
         return DPDataCollator(
             pad_token_id=pad if pad is not None else 0,
             causal=self._task == "causal_lm",
             base=self._user_collator,
             engine_mask=engine_mask,
+            pad_to=pad_to,
         )
 
     def _check_train_loader(self, loader: object) -> None:
@@ -295,12 +310,13 @@ class DPTrainerMixin(_Base):
             a.target_delta if a.target_delta is not None else 1.0 / trainer_population(self) ** 2
         )
         max_batch = trainer_fixed_slots(self, n, delta) if a.dp_sampler == "fixed" else None
-        microbatch = a.microbatch_size
+        engine, microbatch = dp_engine(a), a.microbatch_size
         if microbatch is None:
             self.microbatch_choice = self._default_microbatch(
-                loss, fmodel, (trainable, frozen), randomness, max_batch
+                loss, fmodel, (trainable, frozen), randomness, max_batch, engine=engine
             )
             microbatch = self.microbatch_choice.microbatch
+        microbatch = chunk_rows(a, microbatch, max_batch=max_batch)  # torch_compile: one shape
         training = DPTraining(
             loss,
             inner,
@@ -314,7 +330,7 @@ class DPTrainerMixin(_Base):
             steps=self._planned_steps(),
             delta=delta,
             clipping_norm=clip,
-            engine=a.engine,
+            engine=engine,
             microbatch_size=microbatch,
             randomness=randomness,
             accountant=a.accountant,
@@ -325,21 +341,9 @@ class DPTrainerMixin(_Base):
             seed=a.seed if a.reproducible else None,
             privacy_units=trainer_unit_keys(self),
             max_records_per_unit=getattr(a, "max_records_per_unit", None),
+            compile=bool(a.torch_compile),
         )
-        column = getattr(a, "privacy_unit_column", None)
-        logger.info(
-            "DP-SGD: σ = %.4g, q = %.4g (expected batch %g of %d %s), δ = %.3g, C = %g, %s; "
-            "ε per %s",
-            training.noise_multiplier,
-            training.sample_rate,
-            training.expected_batch_size,
-            training.dataset_size,
-            "examples" if column is None else f"units ({column})",
-            delta,
-            a.per_sample_max_grad_norm,
-            "seeded (reproducible)" if a.reproducible else "secure randomness",
-            "example" if column is None else f"unit ({column})",
-        )
+        log_setup(training, a)
         return training
 
     def _probe(self, loss: Any, fmodel: Any, model: Any) -> tuple[Any, int, int | None]:
@@ -355,6 +359,8 @@ class DPTrainerMixin(_Base):
         params: tuple[Any, ...],
         randomness: str,
         max_batch: int | None,
+        *,
+        engine: str,
     ) -> MicrobatchChoice:
         """The per-device microbatch when ``microbatch_size`` is not set (memory-aware, from
         the profiling tuner's measurements; privacy-neutral)."""
@@ -369,6 +375,7 @@ class DPTrainerMixin(_Base):
             randomness=randomness,
             max_batch=max_batch,
             sizes=sizes,
+            engine=engine,
         )
 
     def _bind_params(self) -> None:
@@ -399,7 +406,7 @@ class DPTrainerMixin(_Base):
         inputs = dict(inputs)
         indices = inputs.pop(BATCH_INDICES_KEY, None)
         # refuse a batch the Poisson sampler did not draw, before any of it is used
-        self._drawn.check(indices, dp.sampler, dp.steps, dp.pending_batches)
+        self._drawn.check(indices, dp.sampler, dp.steps, dp.pending_batches > 0)
         model.train()  # as the Trainer does (dropout: per-example masks under vmap)
         device = self.args.device
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}

@@ -8,13 +8,18 @@ answered — each example holds a different value — and torch raises ("vmap: .
 
 The check is a warning only, and ``DPTrainer``'s collator already handles padding (labels -100 on
 padding, no mask needed after right padding in a causal LM, a float additive mask otherwise), so
-inside a ``torch.func`` transform it is skipped; outside one it runs unchanged. Only the model
-instance given to ``DPTrainer`` (and its submodules) is changed, never a class.
+inside a ``torch.func`` transform it is skipped; outside one it runs unchanged. While
+``torch.compile`` traces (``torch_compile=True``: the DP step, inside ``vmap``) it is skipped
+too: asking torch whether a transform is active (``maybe_current_level``) returns an int that
+Dynamo cannot put in a graph, so the question itself would break the compiled step. Only the
+model instance given to ``DPTrainer`` (and its submodules) is changed, never a class.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from opake.functional import outside_transforms
@@ -25,11 +30,32 @@ logger = logging.getLogger("opake.transformers")
 
 #: the transformers methods that branch on input values and only warn (model instance level)
 DATA_DEPENDENT_CHECKS = ("warn_if_padding_and_no_attention_mask",)
+#: set on every check :func:`_safe` made (so making one safe twice is a no-op)
+_SAFE = "_opake_transform_safe_check"
+
+
+def _safe(check: Callable[..., Any]) -> Callable[..., Any]:
+    """*check* skipped inside ``torch.func`` transforms and while ``torch.compile`` traces."""
+    if getattr(check, _SAFE, False):
+        return check
+    outside = outside_transforms(check)
+
+    @functools.wraps(outside)
+    def skipped_when_traced(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if torch.compiler.is_compiling():  # a constant to Dynamo: nothing else is traced
+            return None
+        return outside(*args, **kwargs)
+
+    setattr(skipped_when_traced, _SAFE, True)
+    return skipped_when_traced
 
 
 def make_checks_transform_safe(model: Any) -> int:
-    """Make each of :data:`DATA_DEPENDENT_CHECKS` a no-op inside ``torch.func`` transforms on
-    every submodule of ``model`` that has it (idempotent); return how many were changed.
+    """Make each of :data:`DATA_DEPENDENT_CHECKS` a no-op inside ``torch.func`` transforms (and
+    while ``torch.compile`` traces) on every submodule of ``model`` that has it (idempotent);
+    return how many were changed.
 
     >>> import torch
     >>> class Model(torch.nn.Module):
@@ -50,7 +76,7 @@ def make_checks_transform_safe(model: Any) -> int:
             check = getattr(module, name, None)
             if check is None:
                 continue
-            safe = outside_transforms(check)
+            safe = _safe(check)
             if safe is not check:
                 setattr(module, name, safe)
                 changed += 1

@@ -222,13 +222,15 @@ def trainer_microbatch(
     randomness: str,
     max_batch: int | None,
     sizes: tuple[int, int] | None = None,
+    engine: str | None = None,
 ) -> MicrobatchChoice:
     """:func:`default_microbatch` for a DP trainer's physical batches: *loss* is what the probe
     differentiates, *rows* the rows of the forward one example is (two for a DPO pair),
     *length* the most tokens of a row, *max_batch* the fixed-shape sampler's slots (or
     ``None``: Poisson batches, up to the expected size plus five standard deviations); *sizes*:
     the expected and largest examples of a physical batch when the caller knows them better
-    (privacy units bring their records)."""
+    (privacy units bring their records); *engine*: the one the DP step uses (default
+    ``args.engine``; the vmap engine when the step is compiled)."""
     from opake.dpsgd.clipping import AutoSClipping, clipped_grad
     from opake.transformers._losses import base_model
 
@@ -257,7 +259,7 @@ def trainer_microbatch(
             batch_argnums=(2,),
             microbatch_size=m,
             randomness=randomness,
-            engine=a.engine,
+            engine=a.engine if engine is None else engine,
             check_unused=False,
         )
 

@@ -3,7 +3,8 @@ saying so (each with the reason and what to do instead).
 
 The list is checked against the installed ``TrainingArguments``: a setting that this version of
 transformers does not have (``group_by_length`` is gone from 5.25) is neither checked nor
-listed by :func:`refused_settings`."""
+listed by :func:`refused_settings`. ``torch_compile`` is supported (the DP step compiles through
+``DPTraining(compile=True)``); what does not compile with it is refused by :func:`check_compile`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 from opake.core.errors import ConfigurationError
 
-__all__ = ["SECOND_RUN", "check_arguments", "check_model", "refused_settings"]
+__all__ = ["SECOND_RUN", "check_arguments", "check_compile", "check_model", "refused_settings"]
 
 
 #: why a second ``train()`` on the same ``DPTrainer`` is refused (it raised RecursionError)
@@ -57,7 +58,6 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     ("deepspeed", lambda a: bool(a.deepspeed), "not supported with per-example clipping"),
     ("fsdp", lambda a: bool(a.fsdp), "not supported here; use DDP (torchrun)"),
-    ("torch_compile", lambda a: bool(a.torch_compile), "not supported with per-example clipping"),
     (
         "neftune_noise_alpha",
         lambda a: a.neftune_noise_alpha is not None,
@@ -117,9 +117,47 @@ def _checkpointing_kwargs(args: Any) -> None:
         setattr(args, kwargs_name, options)
 
 
+#: torch.compile's defaults, the only ones the compiled DP step takes (backend, mode)
+_COMPILE_DEFAULTS = {
+    "torch_compile_backend": (None, "inductor"),
+    "torch_compile_mode": (None, "default"),
+}
+
+
+def check_compile(args: Any) -> None:
+    """With ``torch_compile``: refuse what the compiled DP step cannot do (the book-keeping
+    engine, privacy units, a backend or mode other than torch.compile's defaults)."""
+    if not getattr(args, "torch_compile", False):
+        return
+    if args.engine == "bookkeeping":
+        raise ConfigurationError(
+            "DPTrainer: torch_compile=True with engine='bookkeeping': the book-keeping engine's "
+            "forward and backward hooks do not trace into one graph; use engine='vmap' (or "
+            "'auto', which compiles with vmap), or torch_compile=False to keep book-keeping"
+        )
+    column = getattr(args, "privacy_unit_column", None)
+    if column is not None:
+        raise ConfigurationError(
+            f"DPTrainer: torch_compile=True with privacy_unit_column={column!r}: the plan that "
+            "keeps each unit's records in one chunk is computed on the host and does not "
+            "trace; train user-level DP with torch_compile=False"
+        )
+    for name, defaults in _COMPILE_DEFAULTS.items():
+        value = getattr(args, name, None)
+        if value not in defaults:
+            raise ConfigurationError(
+                f"DPTrainer: {name}={value!r}: the DP step is compiled with torch.compile's "
+                f"default backend (inductor) and mode only; drop {name} or set "
+                "torch_compile=False (on HPU and Neuron devices transformers picks its own "
+                "backend, so compiling the DP step there is not supported)"
+            )
+
+
 def check_arguments(args: Any) -> None:
-    """Refuse the arguments in :data:`_REFUSED`; make activation checkpointing non-reentrant."""
+    """Refuse the arguments in :data:`_REFUSED` and what :func:`check_compile` refuses; make
+    activation checkpointing non-reentrant."""
     for name, refused, why in _installed():
         if refused(args):
             raise ConfigurationError(f"DPTrainer: {name}={getattr(args, name)!r}: {why}")
+    check_compile(args)
     _checkpointing_kwargs(args)

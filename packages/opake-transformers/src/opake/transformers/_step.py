@@ -1,7 +1,8 @@
 """The two pieces that tie the Trainer's loop to the DP step: the optimizer the Trainer steps
 (:class:`DPStep`, whose ``step()`` is :meth:`DPTraining.finish_step`) and the callback
 (:class:`PrivacyBudget`) that binds the DP step to the prepared model, keeps ``state.epoch``
-right after a resume and stops training when the budget is spent."""
+right after a resume and stops training when the budget is spent; and the log line that
+describes the DP step when it is built (:func:`log_setup`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from opake.core.errors import ConfigurationError
 if TYPE_CHECKING:
     from opake.transformers._dp_mixin import DPTrainerMixin
 
-__all__ = ["DPStep", "PrivacyBudget"]
+__all__ = ["DPStep", "PrivacyBudget", "log_setup"]
 
 logger = logging.getLogger("opake.transformers")
 
@@ -49,6 +50,23 @@ class DPStep(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)
+
+
+def log_setup(training: Any, args: Any) -> None:
+    """Log σ, q, δ, C, the randomness and the privacy unit of the DP step just built."""
+    column = getattr(args, "privacy_unit_column", None)
+    logger.info(
+        "DP-SGD: σ = %.4g, q = %.4g (expected batch %g of %d %s), δ = %.3g, C = %g, %s; ε per %s",
+        training.noise_multiplier,
+        training.sample_rate,
+        training.expected_batch_size,
+        training.dataset_size,
+        "examples" if column is None else f"units ({column})",
+        training.delta,
+        args.per_sample_max_grad_norm,
+        "seeded (reproducible)" if args.reproducible else "secure randomness",
+        "example" if column is None else f"unit ({column})",
+    )
 
 
 class PrivacyBudget(TrainerCallback):

@@ -143,7 +143,9 @@ class DrawnBatches:
     Physical batch ``k`` of logical step ``t`` must hold exactly
     ``physical_batches(sampler, sampler.batch_at(t), chunks)[k]`` (padding slots included, for
     fixed shapes; cut at unit boundaries for a unit sampler). The draw of the current step is
-    recomputed once per step.
+    recomputed once per step. ``k`` is counted here: the physical batches that passed the
+    check since the step's first (the DP step's own count is of compiled chunks when
+    compiled, several per physical batch).
     """
 
     def __init__(self, chunks: int, mode: str) -> None:
@@ -151,15 +153,20 @@ class DrawnBatches:
         self._mode = mode
         self._step: int | None = None
         self._parts: list[list[int]] = []
+        self._count = 0  # physical batches checked in the step in progress
 
-    def check(self, indices: Any, sampler: Any, step: int, index: int) -> None:
-        """Refuse physical batch ``index`` of step ``step`` unless ``indices`` (the batch's
-        :data:`BATCH_INDICES_KEY` tensor, ``None`` when absent) are the sampler's draw."""
+    def check(self, indices: Any, sampler: Any, step: int, pending: bool) -> None:
+        """Refuse the next physical batch of step ``step`` unless ``indices`` (the batch's
+        :data:`BATCH_INDICES_KEY` tensor, ``None`` when absent) are the sampler's draw;
+        ``pending``: the step already holds a batch (else this is its first: a new step, or
+        one dropped after an error)."""
         if self._step != step:
             self._parts = physical_batches(sampler, sampler.batch_at(step), self._chunks)
             self._step = step
+        index = self._count if pending else 0
         expected = self._parts[index] if index < len(self._parts) else None
         if isinstance(indices, torch.Tensor) and indices.tolist() == expected:
+            self._count = index + 1
             return
         reason = (
             "carries no sampler indices: it was not collated by DPTrainer's training loader"

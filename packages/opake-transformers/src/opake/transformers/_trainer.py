@@ -35,8 +35,8 @@ class DPTrainer(DPTrainerMixin, Trainer):
     autocast for the forward, clipping, sum and noise in fp32), ``max_grad_norm``,
     ``auto_find_batch_size``, ``dataloader_drop_last``, non-random
     ``train_sampling_strategy`` (and ``group_by_length`` where transformers has it),
-    DeepSpeed, FSDP, ``torch_compile``, NEFTune, DataParallel, reentrant activation
-    checkpointing, ``compute_loss_func`` and an iterable training set. When training begins,
+    DeepSpeed, FSDP, NEFTune, DataParallel, reentrant activation checkpointing,
+    ``compute_loss_func`` and an iterable training set. When training begins,
     a training loader other than the one :meth:`get_train_dataloader` builds (e.g. a subclass
     returning a shuffled ``DataLoader``) is refused, and so is any physical batch that is not
     the Poisson sampler's draw. ``label_smoothing_factor`` is applied within each example; the
@@ -47,6 +47,14 @@ class DPTrainer(DPTrainerMixin, Trainer):
     else half of what is available), else the largest power of two that does (measured with
     ``opake.profiling``'s tuner on random tokens; privacy-neutral). The choice and why are
     logged on the ``opake.transformers`` logger and kept in ``microbatch_choice``.
+
+    ``torch_compile=True`` compiles the DP step once, through ``DPTraining(compile=True)``
+    (the vmap engine, one graph), and not the model (evaluation runs eager): each physical
+    batch runs as chunks of one size (``microbatch_size``, else the automatic microbatch, else
+    the physical batch; the last chunk padded with masked rows) and every training batch is
+    padded to the longest training example, so one shape is compiled. Refused with it:
+    ``engine="bookkeeping"``, ``privacy_unit_column`` and a ``torch_compile_backend`` or
+    ``torch_compile_mode`` other than torch.compile's defaults.
 
     Attributes:
         privacy_stop_message: why training stopped early (the budget), or ``None``.

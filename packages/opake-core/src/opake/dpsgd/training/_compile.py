@@ -43,19 +43,20 @@ def check_compile(
     units: object,
     microbatch_size: int | None,
     fixed_rows: int | None,
-) -> tuple[str, int | None]:
-    """Validate ``compile=`` against the other choices; return the engine and chunk rows.
+) -> tuple[str, int | None, bool]:
+    """Validate ``compile=`` against the other choices; return the engine, the chunk rows
+    and whether the graph must be whole (``False`` for group clipping: one graph break).
 
     ``fixed_rows``: ``B_max`` of fixed-shape sampling (``None`` for Poisson). The chunk size is
     ``microbatch_size``, else ``B_max``; Poisson sampling without ``microbatch_size`` is
     refused (its batches have no one shape). Without ``compile`` nothing changes.
     """
-    from opake.dpsgd.clipping import AdaptiveClipping
+    from opake.dpsgd.clipping import AdaptiveClipping, GroupClipping
 
     if not isinstance(compile, bool):
         raise InputTypeError(f"compile={compile!r}: expected True or False")
     if not compile:
-        return engine, microbatch_size
+        return engine, microbatch_size, True
     if engine == "bookkeeping":
         raise ConfigurationError(
             "compile=True with engine='bookkeeping': the book-keeping engine's forward and "
@@ -81,7 +82,7 @@ def check_compile(
         )
     if engine == "auto":
         _LOG.info("compile=True: engine='auto' uses the vmap engine (book-keeping does not trace)")
-    return "vmap", rows
+    return "vmap", rows, not isinstance(clipping_norm, GroupClipping)
 
 
 class CompiledStep:
@@ -108,9 +109,9 @@ class CompiledStep:
         *,
         state: ClipState,
         example_mask: torch.Tensor | None,
-    ) -> tuple[ClippedGrads, list[tuple[ClipAux, torch.Tensor]], ClipAux, ClipState]:
-        """One physical batch: its clipped sum, each chunk's ``(aux, mask)``, the batch's
-        aux (padding rows dropped) and the new clip state."""
+    ) -> tuple[ClippedGrads, ClipAux, ClipState]:
+        """One physical batch: its clipped sum, its aux (the chunks' merged, padding rows
+        dropped) and the new clip state."""
         import torch
 
         size = _batch_size(batch)
@@ -132,7 +133,7 @@ class CompiledStep:
             # ClippedGrads addition keeps the sensitivity (each example is in one chunk)
             total = grads if total is None else total + grads
         assert total is not None  # at least one chunk, an empty batch's included
-        return total, chunks, _merged(chunks, size), state
+        return total, _merged(chunks, size), state
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         if not self._first:

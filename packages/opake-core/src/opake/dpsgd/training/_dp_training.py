@@ -168,7 +168,6 @@ class DPTraining(TrainingState):
         compile: bool = False,
         **unknown: Any,
     ) -> None:
-        from opake.dpsgd.clipping import clipped_grad
         from opake.dpsgd.distributed import current_context
 
         n, self._batch_args = _check_arguments(unknown, args, params, dataset_size, batch_args)
@@ -193,28 +192,12 @@ class DPTraining(TrainingState):
             sampler, n, q, extra, self._context, how=(steps_per_epoch, seed, units)
         )
         self._args, self._params = args, params
-        engine, rows = check_compile(
-            compile,
-            engine=engine,
-            clipping_norm=clipping_norm,
-            units=units,
-            microbatch_size=microbatch_size,
-            fixed_rows=getattr(self._sampler, "max_batch_size", None),
-        )
-        self._grad_fn, self._clip_state = clipped_grad(
+        self._build_clipping(
             loss_fn,
-            argnums=0,
-            clipping_norm=clipping_norm,
-            batch_argnums=tuple(range(1 + len(args), 1 + len(args) + self._batch_args)),
-            microbatch_size=None if compile else microbatch_size,
-            return_aux=True,
-            randomness=randomness,
+            clipping_norm,
             engine=engine,
-        )
-        self._compiled = (
-            CompiledStep(self._grad_fn, rows or 1, fullgraph=not _is_group(clipping_norm))
-            if compile
-            else None
+            how=(microbatch_size, randomness, compile),
+            units=units,
         )
         self._optimizer = self._dp_optimizer(
             optimizer, module if module is not None else params, process_group, sigma, seed
@@ -224,6 +207,42 @@ class DPTraining(TrainingState):
         self._hooks, self._units = [], StepUnits(self._sampler if units is not None else None)
         self._after_load()  # no step pending, no budget or ε computed yet
         self._check_budget()
+
+    def _build_clipping(
+        self,
+        loss_fn: Callable[..., Any],
+        clipping_norm: float | Mapping[str, float] | ClipState,
+        *,
+        engine: str,
+        how: tuple[int | None, str, bool],
+        units: object,
+    ) -> None:
+        """The clipped-gradient function and clip state (``how``: microbatch size,
+        randomness, compile), compiled for one chunk shape with ``compile=True``."""
+        from opake.dpsgd.clipping import clipped_grad
+
+        microbatch_size, randomness, compile = how
+        engine, rows, fullgraph = check_compile(
+            compile,
+            engine=engine,
+            clipping_norm=clipping_norm,
+            units=units,
+            microbatch_size=microbatch_size,
+            fixed_rows=getattr(self._sampler, "max_batch_size", None),
+        )
+        first = 1 + len(self._args)
+        self._grad_fn, self._clip_state = clipped_grad(
+            loss_fn,
+            argnums=0,
+            clipping_norm=clipping_norm,
+            batch_argnums=tuple(range(first, first + self._batch_args)),
+            microbatch_size=None if compile else microbatch_size,
+            return_aux=True,
+            randomness=randomness,
+            engine=engine,
+        )
+        step = CompiledStep(self._grad_fn, rows or 1, fullgraph=fullgraph) if compile else None
+        self._compiled = step
 
     def _dp_optimizer(
         self,
@@ -336,10 +355,16 @@ class DPTraining(TrainingState):
     ) -> tuple[Any, list[tuple[Any, Any]], ClipAux]:
         """One physical batch's clipped sum, its ``(aux, mask)`` records and its aux."""
         if self._compiled is not None:
-            grads, pending, aux, self._clip_state = self._compiled(
+            if units is not None:  # the compiled chunks would cut a unit's rows apart
+                raise ConfigurationError(
+                    "accumulate(units=...) with compile=True: a unit's rows must be clipped as "
+                    "one, which the compiled chunks do not do; build DPTraining with "
+                    "compile=False to clip privacy units"
+                )
+            grads, aux, self._clip_state = self._compiled(
                 self._params, self._args, batch, state=self._clip_state, example_mask=example_mask
             )
-            return grads, list(pending), aux
+            return grads, [(aux, example_mask)], aux
         kwargs: dict[str, Any] = {"end_step": False}
         if example_mask is not None:
             kwargs["example_mask"] = example_mask
@@ -452,9 +477,3 @@ class DPTraining(TrainingState):
             f"target_epsilon={self.target_epsilon}, world_size={self.world_size}, "
             f"{'secure' if self._secure else 'seeded'})"
         )
-
-
-def _is_group(clipping_norm: object) -> bool:
-    from opake.dpsgd.clipping import GroupClipping
-
-    return isinstance(clipping_norm, GroupClipping)

@@ -155,7 +155,11 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
 
     # -- the DP step ----------------------------------------------------------------------------
 
-    def _dp_collator(self, *, engine_mask: bool = True) -> Callable[[list[Any]], dict[str, Any]]:
+    def _dp_collator(
+        self, *, engine_mask: bool = True, pad_to: int | None = None
+    ) -> Callable[[list[Any]], dict[str, Any]]:
+        """TRL's preference collator, each pair's rows side by side (``pad_to`` is for a
+        compiled step, which ``DPDPOTrainer`` refuses)."""
         return PreferenceRows(self._user_collator)
 
     def _batched_losses(self, fmodel: Any, model: Any) -> Callable[..., torch.Tensor]:

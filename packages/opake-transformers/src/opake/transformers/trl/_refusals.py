@@ -103,6 +103,15 @@ DPO_REFUSED: tuple[_Entry, ...] = (
         ),
     ),
     (
+        "torch_compile",
+        lambda a: bool(a.torch_compile),
+        (
+            "each pair's two rows are clipped as one privacy unit, and the plan that keeps a "
+            "unit's rows together does not trace into the compiled step; train DPO with "
+            "torch_compile=False"
+        ),
+    ),
+    (
         "world_size",
         lambda a: a.world_size > 1,
         (
