@@ -162,6 +162,7 @@ def test_help_lists_exactly_the_options_the_audit_honours(capsys):
     train, _ = options("train")
     audit, text = options("audit")
     refused = {"--resume", "--checkpoint-every", "--eval-every", "--max-val-blocks"}
+    refused |= {"--compile", "--objective", "--dpo-beta"}
     own = {"--canaries", "--canary-count", "--canary-direction", "--canary-records"}
     own |= {"--confidence"}
     assert audit == (train - refused) | own

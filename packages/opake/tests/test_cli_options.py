@@ -80,8 +80,8 @@ def test_the_derived_help_lists_sections_and_options_in_the_hand_written_order()
 def test_the_resume_lock_is_derived_and_unchanged():
     assert locked_fields(TrainSettings) == RESUME_LOCKED
     assert RESUME_LOCKED == (
-        "model", "data", "text_field", "privacy_unit", "max_records_per_unit", "block_size",
-        "val_fraction", "lora_r", "lora_alpha",
+        "model", "data", "text_field", "objective", "dpo_beta", "privacy_unit",
+        "max_records_per_unit", "block_size", "val_fraction", "lora_r", "lora_alpha",
         "dropout", "target_epsilon", "noise_multiplier", "delta", "accountant", "clip",
         "batch_size", "sampler", "steps", "epochs", "lr", "warmup", "optimizer", "weight_decay",
         "seed", "reproducible",

@@ -157,12 +157,15 @@ def _print_plan(plan: Any, options: dict[str, Any]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from opake.cli._blocks import data_kind
     from opake.cli._settings import settings_from_args
     from opake.cli._trainer import plan_run
 
     options = _options(args)
     settings = settings_from_args(args)
     _check_out(Path(settings.out))
+    if data_kind(settings) != "text":
+        raise ConfigurationError(f"--data {settings.data}: {REFUSED['--objective']}")
     plan = plan_run(settings)
     _print_plan(plan, options)
     try:

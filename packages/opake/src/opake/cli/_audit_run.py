@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 __all__ = ["REFUSED", "run_audit"]
 
 _EVAL_BATCH = 64
+#: why an audit refuses SFT and DPO records
+_TEXT_ONLY = (
+    "an audit measures language-model training on text blocks; SFT and DPO records are not "
+    "audited yet: audit a text corpus (--data FILE, or a JSONL file of text records)"
+)
 #: opake train's options an audit does not honour, and why: refused, and not in --help
 REFUSED = {
     "--resume": (
@@ -40,6 +45,9 @@ REFUSED = {
     "--checkpoint-every": "an audit saves no checkpoint; drop --checkpoint-every",
     "--eval-every": "an audit does not evaluate on the validation split; drop --eval-every",
     "--max-val-blocks": "an audit does not evaluate on the validation split; drop --max-val-blocks",
+    "--compile": "an audit runs the eager DP step (canaries join it uncompiled); drop --compile",
+    "--objective": _TEXT_ONLY,
+    "--dpo-beta": _TEXT_ONLY,
 }
 
 

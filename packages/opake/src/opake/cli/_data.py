@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import sysconfig
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "NAMED_CORPORA",
     "Corpus",
+    "json_records",
     "load_corpus",
     "make_blocks",
     "split_blocks",
@@ -91,11 +92,13 @@ def _stdlib_source() -> Corpus:
     return Corpus("stdlib", tuple(d for d in docs if d.strip()))
 
 
-def _read_jsonl(
-    path: Path, text_field: str, unit_field: str | None = None
-) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
-    docs = []
-    units: list[str] = []
+def json_records(path: Path) -> Iterator[tuple[int, Any]]:
+    """The JSON values of a JSONL file, one a line, with their line numbers (blank lines
+    skipped); the callers check that each is an object with the fields they need.
+
+    Raises:
+        ConfigurationError: a line that is not valid JSON.
+    """
     with path.open(encoding="utf-8") as handle:
         for lineno, line in enumerate(handle, start=1):
             if not line.strip():
@@ -107,20 +110,29 @@ def _read_jsonl(
                     f"--data {path}: line {lineno} is not valid JSON ({err.msg}); expected one "
                     "JSON object per line"
                 ) from None
-            if not isinstance(record, dict) or text_field not in record:
-                raise ConfigurationError(
-                    f"--data {path}: line {lineno} has no {text_field!r} field; expected objects "
-                    f'like {{"{text_field}": "..."}} (choose the field with --text-field)'
-                )
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise ConfigurationError(
-                    f"--data {path}: line {lineno}: field {text_field!r} is "
-                    f"{type(text).__name__}, expected a string"
-                )
-            docs.append(text)
-            if unit_field is not None:
-                units.append(_unit_key(record, unit_field, path, lineno))
+            yield lineno, record
+
+
+def _read_jsonl(
+    path: Path, text_field: str, unit_field: str | None = None
+) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+    docs = []
+    units: list[str] = []
+    for lineno, record in json_records(path):
+        if not isinstance(record, dict) or text_field not in record:
+            raise ConfigurationError(
+                f"--data {path}: line {lineno} has no {text_field!r} field; expected objects "
+                f'like {{"{text_field}": "..."}} (choose the field with --text-field)'
+            )
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise ConfigurationError(
+                f"--data {path}: line {lineno}: field {text_field!r} is "
+                f"{type(text).__name__}, expected a string"
+            )
+        docs.append(text)
+        if unit_field is not None:
+            units.append(_unit_key(record, unit_field, path, lineno))
     return tuple(docs), (tuple(units) if unit_field is not None else None)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["StepBoundary", "discard_unstarted"]
+__all__ = ["StepBoundary", "discard_unstarted", "interrupted_before_training"]
 
 
 class StepBoundary:
@@ -90,3 +90,20 @@ def discard_unstarted(out: Path, *, created: bool, written: Iterable[str]) -> st
         out.rmdir()
         return f"{out}, created for this run, was removed"
     return f"{out} holds what it held before the run"
+
+
+def interrupted_before_training(
+    out: Path, *, resume: bool, created: bool, written: Iterable[str]
+) -> None:
+    """Ctrl-C before the first step: say so, and leave no trace of a new run in *out* (the
+    files named *written*; a resumed run's directory is left as it was)."""
+    if resume:
+        left = f"the run in {out} is unchanged (its last checkpoint stands)"
+    else:
+        left = discard_unstarted(out, created=created, written=written)
+    print(
+        f"opake train: interrupted before the first step: nothing was trained and no privacy "
+        f"was spent; {left}",
+        file=sys.stderr,
+        flush=True,
+    )

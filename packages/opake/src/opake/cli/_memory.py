@@ -110,9 +110,10 @@ def measure_line(
     vocab: int,
     largest: int,
     device: torch.device,
+    batch: Callable[[torch.Tensor], Any] | None = None,
 ) -> MemoryLine:
     """The step's memory line (:func:`opake.profiling.measure_memory_line` on random blocks, at
-    most *largest* examples at once).
+    most *largest* examples at once; *batch* builds the step's batch from the token ids).
 
     Raises:
         ConfigurationError: not even one example at a time fits in memory.
@@ -125,6 +126,7 @@ def measure_line(
             vocab=vocab,
             device=device,
             largest=largest,
+            batch=batch,
         )
     except NoMicrobatchFitsError:
         raise ConfigurationError(
@@ -198,22 +200,31 @@ def microbatch_for_run(
     device: torch.device,
     world_size: int,
     randomness: str,
+    post: Any = None,
 ) -> MicrobatchChoice:
     """``--microbatch N`` as given; otherwise measure the step's memory line on random tokens
-    (never the private data) and choose from it (the default), or tune within it (``auto``)."""
+    (never the private data) and choose from it (the default), or tune within it (``auto``).
+
+    With SFT or DPO records (*post*, a :class:`~opake.cli._posttrain.PostStep`) the probe is
+    one row's completion loss, ``post.rows`` rows per record, and the microbatch counts records.
+    With ``--compile`` and Poisson batches the whole batch is one chunk of its largest likely
+    size (:func:`~opake.cli._compiling.compiled_choice`)."""
     s = plan.settings
     if isinstance(s.microbatch, int):
         return MicrobatchChoice(s.microbatch, f"--microbatch {s.microbatch} (given)")
     from opake.dpsgd.clipping import clipped_grad
 
+    rows = 1 if post is None else post.rows
+    probe_loss = loss if post is None else post.row_loss
+
     def make(microbatch: int | None) -> tuple[ClippedGradFn, ClipState]:
         # the same gradient function as the run's, on a probe that is not the private data
         return clipped_grad(
-            loss,
+            probe_loss,
             argnums=0,
             clipping_norm=s.clip,
             batch_argnums=2,
-            microbatch_size=microbatch,
+            microbatch_size=None if microbatch is None else microbatch * rows,
             return_aux=True,
             engine=plan.engine,
             randomness=randomness,
@@ -231,10 +242,11 @@ def microbatch_for_run(
     line = measure_line(
         make,
         params,
-        block_size=s.block_size,
+        block_size=int(plan.train.shape[-1]),  # a block, or the longest record's row
         vocab=int(plan.train.max()) + 1,
         largest=largest,
         device=device,
+        batch=None if post is None else post.probe_batch,
     )
     available = available_memory_gb(device)  # looked up here at call time: tests replace it
     if s.microbatch == "auto":
@@ -248,11 +260,17 @@ def microbatch_for_run(
             world_size=world_size,
             line=line,
             available_gb=available,
+            batch=None if post is None else post.probe_batch,
         )
-    return default_choice(
+    choice = default_choice(
         line,
         budget_gb=s.memory_budget,
         available_gb=available,
         expected_batch=max(1, math.ceil(expected)),
         largest=largest,
     )
+    if s.compile and plan.max_batch_size is None:
+        from opake.cli._compiling import compiled_choice
+
+        return compiled_choice(choice, largest=largest)
+    return choice

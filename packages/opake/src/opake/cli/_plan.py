@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -20,9 +21,11 @@ from opake.cli._checks import (
     config_dropout,
     epsilon_note,
 )
+from opake.cli._compiling import unpatched
 from opake.cli._data import Corpus, unigram_entropy
 from opake.cli._models import resolve_model
 from opake.cli._options import locked_fields
+from opake.cli._records import PostTraining, check_post, post_baseline
 from opake.cli._settings import DEFAULT_STEPS, TrainSettings
 from opake.core.choices import TRAINING_PLD_OPTIONS
 from opake.core.errors import ConfigurationError
@@ -68,6 +71,11 @@ class RunPlan:
     notes: list[str] = field(default_factory=list)
     #: each training block's privacy unit (``--privacy-unit``), else ``None`` (a block is one)
     units: list[str] | None = None
+    #: post-training records' labels (-100: not a target), shaped as ``train`` / ``val``
+    train_labels: torch.Tensor | None = None
+    val_labels: torch.Tensor | None = None
+    #: what the post-training records are (SFT or DPO), else ``None`` (language modelling)
+    post: PostTraining | None = None
 
     @property
     def population(self) -> int:
@@ -76,8 +84,18 @@ class RunPlan:
 
     @property
     def unit_name(self) -> str:
-        """The protected unit, as reports name it: the unit field, or ``"example"``."""
-        return "example" if self.settings.privacy_unit is None else self.settings.privacy_unit
+        """The protected unit, as reports name it: the unit field, ``"record"`` (SFT, DPO),
+        or ``"example"``."""
+        if self.settings.privacy_unit is not None:
+            return self.settings.privacy_unit
+        return "example" if self.post is None else "record"
+
+    @property
+    def baseline_name(self) -> str:
+        """What the validation loss is compared with."""
+        if self.post is not None and self.post.objective == "dpo":
+            return "starting model's DPO loss (ln 2)"
+        return "unigram baseline"
 
     @property
     def accountant_options(self) -> dict[str, Any]:
@@ -218,19 +236,22 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     device = resolve_device(settings.device)
     model_source, model_is_dir = resolve_model(settings.model)
     patch, notes = _check_kernels(settings.kernels, device, _model_type(settings.model))
+    patch = unpatched(settings, patch, notes)  # --compile: the patched forward does not trace
     _check_environment(settings, device, notes)
-    corpus, tokenizer, train, val, vocab, units = load_blocks(
-        settings, model_source, model_is_dir, notes
-    )
-    # what Poisson sampling draws and ε protects: training blocks, or units with all their blocks
+    data = load_blocks(settings, model_source, model_is_dir, notes)
+    train, val, units = data.train, data.val, data.units
+    # what Poisson sampling draws and ε protects: training blocks (or records), or units with
+    # all their blocks
     n = int(train.shape[0]) if units is None else len(set(units))
     what = "training blocks" if units is None else f"units ({settings.privacy_unit})"
+    noun = "blocks" if units is None else "units"
+    if data.post is not None:
+        what, noun = "training records", "records"
     if settings.batch_size > n:
         raise ConfigurationError(
             f"--batch-size {settings.batch_size} exceeds the {n} {what}; the expected "
             f"Poisson batch must be at most the dataset: pass a --batch-size of at most {n} "
-            f"(e.g. --batch-size {max(1, n // 10)}, a tenth of the "
-            f"{'blocks' if units is None else 'units'}: each step then samples "
+            f"(e.g. --batch-size {max(1, n // 10)}, a tenth of the {noun}: each step then samples "
             "about 10% of the data), or give more data"
         )
     q = settings.batch_size / n
@@ -247,13 +268,19 @@ def plan_run(settings: TrainSettings) -> RunPlan:
             "examples outright; prefer δ ≪ 1/N (the default is 1/N²)"
         )
     sigma, planned, max_batch = _privacy(settings, n=n, q=q, steps=steps, delta=delta, notes=notes)
-    baseline = unigram_entropy(val[:, 1:], vocab)
     engine, dropout = _engine(settings, model_source, model_is_dir, notes)
+    if data.post is not None:
+        check_post(data.post, precision=settings.precision, dropout=dropout)
+    baseline = (
+        unigram_entropy(val[:, 1:], data.vocab)
+        if data.post is None
+        else post_baseline(data.post, data.val_labels, data.vocab)
+    )
     return RunPlan(
         settings=settings,
         out=out,
-        corpus=corpus,
-        tokenizer=tokenizer,
+        corpus=data.corpus,
+        tokenizer=data.tokenizer,
         train=train,
         val=val,
         dataset_size=int(train.shape[0]),
@@ -270,6 +297,9 @@ def plan_run(settings: TrainSettings) -> RunPlan:
         dropout=dropout,
         notes=notes,
         units=units,
+        train_labels=data.train_labels,
+        val_labels=data.val_labels,
+        post=data.post,
     )
 
 
@@ -375,7 +405,7 @@ def _engine(
     settings: TrainSettings, model_source: Any, model_is_dir: bool, notes: list[str]
 ) -> tuple[str, bool]:
     """The clipping engine (fp16 and dropout need vmap) and whether dropout stays active."""
-    engine = settings.engine
+    engine = "vmap" if settings.compile else settings.engine  # book-keeping does not trace
     if settings.precision == "fp16":
         # fp16 needs a loss scale removed from each example's gradient before clipping:
         # autocast_loss does that around the vmap engine's one-example loss
@@ -410,10 +440,13 @@ def _check_resumed_settings(saved: Any, current: TrainSettings) -> None:
     if not isinstance(saved, dict):
         raise ConfigurationError("--resume: the checkpoint carries no settings of opake train")
     mine = current.to_dict()
+    # a setting an earlier version did not have yet: that run had its default
+    before = {f.name: f.default for f in dataclasses.fields(current)}
     diffs = [
-        f"--{key.replace('_', '-')} {saved.get(key)!r} (saved) vs {mine[key]!r} (given)"
+        f"--{key.replace('_', '-')} {saved.get(key, before[key])!r} (saved) vs {mine[key]!r} "
+        "(given)"
         for key in locked_fields(type(current))  # the fields declared locked=True
-        if saved.get(key) != mine[key]
+        if saved.get(key, before[key]) != mine[key]
     ]
     if diffs:
         raise ConfigurationError(

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from opake.cli._compiling import check_compile
 from opake.cli._options import (
     add_arguments,
     flag,
@@ -30,6 +31,7 @@ from opake.cli._options import (
     option,
     values_from_args,
 )
+from opake.cli._records import OBJECTIVES, check_objective
 from opake.cli._sources import model_help
 from opake.core.choices import ACCOUNTANTS, ENGINES, SAMPLERS
 from opake.core.errors import ConfigurationError
@@ -74,6 +76,24 @@ class TrainSettings:
         locked=True,
     )
     text_field: str = option("text", group=_DATA, help="JSONL field holding the text", locked=True)
+    objective: str = option(
+        "auto",
+        group=_DATA,
+        choices=OBJECTIVES,
+        help="what to train: auto (default: a language model on text; SFT on JSONL records with "
+        "messages, through the chat template, or prompt/completion: loss on the completion "
+        "only), sft, or dpo (JSONL records with prompt, chosen and rejected; never detected)",
+        locked=True,
+    )
+    dpo_beta: float | None = option(
+        None,
+        group=_DATA,
+        type=float,
+        metavar="BETA",
+        help="with --objective dpo: β, how far the policy may move from the starting model "
+        "(default 0.1)",
+        locked=True,
+    )
     privacy_unit: str | None = option(
         None,
         group=_DATA,
@@ -223,6 +243,13 @@ class TrainSettings:
         help="per-example clipping engine: auto (default: book-keeping where exact, else vmap), "
         "vmap, bookkeeping; the same clipped sum either way",
     )
+    compile: bool = option(
+        False,
+        group=_SPEED,
+        help="compile the DP step with torch.compile (vmap engine): each batch runs as chunks "
+        "of one shape (the microbatch, padded and masked), the first step compiles (seconds to "
+        "minutes); privacy-neutral",
+    )
     checkpointing: bool = option(
         False, group=_SPEED, help="gradient checkpointing of every layer (works under vmap)"
     )
@@ -308,8 +335,11 @@ class TrainSettings:
             )
         return cls(**dict(data))
 
-    def _check_units(self) -> None:
-        """``--privacy-unit`` and ``--max-records-per-unit``: what goes with them."""
+    def _check_combinations(self) -> None:
+        """``--privacy-unit`` and ``--max-records-per-unit``, ``--compile``, ``--objective``
+        and ``--dpo-beta``: what goes with them."""
+        check_compile(self)
+        check_objective(self)
         if self.max_records_per_unit is not None and self.privacy_unit is None:
             raise ConfigurationError(
                 f"--max-records-per-unit {self.max_records_per_unit} without --privacy-unit: "
@@ -352,7 +382,7 @@ class TrainSettings:
                 raise ConfigurationError(f"--{flag(name)} {value}: expected an integer >= 1")
         if self.block_size < 2:
             raise ConfigurationError(f"--block-size {self.block_size}: expected at least 2")
-        self._check_units()
+        self._check_combinations()
         for name in ("steps", "lora_r", "eval_every", "max_val_blocks", "max_records_per_unit"):
             value = getattr(self, name)
             if value is not None and value < 1:

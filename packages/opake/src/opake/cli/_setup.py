@@ -29,7 +29,11 @@ def _evaluate(
     device: torch.device,
     autocast: Any,
     forward_kwargs: dict[str, Any],
+    *,
+    labels: torch.Tensor | None = None,
 ) -> float:
+    """The validation loss in nats per target token: every next token of a block, or the
+    tokens *labels* does not mark -100 (post-training records)."""
     import torch
 
     was_training = model.training
@@ -37,10 +41,13 @@ def _evaluate(
     total = 0.0
     count = 0
     with torch.no_grad(), autocast():
-        for chunk in torch.split(val, _EVAL_BATCH):
-            x = chunk.to(device)
-            out = model(input_ids=x, labels=x, **forward_kwargs)
-            tokens = x.shape[0] * (x.shape[1] - 1)
+        for rows in torch.split(torch.arange(val.shape[0]), _EVAL_BATCH):
+            x = val[rows].to(device)
+            y = x if labels is None else labels[rows].to(device)
+            tokens = int((y[:, 1:] != -100).sum())
+            if not tokens:
+                continue
+            out = model(input_ids=x, labels=y, **forward_kwargs)
             total += float(out.loss) * tokens
             count += tokens
     model.train(was_training)
@@ -105,9 +112,11 @@ def _tune_microbatch(
     world_size: int,
     line: MemoryLine,
     available_gb: float | None,
+    batch: Callable[[torch.Tensor], Any] | None = None,
 ) -> MicrobatchChoice:
     """``--microbatch auto``: the tuner over the sizes *line* puts within the limit
-    (``--memory-budget``, else 80% of the available memory), largest first."""
+    (``--memory-budget``, else 80% of the available memory), largest first (*batch* builds
+    the step's batch from the probe's token ids)."""
     import torch
 
     from opake.cli._memory import TUNE_FRACTION, MicrobatchChoice
@@ -115,26 +124,26 @@ def _tune_microbatch(
 
     budget = plan.settings.memory_budget
     # this rank's expected share of the global Poisson batch
-    batch = max(1, math.ceil(plan.sample_rate * plan.dataset_size / world_size))
+    examples = max(1, math.ceil(plan.sample_rate * plan.dataset_size / world_size))
     # sizes whose estimated peak is beyond the budget are not tried: their step could exhaust
     # the machine's memory before the tuner measures it
     limit = budget
     if limit is None and available_gb is not None:
         limit = TUNE_FRACTION * available_gb
-    sizes = [m for m in default_candidates(batch) if limit is None or line.peak_gb(m) <= limit]
+    sizes = [m for m in default_candidates(examples) if limit is None or line.peak_gb(m) <= limit]
     # random tokens of the real shape: memory and time do not depend on the values, and the
     # tuner never touches the private data
     probe = torch.randint(
         0,
         int(plan.train.max()) + 1,
-        (batch, plan.settings.block_size),
+        (examples, int(plan.train.shape[-1])),
         generator=torch.Generator().manual_seed(0),
     ).to(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         result = tune_microbatch(
             make,
-            (*args, probe),
-            batch_size=batch,
+            (*args, probe if batch is None else batch(probe)),
+            batch_size=examples,
             device=device,
             memory_budget_gb=limit,
             candidates=sizes or [1],
@@ -146,7 +155,7 @@ def _tune_microbatch(
     m = result.microbatch_size
     skipped = (
         f"; sizes above {sizes[0]} skipped (estimated over {limit:.2f} GB)"
-        if (sizes and sizes[0] < batch and limit is not None)
+        if (sizes and sizes[0] < examples and limit is not None)
         else ""
     )
     reason = (

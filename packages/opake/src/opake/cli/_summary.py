@@ -34,6 +34,16 @@ def _save_model(plan: RunPlan, loaded: Any, model: Any) -> dict[str, str]:
 def _privacy_unit(plan: RunPlan) -> str:
     """What ε protects, in words."""
     s = plan.settings
+    if plan.post is not None:
+        rows = (
+            "its chosen and rejected rows clipped together"
+            if plan.post.objective == "dpo"
+            else "one row, cut on its own"
+        )
+        return (
+            f"one record ({rows}; example-level DP over the {plan.dataset_size} training "
+            "records; the validation records are not protected)"
+        )
     if plan.units is None:
         return (
             f"one training block of {s.block_size} tokens (example-level DP over the training "
@@ -93,6 +103,7 @@ def _summary(
         "randomness": plan.randomness,
         "privacy_unit": _privacy_unit(plan),
         "units": plan.population if plan.units is not None else None,
+        "post_training": None if plan.post is None else plan.post.to_dict(),
         "clipping_rate_mean": sum(r["clipping_rate"] for r in rows) / max(1, len(rows)),
         "diagnostics_are_private": False,
         "dataset_size": plan.dataset_size,

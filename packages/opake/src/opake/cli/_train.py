@@ -18,20 +18,17 @@ __all__ = ["register"]
 
 def _print_plan(plan: Any) -> None:
     s = plan.settings
+    counted = plan.units is not None or plan.post is not None  # units or records
     lines = [
-        (
-            f"data      {plan.corpus.name}: {plan.corpus.num_chars:,} characters → "
-            f"{plan.dataset_size:,} training blocks of {s.block_size} tokens, "
-            f"{plan.val.shape[0]:,} validation blocks"
-        ),
+        *_data_lines(plan),
         *_unit_lines(plan),
         (
             f"privacy   ε = {plan.planned_epsilon:.3g} at δ = {plan.delta:.3g} ({s.accountant}) "
             f"per {plan.unit_name} with σ = {plan.noise_multiplier:.4g}, C = {s.clip:g}, "
             f"q = {plan.sample_rate:.4g} (expected batch {s.batch_size}"
-            f"{'' if plan.units is None else ' ' + plan.unit_name + 's'}), {plan.steps} steps"
+            f"{' ' + plan.unit_name + 's' if counted else ''}), {plan.steps} steps"
         ),
-        f"baseline  unigram validation loss {plan.baseline:.4f} nats/token",
+        _baseline_line(plan),
         (
             "random    secure: noise and batches from a fresh operating-system key (never stored)"
             if not s.reproducible
@@ -43,6 +40,43 @@ def _print_plan(plan: Any) -> None:
         print(line, file=sys.stderr)
     for note in plan.notes:
         print(f"note      {note}", file=sys.stderr)
+
+
+def _data_lines(plan: Any) -> list[str]:
+    """The data, and for post-training records what was detected and the objective."""
+    s, post = plan.settings, plan.post
+    if post is None:
+        return [
+            (
+                f"data      {plan.corpus.name}: {plan.corpus.num_chars:,} characters → "
+                f"{plan.dataset_size:,} training blocks of {s.block_size} tokens, "
+                f"{plan.val.shape[0]:,} validation blocks"
+            )
+        ]
+    from opake.cli._records import KINDS
+
+    chat = " through the model's chat template" if post.chat else ""
+    data = (
+        f"data      {plan.corpus.name}: {post.records:,} {KINDS[post.kind]} records{chat} → "
+        f"{plan.dataset_size:,} training records, {plan.val.shape[0]:,} validation records, "
+        f"{post.rows_per_record} row(s) of up to {plan.train.shape[-1]} tokens each"
+    )
+    return [data, f"objective {post.describe()}"]
+
+
+def _baseline_line(plan: Any) -> str:
+    """What the validation loss is compared with."""
+    if plan.post is None:
+        return f"baseline  unigram validation loss {plan.baseline:.4f} nats/token"
+    if plan.post.objective == "sft":
+        return (
+            f"baseline  unigram validation loss {plan.baseline:.4f} nats/token (the completion "
+            "tokens of the validation records)"
+        )
+    return (
+        f"baseline  DPO validation loss of the starting model: ln 2 = {plan.baseline:.4f} (the "
+        "policy is its own reference at the start)"
+    )
 
 
 def _unit_lines(plan: Any) -> list[str]:
@@ -86,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
     print(
         f"done: {summary['steps']} steps, ε = {summary['epsilon']:.3f} at δ = "
         f"{summary['delta']:.3g} per {plan.unit_name}; validation loss "
-        f"{summary['val_loss']:.4f} ({verdict} the unigram baseline "
+        f"{summary['val_loss']:.4f} ({verdict} the {plan.baseline_name} "
         f"{summary['unigram_baseline']:.4f}); "
         f"{summary['samples_per_second']:.1f} samples/s; outputs in {plan.out}"
     )

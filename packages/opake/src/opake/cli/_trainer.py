@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opake.cli._checks import DivergenceWatch, disable_dropout
-from opake.cli._interrupt import StepBoundary, discard_unstarted
+from opake.cli._compiling import compile_line
+from opake.cli._interrupt import StepBoundary, interrupted_before_training
 from opake.cli._memory import MicrobatchChoice, microbatch_for_run
 from opake.cli._outputs import plot_metrics, write_json, write_metrics
 from opake.cli._plan import (
@@ -34,6 +35,7 @@ from opake.cli._plan import (
     _check_resumed_settings,
     plan_run,
 )
+from opake.cli._posttrain import PostStep, run_loss
 from opake.cli._progress import make_progress
 from opake.cli._setup import (
     _autocast_factory,
@@ -43,7 +45,6 @@ from opake.cli._setup import (
     _zero_partner_lora_a,
     forward_options,
     inner_optimizer,
-    per_example_loss,
 )
 from opake.cli._summary import _fmt_gb, _max_none, _save_model, _summary
 from opake.core.errors import OpakePrivacyWarning
@@ -83,6 +84,8 @@ class _Run:
     inner: Any
     expected_zero: frozenset[str]
     microbatch: MicrobatchChoice
+    #: SFT or DPO records: their loss, batches and validation (``None``: text blocks)
+    post: PostStep | None = None
     rows: list[dict[str, Any]] = field(default_factory=list)
     start_step: int = 0
     #: --out did not exist before this run
@@ -94,6 +97,8 @@ class _Run:
         return self.plan.out / CHECKPOINT_FILE
 
     def evaluate(self) -> float:
+        if self.post is not None:
+            return self.post.evaluate()
         return _evaluate(self.model, self.plan.val, self.device, self.autocast, self.forward_kwargs)
 
     def save(self) -> None:
@@ -160,19 +165,22 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
     forward_kwargs = forward_options(patch_report)
     fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
     autocast = _autocast_factory(s.precision, device)
-    loss = per_example_loss(plan, fmodel, forward_kwargs, autocast)
-    # dropout: an independent mask per example under vmap
-    randomness = "different" if plan.dropout else "error"
-    choice = microbatch_for_run(
+    loss, post = run_loss(
         plan,
-        loss,
+        fmodel,
+        model,
         (trainable, frozen),
+        forward_kwargs=forward_kwargs,
+        autocast=autocast,
         device=device,
         world_size=ctx.world_size,
-        randomness=randomness,
     )
-    if ctx.is_main and choice.line is not None:
-        print(f"memory    {choice.reason}", file=sys.stderr, flush=True)
+    # dropout: an independent mask per example under vmap
+    randomness = "different" if plan.dropout else "error"
+    choice = _microbatch(
+        plan, ctx, loss, (trainable, frozen), device=device, randomness=randomness, post=post
+    )
+    rows = 1 if post is None else post.rows  # a DPO record is two rows
     expected_zero = _zero_partner_lora_a(trainable)
     if expected_zero:
         plan.notes.append(lora_a_note(sorted(expected_zero)))
@@ -189,7 +197,7 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
         args=(frozen,),
         module=model,
         dataset_size=plan.dataset_size,
-        microbatch_size=choice.microbatch,
+        microbatch_size=None if choice.microbatch is None else choice.microbatch * rows,
         randomness=randomness,
         sampler="poisson" if plan.max_batch_size is None else "fixed",
         max_batch_size=plan.max_batch_size,
@@ -197,6 +205,7 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
         # --privacy-unit: units sampled and each clipped as one (records= at every step)
         privacy_units=plan.units,
         max_records_per_unit=s.max_records_per_unit,
+        compile=s.compile,
         **plan.training_options(),
     )
     return _Run(
@@ -213,7 +222,37 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
         inner=inner,
         expected_zero=expected_zero,
         microbatch=choice,
+        post=post,
     )
+
+
+def _microbatch(
+    plan: RunPlan,
+    ctx: Any,
+    loss: Any,
+    params: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+    *,
+    device: torch.device,
+    randomness: str,
+    post: PostStep | None,
+) -> MicrobatchChoice:
+    """The microbatch (records at once), printed with the plan's ``memory`` line and, with
+    ``--compile``, its ``compile`` line."""
+    choice = microbatch_for_run(
+        plan,
+        loss,
+        params,
+        device=device,
+        world_size=ctx.world_size,
+        randomness=randomness,
+        post=post,
+    )
+    if ctx.is_main and choice.line is not None:
+        print(f"memory    {choice.reason}", file=sys.stderr, flush=True)
+    s = plan.settings
+    if ctx.is_main and s.compile:
+        print(compile_line(s.engine, choice.microbatch, plan.max_batch_size), file=sys.stderr)
+    return choice
 
 
 def _start(r: _Run) -> None:
@@ -309,21 +348,19 @@ def _step(r: _Run, batches: Iterator[list[int]], lr: float) -> dict[str, Any]:
 
     plan = r.plan
     indices = next(batches)
-    mask = None
-    if plan.max_batch_size is not None:
-        mask = padding_mask(indices)
-        safe = torch.as_tensor(indices, dtype=torch.long).clamp_min(0)
-        x = plan.train[safe].to(r.device)
-        real = int(mask.sum())
-    else:
-        x = plan.train[torch.as_tensor(indices, dtype=torch.long)].to(r.device)
-        real = len(indices)
+    mask = None if plan.max_batch_size is None else padding_mask(indices).to(r.device)
+    real = len(indices) if mask is None else int(mask.sum())
     with step_perf(r.device, batch_size=real) as perf:
-        aux = r.training.accumulate(
-            x,
-            example_mask=None if mask is None else mask.to(r.device),
-            records=indices if plan.units is not None else None,
-        )
+        if r.post is not None:
+            aux, losses = r.post.accumulate(r.training, indices, mask)
+        else:
+            index = torch.as_tensor(indices, dtype=torch.long).clamp_min(0)
+            aux = r.training.accumulate(
+                plan.train[index].to(r.device),
+                example_mask=mask,
+                records=indices if plan.units is not None else None,
+            )
+            losses = aux.loss_values
         perf.mark("clipped_grad")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", OpakePrivacyWarning)
@@ -331,7 +368,6 @@ def _step(r: _Run, batches: Iterator[list[int]], lr: float) -> dict[str, Any]:
         _reemit(caught, r.expected_zero, r.trainable)
         perf.mark("noise_and_update")
     eps = r.training.epsilon()
-    losses = aux.loss_values
     if mask is not None:
         losses = losses[mask.to(losses.device)]
     result = perf.result
@@ -401,15 +437,8 @@ def _interrupted(r: _Run, at_boundary: bool) -> None:
 
 def _interrupted_before_training(plan: RunPlan, *, created: bool) -> None:
     """Ctrl-C before the first step: say so, and leave no trace of a new run in ``--out``."""
-    if plan.settings.resume:
-        left = f"the run in {plan.out} is unchanged (its last checkpoint stands)"
-    else:
-        left = discard_unstarted(plan.out, created=created, written=[SETTINGS_FILE])
-    print(
-        f"opake train: interrupted before the first step: nothing was trained and no privacy "
-        f"was spent; {left}",
-        file=sys.stderr,
-        flush=True,
+    interrupted_before_training(
+        plan.out, resume=plan.settings.resume, created=created, written=[SETTINGS_FILE]
     )
 
 

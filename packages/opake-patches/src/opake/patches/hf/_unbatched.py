@@ -48,19 +48,20 @@ __all__ = ["BATCHED_OUTPUTS", "UNBATCHED_RANKS", "install_unbatched_calls", "is_
 #: per-example argument → the ranks it may have in an unbatched call (its batched rank minus
 #: one): a padding mask ``(T,)`` or a float mask ``(1, T, T)``; token labels ``(T,)`` or a
 #: classifier's label ``()`` (multi-label: ``(num_labels,)``)
-UNBATCHED_RANKS: Mapping[str, tuple[int, ...]] = MappingProxyType(
-    {
-        "input_ids": (1,),
-        "inputs_embeds": (2,),
-        "attention_mask": (1, 3),
-        "labels": (0, 1),
-        "shift_labels": (1,),
-        "position_ids": (1,),
-        "token_type_ids": (1,),
-        "encoder_hidden_states": (2,),
-        "encoder_attention_mask": (1, 3),
-    }
-)
+_RANKS: dict[str, tuple[int, ...]] = {
+    "input_ids": (1,),
+    "inputs_embeds": (2,),
+    "attention_mask": (1, 3),
+    "labels": (0, 1),
+    "shift_labels": (1,),
+    "position_ids": (1,),
+    "token_type_ids": (1,),
+    "encoder_hidden_states": (2,),
+    "encoder_attention_mask": (1, 3),
+}
+UNBATCHED_RANKS: Mapping[str, tuple[int, ...]] = MappingProxyType(_RANKS)
+# (the forward reads _RANKS: torch.compile graph-breaks on reading a mappingproxy once the
+# traced code has mutated any dict, as the forward does with its keyword arguments)
 #: output fields whose leading dimension is the batch (a tuple field: each of its tensors)
 BATCHED_OUTPUTS: tuple[str, ...] = (
     "logits",
@@ -75,8 +76,10 @@ _CACHES = ("cache", "past_key_values")
 
 
 def _rank(value: Any) -> int | None:
-    dim = getattr(value, "dim", None)
-    return int(dim()) if callable(dim) else None
+    import torch
+
+    # isinstance, not callable(value.dim): torch.compile traces it
+    return value.dim() if isinstance(value, torch.Tensor) else None
 
 
 def is_unbatched_call(input_ids: Any, inputs_embeds: Any = None) -> bool:
@@ -110,7 +113,7 @@ def _check(name: str, value: Any, ids_name: str, ids: Any) -> None:
             f"{type(value).__name__}. Pass a tensor, or call the model with a batch "
             f"({ids_name}[None] and batched arguments)."
         )
-    ranks = UNBATCHED_RANKS[name]
+    ranks = _RANKS[name]
     if rank not in ranks:
         expected = " or ".join(str(r) for r in ranks)
         raise ConfigurationError(
@@ -201,7 +204,7 @@ def install_unbatched_calls(model: Any, patcher: Patcher) -> None:
             else:
                 kwargs[name] = value
 
-        for name in UNBATCHED_RANKS:
+        for name in _RANKS:
             value = get(args, kwargs, name)
             if value is not None:
                 _check(name, value, ids_name, ids)

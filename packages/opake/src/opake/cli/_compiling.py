@@ -1,0 +1,109 @@
+"""``opake train --compile``: the DP step compiled with ``torch.compile``.
+
+The library compiles (``DPTraining(compile=True)``, see the clipping guide): the vmap engine's
+clipped-gradient computation is traced once for one batch shape, and every physical batch runs
+as chunks of that many rows, the last one padded with masked rows that add exactly zero. What is
+the command's own:
+
+- the refusals, before the plan, of what does not trace into one graph (the book-keeping
+  engine, privacy units, activation checkpointing, a kernel backend named with ``--kernels``,
+  DPO's pairs clipped as one unit), each saying what to do; ``--kernels auto`` runs the model
+  unpatched (a note says so);
+- the chunk rows: the microbatch ``--microbatch`` or the memory-aware default chose; when the
+  whole Poisson batch runs at once, its largest likely size (one chunk per step, padded); with
+  ``--sampler fixed`` and no microbatch, the sampler's ``B_max`` slots;
+- the plan's ``compile`` line.
+
+>>> from opake.cli._memory import MicrobatchChoice
+>>> compiled_choice(MicrobatchChoice(None, "whole batch at once"), largest=40).microbatch
+40
+>>> compiled_choice(MicrobatchChoice(8, "--microbatch 8 (given)"), largest=40).microbatch
+8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from opake.core.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from opake.cli._memory import MicrobatchChoice
+
+__all__ = ["check_compile", "compile_line", "compiled_choice", "unpatched"]
+
+
+def check_compile(settings: Any) -> None:
+    """Refuse ``--compile`` with what cannot be compiled, saying what to do instead."""
+    if not settings.compile:
+        return
+    why = None
+    if settings.engine == "bookkeeping":
+        why = (
+            "--engine bookkeeping: its forward and backward hooks do not trace into one graph; "
+            "use --engine vmap or auto (auto uses vmap when compiling), or drop --compile"
+        )
+    elif settings.privacy_unit is not None:
+        why = (
+            f"--privacy-unit {settings.privacy_unit}: the plan that keeps each unit's blocks in "
+            "one chunk runs on the host and does not trace; train user-level DP without --compile"
+        )
+    elif settings.checkpointing:
+        why = (
+            "--checkpointing: torch refuses activation checkpointing inside a compiled "
+            "per-example gradient; drop one of them (--compile saves time, --checkpointing "
+            "memory)"
+        )
+    elif settings.kernels not in ("auto", "none"):
+        why = (
+            f"--kernels {settings.kernels}: Opake's patched model forward does not trace into "
+            "one graph yet; use --kernels none (--kernels auto runs the model unpatched when "
+            "compiling)"
+        )
+    elif getattr(settings, "objective", None) == "dpo":
+        why = (
+            "--objective dpo: a preference record's chosen and rejected rows are clipped "
+            "together as one privacy unit, which the compiled step does not support; train DPO "
+            "without --compile"
+        )
+    if why is not None:
+        raise ConfigurationError(f"--compile with {why}")
+
+
+def unpatched(settings: Any, patch: bool, notes: list[str]) -> bool:
+    """Whether to apply the model patches: not with ``--compile`` (``--kernels auto`` then
+    runs the model unpatched, and a note says so)."""
+    if not (settings.compile and patch):
+        return patch
+    notes.append(
+        "--compile: the model runs unpatched (no loss-only forward, no Opake kernels): the "
+        "patched forward does not trace into one graph yet"
+    )
+    return False
+
+
+def compiled_choice(choice: MicrobatchChoice, *, largest: int) -> MicrobatchChoice:
+    """The compiled chunk for a Poisson run: the chosen microbatch, or, when the whole batch
+    runs at once, *largest* rows (the largest likely Poisson batch: one chunk, padded)."""
+    if choice.microbatch is not None:
+        return choice
+    reason = (
+        f"{choice.reason}; --compile: one chunk of {largest} rows per step (the largest likely "
+        "Poisson batch), padded and masked"
+    )
+    return dataclasses.replace(choice, microbatch=largest, reason=reason)
+
+
+def compile_line(engine_given: str, rows: int | None, max_batch: int | None) -> str:
+    """The plan's ``compile`` line: the engine, the chunk rows, and that the first step
+    compiles."""
+    chunk = rows if rows is not None else max_batch
+    engine = "the vmap engine"
+    if engine_given == "auto":
+        engine += " (--engine auto: book-keeping does not trace into one graph)"
+    return (
+        f"compile   torch.compile of the DP step on {engine}: chunks of {chunk} rows, the last "
+        "padded with masked rows that add exactly zero; the first step compiles (seconds to "
+        "minutes), the next ones reuse the graph"
+    )
