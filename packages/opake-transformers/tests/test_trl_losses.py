@@ -266,3 +266,21 @@ def test_dpo_loss_refuses_what_it_cannot_use():
         dpo.prepare(trainable, frozen, rows, ref_chosen=torch.zeros(1), ref_rejected=torch.zeros(1))
     with pytest.raises(ConfigurationError, match="prepare"):
         dpo(trainable, frozen, rows)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_empty_batch_of_pairs_prepares_and_clips_to_zeros(engine):
+    """An empty Poisson batch: no forward (a model refuses zero rows), zero gradients."""
+    from opake.transformers.losses import DPOLoss
+
+    model, (fmodel, trainable, frozen) = _tiny()
+    dpo = DPOLoss(fmodel, model, beta=1.0)
+    rows = {k: v[:0] for k, v in _pair_rows(_pairs(1, seed=0)[0]).items()}
+    prepared = dpo.prepare(
+        trainable, frozen, rows, ref_chosen=torch.zeros(0), ref_rejected=torch.zeros(0)
+    )
+    assert prepared.units.shape == (0,)
+    assert prepared.losses.shape == (0,)
+    grad_fn, state = _grad_fn(dpo, fmodel, engine)
+    grads, _ = grad_fn(trainable, frozen, prepared.batch, state=state, units=prepared.units)
+    assert all(float(g.abs().max()) == 0.0 for g in grads.values())

@@ -247,8 +247,11 @@ class DPOLoss:
                     f"DPOLoss.prepare({name}=...): shape {tuple(value.shape)}; expected "
                     f"({pairs},), one reference log-probability per pair"
                 )
-        with torch.no_grad():
-            logp = self.log_probs(trainable, frozen, batch).detach()
+        if pairs == 0:  # an empty Poisson batch: no forward (a model refuses zero rows)
+            logp = torch.zeros(0, dtype=torch.float32, device=batch["input_ids"].device)
+        else:
+            with torch.no_grad():
+                logp = self.log_probs(trainable, frozen, batch).detach()
         chosen, rejected = logp[:pairs], logp[pairs:]
         ref_c = ref_chosen.to(logp.device)
         ref_r = ref_rejected.to(logp.device)
