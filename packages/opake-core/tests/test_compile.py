@@ -148,6 +148,29 @@ def test_proven_clipping_holds_compiled(examples, clip, kind):
     _bounded(torch.compile(grad_fn, fullgraph=True), state, (params, x, y), clip)
 
 
+@pytest.mark.parametrize("clip", [1.0, 0.5])
+def test_the_compiled_sum_adds_the_measured_low_precision_gradient(clip):
+    """bf16 parameters under Inductor: the per-example gradient ``bf16(x·y)`` rounds down, and
+    a sum fused with its producer would recompute it from the fp32 inputs without that rounding
+    (1.0034·C was measured so). The compiled sum reads the very buffer the certified norms
+    measured: the example's contribution is within C, and equals eager bit for bit."""
+    n, xa, ya = 64, 1 + 7 / 128, 1 + 9 / 128  # x·y = 1.12885 rounds down to 1.125 in bf16
+
+    def loss(p, x, y):
+        return (p["s"] * x.to(torch.bfloat16)).sum() * y.to(torch.bfloat16)
+
+    params = {"s": torch.zeros(n, dtype=torch.bfloat16)}
+    x, y = torch.full((4, n), xa), torch.full((4,), ya)
+    mask = torch.tensor([True, False, False, False])
+    grad_fn, state = clipped_grad(loss, clipping_norm=clip, batch_argnums=(1, 2), engine="vmap")
+    compiled, _ = torch.compile(grad_fn, fullgraph=True, dynamic=False)(
+        params, x, y, state=state, example_mask=mask
+    )
+    eager, _ = grad_fn(params, x, y, state=state, example_mask=mask)
+    assert testing.exact_norm(compiled) <= clip
+    assert torch.equal(compiled["s"], eager["s"])
+
+
 def _unsupported():
     return torch._dynamo.exc.Unsupported
 

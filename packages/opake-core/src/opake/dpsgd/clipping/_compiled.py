@@ -13,11 +13,12 @@ the same math:
   in fp64 the rows whose fp32 block norms overflow, after a ``bool(...)`` test Dynamo cannot
   trace. The compiled graph calls it as an opaque operator (``torch.ops.opake.
   certified_sq_norms``, :func:`register`): the very eager code the proof covers, bit for bit
-  the eager norms, with the host sync eager calls also make. Everything around it (the
-  per-example gradients, the factors, the weighted sums) is compiled; those parts of the proof
-  hold for any reduction order or blocking, with or without fused multiply-adds
-  (docs/guide/clipping-proof.md, assumption 2), so Inductor's fused, reordered reductions keep
-  the bound.
+  the eager norms, with the host sync eager calls also make. It also returns a copy of the
+  buffer it measured, and the compiled sum reads that copy (see :func:`sq_norms`). Everything
+  around it (the per-example gradients, the factors, the weighted sums) is compiled; those
+  parts of the proof hold for any reduction order or blocking, with or without fused
+  multiply-adds (docs/guide/clipping-proof.md, assumption 2), so Inductor's fused, reordered
+  reductions keep the bound.
 - **full precision without global state.** Eager code switches autocast off and the fp32
   matmul precision to ``"highest"`` around the norms and sums (:func:`full_precision`); a
   graph cannot set the matmul precision, so the compiled path switches autocast off and forms
@@ -76,15 +77,26 @@ def precision(device: torch.device) -> AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
-def sq_norms(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~opake.dpsgd.certify.dense_sq_norms`; when compiling, the same function as an
-    opaque operator (:func:`register`): the graph calls the eager, proven code."""
+def sq_norms(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`~opake.dpsgd.certify.dense_sq_norms` of ``flat`` and the tensor to sum: ``flat``
+    itself eagerly; when compiling, the same function as an opaque operator (:func:`register`)
+    that also returns a copy of the very buffer it measured.
+
+    The copy is what the compiled weighted sum reads. A compiled graph may otherwise compute a
+    tensor it uses twice in two ways — e.g. fuse the sum with the per-example gradient's
+    producer, recomputing it from its fp32 inputs without the bf16 rounding the measured
+    buffer had (Inductor does not emulate low-precision casts inside a fused kernel) — and the
+    clipping proof needs the summed tensor to be the measured one (assumption 4). An opaque
+    operator's output cannot be recomputed: the sum reads what was measured, in any dtype.
+    """
     if compiling():
         import torch
 
-        out: tuple[torch.Tensor, torch.Tensor] = torch.ops.opake.certified_sq_norms(flat)
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+        out = torch.ops.opake.certified_sq_norms(flat)
         return out
-    return dense_sq_norms(flat)
+    hat, up = dense_sq_norms(flat)
+    return hat, up, flat
 
 
 def register() -> None:
@@ -95,18 +107,20 @@ def register() -> None:
     import torch
 
     if not hasattr(torch.ops.opake, "certified_sq_norms"):
-        schema = "(Tensor x) -> (Tensor, Tensor)"
+        schema = "(Tensor x) -> (Tensor, Tensor, Tensor)"
 
         @torch.library.custom_op("opake::certified_sq_norms", mutates_args=(), schema=schema)
-        def certified_sq_norms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def certified_sq_norms(
+            x: torch.Tensor,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             hat, up = dense_sq_norms(x)
-            return hat, up
+            return hat, up, x.clone()  # an output may not alias an input
 
         @certified_sq_norms.register_fake
-        def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             shape = (x.shape[0],) if x.dim() else (1,)
             empty = x.new_empty(shape, dtype=torch.float64)
-            return empty, torch.empty_like(empty)
+            return empty, torch.empty_like(empty), torch.empty_like(x)
 
     _REGISTERED = True
 

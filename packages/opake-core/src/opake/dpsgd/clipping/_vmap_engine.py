@@ -234,10 +234,13 @@ class VmapEngine:
         # fp64: no length of leaf can hide mass from them), and what scaling them by a factor,
         # then dividing by normalize_by, can add (see opake.dpsgd.certify)
         computed, bounds, slack = [], [], []
+        summed = dict(grads)  # eagerly the same tensors; compiled, the measured buffers
         with precision(loss.device):
             for n in self.names:
                 flat = grads[n].reshape(m, -1)
-                hat, up = sq_norms(flat)
+                hat, up, measured = sq_norms(flat)
+                if measured is not flat:
+                    summed[n] = measured
                 computed.append(hat)
                 bounds.append(up * FINAL**2)
                 slack.append(torch.full_like(hat, 3.0 * ETA * math.sqrt(flat.shape[1])))
@@ -247,7 +250,7 @@ class VmapEngine:
             leaf_sq=leaf_sq,
             bound_sq=torch.stack(bounds, dim=1),
             aux=aux,
-            payload=grads,
+            payload=summed,
             slack=torch.stack(slack, dim=1),
         )
 
