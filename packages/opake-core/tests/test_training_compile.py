@@ -215,3 +215,49 @@ def test_pending_batches_counts_physical_batches_not_chunks(eager_backend):
     result = training.finish_step()
     assert result.batch_size == 5
     assert len(result.aux) == 1
+
+
+def test_a_bad_mask_is_refused_before_anything_is_noised(eager_backend):
+    """The mask is checked as eagerly (bool, one entry per row): a longer one used to pass the
+    compiled chunks and fail after the noise and the accounting."""
+    x, y = _data()
+    _, training = _training(microbatch_size=4, compile=True)
+    for mask in (torch.ones(8, dtype=torch.bool), torch.arange(5), torch.ones(5)):
+        with pytest.raises(InputTypeError, match="example_mask"):
+            training.step(x[:5], y[:5], example_mask=mask)
+    assert (training.steps, training.pending_batches) == (0, 0)
+
+
+@pytest.mark.parametrize("size", [0, -3, 2.5, True, "4"])
+def test_the_chunk_size_is_checked_at_construction(size):
+    with pytest.raises((ConfigurationError, InputTypeError), match="microbatch_size"):
+        _training(compile=True, microbatch_size=size)
+
+
+def test_shapes_past_the_recompile_limit_say_to_pad(eager_backend, monkeypatch):
+    """Each new sequence length compiles again; past torch's limit the error says to pad."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    model = tiny_mlp(in_features=8, hidden=16, classes=4, seed=0)
+    fmodel, params = make_functional(model)
+
+    def loss_fn(p, x, y):  # x [T, 8]: a variable-length example
+        return torch.nn.functional.cross_entropy(fmodel(p, x), y.expand(x.shape[0]))
+
+    training = DPTraining(
+        loss_fn,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        params,
+        batch_args=2,
+        dataset_size=N,
+        expected_batch_size=8.0,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        seed=0,
+        microbatch_size=4,
+        compile=True,
+    )
+    y = torch.zeros(4, dtype=torch.long)
+    for length in (1, 2):  # within the limit
+        training.step(torch.randn(4, length, 8), y)
+    with pytest.raises(OperationError, match="pad every batch"):
+        training.step(torch.randn(4, 3, 8), y)

@@ -73,6 +73,10 @@ def check_compile(
             "compile=True with AdaptiveClipping: its state is rebuilt in Python at every call "
             "and does not trace; use fixed, AUTO-S or group clipping, or compile=False"
         )
+    if microbatch_size is not None:
+        from opake.dpsgd.training._options import _positive
+
+        microbatch_size = _positive("microbatch_size", microbatch_size, integer=True)
     rows = microbatch_size if microbatch_size is not None else fixed_rows
     if rows is None:
         raise ConfigurationError(
@@ -114,13 +118,12 @@ class CompiledStep:
         dropped) and the new clip state."""
         import torch
 
+        from opake.dpsgd.clipping._call import check_mask
+
         size = _batch_size(batch)
         device = _device(batch)
-        mask = (
-            torch.ones(size, dtype=torch.bool, device=device)
-            if example_mask is None
-            else example_mask.to(device=device, dtype=torch.bool)
-        )
+        checked = check_mask(example_mask, size, device)  # as eager: bool [B], else an error
+        mask = torch.ones(size, dtype=torch.bool, device=device) if checked is None else checked
         total: ClippedGrads | None = None
         chunks: list[tuple[ClipAux, torch.Tensor]] = []
         for start in range(0, max(size, 1), self.rows):
@@ -136,34 +139,60 @@ class CompiledStep:
         return total, _merged(chunks, size), state
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._first:
-            return self._compiled(*args, **kwargs)
         start = time.perf_counter()
         try:
             out = self._compiled(*args, **kwargs)
-        except OperationError:
-            raise
         except Exception as err:
-            if (
-                type(err).__module__.startswith("torch._dynamo")
-                or "Unsupported" in type(err).__name__
-            ):
-                lines = [line for line in str(err).splitlines() if line.strip()]
-                detail = " ".join(lines[:2]) if lines else repr(err)
-                raise OperationError(
-                    f"compile=True: torch.compile failed on the DP step ({type(err).__name__}: "
-                    f"{detail}); the loss function must trace under vmap(grad) as one graph "
-                    "(no .item(), data-dependent branches or unsupported calls); train with "
-                    "compile=False"
-                ) from err
-            raise
-        self._first = False
-        _LOG.info(
-            "compile=True: the DP step compiled for chunks of %d rows in %.1f s",
-            self.rows,
-            time.perf_counter() - start,
-        )
+            failure = _compile_failure(err)
+            if failure is None:
+                raise
+            raise failure from err
+        if self._first:
+            self._first = False
+            _LOG.info(
+                "compile=True: the DP step compiled for chunks of %d rows in %.1f s",
+                self.rows,
+                time.perf_counter() - start,
+            )
         return out
+
+
+def _compile_failure(err: Exception) -> OperationError | None:
+    """An ``OperationError`` for a failure of ``torch.compile`` itself (``None`` for any
+    other error, which propagates as it is), naming the first error that is not the
+    compiler's: a user's error raised while tracing is reported with its own message."""
+    import torch._dynamo.exc as dynamo
+
+    if isinstance(err, OperationError) or not isinstance(
+        err, dynamo.TorchDynamoException | dynamo.FailOnRecompileLimitHit
+    ):
+        return None
+    inner: BaseException = err
+    seen: set[int] = set()
+    while id(inner) not in seen:
+        seen.add(id(inner))
+        module = type(inner).__module__
+        if not module.startswith(("torch._dynamo", "torch._inductor")):
+            break
+        nxt = inner.__cause__ or inner.__context__
+        if nxt is None:
+            break
+        inner = nxt
+    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+    detail = f"{type(inner).__name__}: {' '.join(lines[:2]) if lines else repr(inner)}"
+    if isinstance(err, dynamo.FailOnRecompileLimitHit) or "recompile limit" in str(err).lower():
+        hint = (
+            "each new input shape (e.g. a sequence length) compiles again; pad every batch to "
+            "one shape"
+        )
+    elif inner is not err:
+        hint = "the error was raised while tracing the loss: check it with compile=False"
+    else:
+        hint = (
+            "the loss function must trace under vmap(grad) as one graph (no .item(), "
+            "data-dependent branches or unsupported calls); train with compile=False"
+        )
+    return OperationError(f"compile=True: torch.compile failed on the DP step ({detail}); {hint}")
 
 
 def _leaves(batch: tuple[Any, ...]) -> list[torch.Tensor]:
@@ -177,9 +206,15 @@ def _leaves(batch: tuple[Any, ...]) -> list[torch.Tensor]:
 
 
 def _batch_size(batch: tuple[Any, ...]) -> int:
-    sizes = {int(t.shape[0]) if t.dim() else -1 for t in _leaves(batch)}
-    if len(sizes) != 1 or -1 in sizes:
-        raise InputTypeError(
+    leaves = _leaves(batch)
+    if any(t.dim() == 0 for t in leaves):
+        raise ConfigurationError(
+            "compile=True: a batched argument is a 0-d tensor; every batched tensor needs a "
+            "leading batch dimension (one row per example)"
+        )
+    sizes = {int(t.shape[0]) for t in leaves}
+    if len(sizes) != 1:
+        raise ConfigurationError(
             f"compile=True: every batched tensor needs the same leading (batch) dimension, "
             f"got sizes {sorted(sizes)}"
         )
