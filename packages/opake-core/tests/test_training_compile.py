@@ -63,6 +63,23 @@ def _training(**options):
     return model, DPTraining(loss_fn, optimizer, params, **settings)
 
 
+def _compiled_with(loss_fn, model, params):
+    """A compiled training of ``loss_fn`` (chunks of 4 rows)."""
+    return DPTraining(
+        loss_fn,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        params,
+        batch_args=2,
+        dataset_size=N,
+        expected_batch_size=8.0,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        seed=0,
+        microbatch_size=4,
+        compile=True,
+    )
+
+
 def _accumulated(training):
     """The clipped sum the DP optimizer holds for the pending step (before noise)."""
     return {k: v.detach().clone() for k, v in training._optimizer._sums.items()}
@@ -171,19 +188,7 @@ def test_a_loss_that_does_not_trace_is_an_opake_error(eager_backend):
             return loss
         return -loss
 
-    training = DPTraining(
-        loss_fn,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        params,
-        batch_args=2,
-        dataset_size=N,
-        expected_batch_size=8.0,
-        noise_multiplier=1.0,
-        delta=1e-5,
-        seed=0,
-        microbatch_size=4,
-        compile=True,
-    )
+    training = _compiled_with(loss_fn, model, params)
     x, y = _data()
     with pytest.raises(OperationError, match="compile=True"):
         training.step(x[:6], y[:6])
@@ -243,19 +248,7 @@ def test_shapes_past_the_recompile_limit_say_to_pad(eager_backend, monkeypatch):
     def loss_fn(p, x, y):  # x [T, 8]: a variable-length example
         return torch.nn.functional.cross_entropy(fmodel(p, x), y.expand(x.shape[0]))
 
-    training = DPTraining(
-        loss_fn,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        params,
-        batch_args=2,
-        dataset_size=N,
-        expected_batch_size=8.0,
-        noise_multiplier=1.0,
-        delta=1e-5,
-        seed=0,
-        microbatch_size=4,
-        compile=True,
-    )
+    training = _compiled_with(loss_fn, model, params)
     y = torch.zeros(4, dtype=torch.long)
     for length in (1, 2):  # within the limit
         training.step(torch.randn(4, length, 8), y)
