@@ -239,9 +239,13 @@ def test_the_chunk_size_is_checked_at_construction(size):
         _training(compile=True, microbatch_size=size)
 
 
-def test_shapes_past_the_recompile_limit_say_to_pad(eager_backend, monkeypatch):
+def test_shapes_past_the_recompile_limit_say_to_pad(eager_backend):
     """Each new sequence length compiles again; past torch's limit the error says to pad."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    with torch._dynamo.config.patch(recompile_limit=2):  # torch's own, restored after
+        _past_the_recompile_limit()
+
+
+def _past_the_recompile_limit():
     model = tiny_mlp(in_features=8, hidden=16, classes=4, seed=0)
     fmodel, params = make_functional(model)
 
