@@ -15,6 +15,8 @@ import os
 import pytest
 import torch
 import torch._dynamo
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from opake.core import testing
 from opake.dpsgd.bookkeeping import BatchedLoss
@@ -169,6 +171,52 @@ def test_the_compiled_sum_adds_the_measured_low_precision_gradient(clip):
     eager, _ = grad_fn(params, x, y, state=state, example_mask=mask)
     assert testing.exact_norm(compiled) <= clip
     assert torch.equal(compiled["s"], eager["s"])
+
+
+_LOW = {}
+
+
+def _low_precision_step(dtype):
+    """One Inductor-compiled ``grad_fn`` over a ``dtype`` Linear (compiled once per dtype)."""
+    if dtype not in _LOW:
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(16, 4).to(dtype)
+        fmodel, params = make_functional(layer)
+
+        def loss(p, x, y):  # one example: squared error, the attacker picks x and y
+            return ((fmodel(p, x[None].to(dtype)) - y.to(dtype)) ** 2).sum()
+
+        grad_fn, state = clipped_grad(loss, clipping_norm=0.5, batch_argnums=(1, 2), engine="vmap")
+        _LOW[dtype] = (torch.compile(grad_fn, fullgraph=True, dynamic=False), state, params)
+    return _LOW[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@settings(max_examples=12, deadline=None)
+@given(
+    scale=st.sampled_from([2.0**-14, 2.0**-6, 1.0, 2.0**6, 2.0**12]),
+    seed=st.integers(0, 2**16),
+    rounding=st.sampled_from(["random", "bf16-down"]),
+)
+def test_low_precision_contributions_are_bounded_compiled(dtype, scale, seed, rounding):
+    """Property: with bf16/fp16 parameters under Inductor, no example's contribution (alone,
+    by ``example_mask``) exceeds C — over scales from underflow to large, and inputs whose
+    low-precision products round systematically — against the exact norm."""
+    step, state, params = _low_precision_step(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    if rounding == "bf16-down":  # products that round down in bf16, every entry alike
+        x = torch.full((4, 16), 1 + 7 / 128) * scale
+        y = torch.full((4, 4), -(1 + 9 / 128)) * scale
+    else:
+        x = torch.randn(4, 16, generator=gen) * scale
+        y = torch.randn(4, 4, generator=gen) * scale
+    dtype_max = torch.finfo(dtype).max
+    x, y = x.clamp(-dtype_max, dtype_max), y.clamp(-dtype_max, dtype_max)
+    for i in range(4):
+        mask = torch.zeros(4, dtype=torch.bool)
+        mask[i] = True
+        grads, _ = step(params, x, y, state=state, example_mask=mask)
+        assert testing.exact_norm(grads) <= 0.5, (i, testing.exact_norm(grads))
 
 
 def _unsupported():
