@@ -120,8 +120,7 @@ class CompiledStep:
 
         from opake.dpsgd.clipping._call import check_mask
 
-        size = _batch_size(batch)
-        device = _device(batch)
+        size, device = _batch_size(batch)
         checked = check_mask(example_mask, size, device)  # as eager: bool [B], else an error
         mask = torch.ones(size, dtype=torch.bool, device=device) if checked is None else checked
         total: ClippedGrads | None = None
@@ -205,7 +204,8 @@ def _leaves(batch: tuple[Any, ...]) -> list[torch.Tensor]:
     return leaves
 
 
-def _batch_size(batch: tuple[Any, ...]) -> int:
+def _batch_size(batch: tuple[Any, ...]) -> tuple[int, torch.device]:
+    """The batch's rows and device (its first tensor's), from one walk of its leaves."""
     leaves = _leaves(batch)
     if any(t.dim() == 0 for t in leaves):
         raise ConfigurationError(
@@ -218,11 +218,7 @@ def _batch_size(batch: tuple[Any, ...]) -> int:
             f"compile=True: every batched tensor needs the same leading (batch) dimension, "
             f"got sizes {sorted(sizes)}"
         )
-    return sizes.pop()
-
-
-def _device(batch: tuple[Any, ...]) -> torch.device:
-    return _leaves(batch)[0].device
+    return sizes.pop(), leaves[0].device
 
 
 def _padded(
