@@ -12,6 +12,7 @@ from those pieces. Whether a call runs it at all is clipping's choice
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -117,14 +118,7 @@ class BookkeepingRunner:
                     "(under no_grad, or recomputed by activation checkpointing in backward); "
                     "use clipped_grad(engine='vmap') for such models"
                 )
-            params = {attr: getattr(module, attr) for attr in module._parameters}
-            for attr, name in layer.params:
-                if params[attr] is not self._diff[name]:
-                    raise OperationError(
-                        f"book-keeping: layer {layer.module!r} ran with a {attr!r} that is not "
-                        f"the differentiated tensor {name!r}; the loss must run the model "
-                        "through fmodel(params, ...) with the dict clipped_grad passes"
-                    )
+            params = self._layer_params(layer, module)
             if not isinstance(output, torch.Tensor):
                 raise OperationError(
                     f"book-keeping: layer {layer.module!r} returned a {type(output).__name__}; "
@@ -147,6 +141,26 @@ class BookkeepingRunner:
             return Tap.apply(output, self._sink, use)
 
         return hook
+
+    def _layer_params(self, layer: LayerRule, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The parameters ``module`` runs with (attribute → tensor), checked to be the
+        differentiated tensors (a subclass that runs the module's own parameters, e.g. under
+        FSDP, checks them its way)."""
+        params = {attr: getattr(module, attr) for attr in module._parameters}
+        for attr, name in layer.params:
+            if params[attr] is not self._diff[name]:
+                raise OperationError(
+                    f"book-keeping: layer {layer.module!r} ran with a {attr!r} that is not "
+                    f"the differentiated tensor {name!r}; the loss must run the model "
+                    "through fmodel(params, ...) with the dict clipped_grad passes"
+                )
+        return params
+
+    def _hold(self, module: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+        """What the module holds during the backward: the differentiated tensors
+        (:func:`holding`, for activation checkpointing); a subclass whose module runs its own
+        parameters (FSDP swaps them itself) holds nothing."""
+        return holding(module, self._diff)
 
     def _forward_backward(
         self, args: tuple[Any, ...], batch: int
@@ -190,7 +204,7 @@ class BookkeepingRunner:
                     )
                 self._recording = False
                 if losses.requires_grad:
-                    with holding(module, self._diff):
+                    with self._hold(module):
                         torch.autograd.backward(losses.sum(), inputs=[self._sink])
         finally:
             _RECORDING.reset(token)

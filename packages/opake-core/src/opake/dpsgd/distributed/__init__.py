@@ -17,7 +17,10 @@ One logical step across ``W`` ranks::
   aggregated; :func:`check_replicas_in_sync` — verify identical parameters;
 - :class:`ShardedDPOptimizer` with :func:`compute_template` and :func:`gather_full_params` —
   FSDP2 (``fully_shard``) parameters and optimizer state sharded at rest, gathered for the
-  per-example step (see ``docs/design/fsdp2.md``).
+  per-example step (see ``docs/design/fsdp2.md``, level 1);
+- :func:`sharded_clipped_grad` — level 2: per-layer sharded compute with the book-keeping
+  engine (FSDP gathers one unit at a time; the clipped sums feed ``ShardedDPOptimizer``);
+  :func:`save_sharded_checkpoint` / :func:`load_sharded_checkpoint` for its sharded state.
 
 Sampling: build ``PoissonSampler(N, q, randomness=ctx.shared_randomness(),
 **ctx.sampler_kwargs())`` on every rank (a secure key drawn on rank 0 and shared; ``seed=`` for
@@ -49,6 +52,12 @@ from opake.dpsgd.distributed._fsdp import ShardedDPOptimizer, compute_template, 
 from opake.dpsgd.distributed._metrics import RankMetrics, gather_metrics
 from opake.dpsgd.distributed._optim import DistributedDPOptimizer
 from opake.dpsgd.distributed._replicas import check_replicas_in_sync, unwrap_ddp
+from opake.dpsgd.distributed.sharded import (
+    ShardedClippedGradFn,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+    sharded_clipped_grad,
+)
 
 __all__ = [
     "ABORT_EXIT_CODE",
@@ -57,6 +66,7 @@ __all__ = [
     "DistributedDPOptimizer",
     "FailFast",
     "RankMetrics",
+    "ShardedClippedGradFn",
     "ShardedDPOptimizer",
     "check_replicas_in_sync",
     "compute_template",
@@ -66,7 +76,10 @@ __all__ = [
     "gather_metrics",
     "init_distributed",
     "load_checkpoint_distributed",
+    "load_sharded_checkpoint",
     "save_checkpoint_distributed",
+    "save_sharded_checkpoint",
+    "sharded_clipped_grad",
     "shared_randomness",
     "unwrap_ddp",
 ]

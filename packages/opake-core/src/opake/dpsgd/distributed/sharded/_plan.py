@@ -1,0 +1,105 @@
+"""What level 2 accepts: a ``fully_shard``-ed module on one 1-D mesh, every layer with a rule.
+
+Per-layer sharded compute never gathers the whole model, so a layer the book-keeping engine
+has no closed-form rule for cannot fall back to anything: the per-layer ``vmap`` rule runs the
+layer again on its weights after the backward, when FSDP has resharded them. Such a layer makes
+the call fail with a :class:`~opake.core.errors.ConfigurationError` naming it — never a silent
+gather of everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from opake.core.errors import ConfigurationError, InputTypeError
+from opake.dpsgd.bookkeeping._plan import BookkeepingPlan, bookkeeping_plan
+from opake.dpsgd.distributed._fsdp import _is_sharded
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FALLBACK_RULE", "mesh_group", "sharded_plan", "trainable"]
+
+#: the book-keeping rule that is a fallback, not a rule: vmap over the layer and its weights
+FALLBACK_RULE = "per_layer"
+
+
+def mesh_group(model: object) -> Any:  # Any: a ProcessGroup
+    """The process group of the module's one 1-D device mesh; raises when it is not sharded."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise InputTypeError(
+            f"model={type(model).__name__}: expected the fully_shard-ed torch.nn.Module"
+        )
+    sharded = [p for p in model.parameters() if _is_sharded(p)]
+    if not sharded:
+        raise ConfigurationError(
+            "sharded_clipped_grad: the module has no DTensor parameters (it was not "
+            "fully_shard-ed); call fully_shard on its blocks and on the root first, or use "
+            "clipped_grad for an unsharded model"
+        )
+    mesh = sharded[0].device_mesh
+    # equal meshes, not one object: DTensor caches its specs, so parameters of one mesh can
+    # report equal mesh objects of an earlier fully_shard call
+    others = [p.device_mesh for p in sharded if p.device_mesh != mesh]
+    if others or mesh.ndim != 1:
+        raise ConfigurationError(
+            "sharded_clipped_grad supports one 1-D device mesh (data-parallel sharding); got "
+            f"meshes {mesh}{''.join(f', {m}' for m in others[:1])}"
+        )
+    return mesh.get_group()
+
+
+def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's trainable parameters by name (sharded ones as their ``DTensor``)."""
+    params: dict[str, torch.Tensor] = {
+        name: p for name, p in model.named_parameters() if p.requires_grad
+    }
+    if not params:
+        raise ConfigurationError(
+            "sharded_clipped_grad: the module has no trainable parameter (requires_grad=True)"
+        )
+    return params
+
+
+def sharded_plan(
+    model: torch.nn.Module, names: Iterable[str], *, trusted: Iterable[str] = ()
+) -> BookkeepingPlan:
+    """The book-keeping plan of ``names``; raises unless every layer has a closed-form rule.
+
+    >>> import torch
+    >>> plan = sharded_plan(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["0.weight"])
+    >>> [layer.rule for layer in plan.layers]
+    ['linear']
+    >>> class Scale(torch.nn.Module):
+    ...     def __init__(self) -> None:
+    ...         super().__init__()
+    ...         self.weight = torch.nn.Parameter(torch.ones(2))
+    ...     def forward(self, x: torch.Tensor) -> torch.Tensor:
+    ...         return x * self.weight
+    >>> sharded_plan(torch.nn.Sequential(Scale()), ["0.weight"])
+    Traceback (most recent call last):
+    ...
+    opake.core.errors.ConfigurationError: sharded_clipped_grad: no book-keeping rule for ...
+    """
+    plan = bookkeeping_plan(model, names, trusted=trusted)
+    problems = [f"{what} ({why})" for what, why in plan.unsupported]
+    problems += [
+        f"{layer.module or '<root>'} ({type(model.get_submodule(layer.module)).__name__}: only "
+        "the per-layer vmap fallback matches it, which needs the layer's weights after FSDP "
+        "resharded them)"
+        for layer in plan.layers
+        if layer.rule == FALLBACK_RULE
+    ]
+    if problems:
+        raise ConfigurationError(
+            "sharded_clipped_grad: no book-keeping rule for "
+            + "; ".join(problems)
+            + ". Per-layer sharded compute needs a closed-form rule for every layer with a "
+            "trainable parameter (nothing is gathered to fall back on): freeze those "
+            "parameters, register a rule (docs/guide/extending.md), or use level 1 "
+            "(ShardedDPOptimizer with gather_full_params and clipped_grad)"
+        )
+    return plan
