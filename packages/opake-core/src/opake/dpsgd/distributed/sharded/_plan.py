@@ -64,6 +64,27 @@ def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return params
 
 
+def _refuse_batch_statistics(model: torch.nn.Module) -> None:
+    """Refuse a batch norm in training mode: its batch statistics mix the examples, so one
+    example's records would carry the others' (per-layer sharded compute has no per-example
+    autograd check to notice it)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    mixing = [
+        f"{name or '<root>'} ({type(m).__name__})"
+        for name, m in model.named_modules()
+        if isinstance(m, _BatchNorm) and m.training
+    ]
+    if mixing:
+        raise ConfigurationError(
+            f"sharded_clipped_grad: {', '.join(mixing[:5])} normalises with batch statistics "
+            "in training mode, which mixes the examples of a batch: per-example clipping "
+            "would not bound one example's influence. Put it in eval mode (running "
+            "statistics, .eval()), or replace it by a per-example normalisation (LayerNorm, "
+            "GroupNorm)"
+        )
+
+
 def sharded_plan(
     model: torch.nn.Module, names: Iterable[str], *, trusted: Iterable[str] = ()
 ) -> BookkeepingPlan:
@@ -83,7 +104,13 @@ def sharded_plan(
     Traceback (most recent call last):
     ...
     opake.core.errors.ConfigurationError: sharded_clipped_grad: no book-keeping rule for ...
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    >>> sharded_plan(net, ["0.weight"])
+    Traceback (most recent call last):
+    ...
+    opake.core.errors.ConfigurationError: sharded_clipped_grad: 1 (BatchNorm1d) normalises ...
     """
+    _refuse_batch_statistics(model)
     plan = bookkeeping_plan(model, names, trusted=trusted)
     problems = [f"{what} ({why})" for what, why in plan.unsupported]
     problems += [

@@ -1,0 +1,31 @@
+"""What per-layer sharded compute accepts, checked in one process (no process group needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opake.core.errors import ConfigurationError
+from opake.dpsgd.distributed.sharded._plan import sharded_plan
+
+
+def test_a_batch_norm_in_training_mode_is_refused_it_mixes_the_examples() -> None:
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    with pytest.raises(ConfigurationError, match=r"1 \(BatchNorm1d\).*mixes the examples"):
+        sharded_plan(net, ["0.weight", "2.weight"])
+    net[1].eval()  # running statistics: per example
+    plan = sharded_plan(net, ["0.weight", "2.weight"])
+    assert [layer.rule for layer in plan.layers] == ["linear", "linear"]
+
+
+def test_a_layer_without_a_closed_form_rule_is_refused_by_name() -> None:
+    class Scale(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.weight
+
+    with pytest.raises(ConfigurationError, match=r"no book-keeping rule for .*Scale"):
+        sharded_plan(torch.nn.Sequential(torch.nn.Linear(2, 2), Scale()), ["1.weight"])
