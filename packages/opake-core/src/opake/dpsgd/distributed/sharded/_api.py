@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -21,17 +22,6 @@ if TYPE_CHECKING:
     from opake.dpsgd.clipping._base import GroupSpec
 
 __all__ = ["sharded_clipped_grad"]
-
-_OPTIONS = (
-    "clipping_norm",
-    "batch_argnums",
-    "has_aux",
-    "microbatch_size",
-    "normalize_by",
-    "return_aux",
-    "clipping_groups",
-    "trusted_rules",
-)
 
 
 def _positions(batch_argnums: object) -> tuple[int, ...]:
@@ -102,11 +92,12 @@ def sharded_clipped_grad(
     """
     if unknown:
         name = next(iter(unknown))
-        close = difflib.get_close_matches(name, _OPTIONS, n=1)
+        options = _options()
+        close = difflib.get_close_matches(name, options, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigurationError(
             f"sharded_clipped_grad() got an unknown keyword argument {name!r}{hint}; accepted: "
-            f"{', '.join(_OPTIONS)}"
+            f"{', '.join(options)}"
         )
     if not callable(loss_fn):
         raise InputTypeError(
@@ -159,3 +150,13 @@ def sharded_clipped_grad(
     )
     _disable_fsdp_reduction(model)
     return ShardedClippedGradFn(engine, model, group, trusted), state
+
+
+def _options() -> list[str]:
+    """The keyword options of :func:`sharded_clipped_grad`, from its signature."""
+    kinds = (inspect.Parameter.KEYWORD_ONLY,)
+    return [
+        p.name
+        for p in inspect.signature(sharded_clipped_grad).parameters.values()
+        if p.kind in kinds
+    ]
