@@ -294,6 +294,12 @@ def test_features_that_would_break_dp_are_refused(tmp_path, options, match):
         _trainer(tmp_path, **options)
 
 
+def test_trainer_fsdp_is_refused_with_the_sharded_route(tmp_path):
+    # the Trainer's FSDP is refused at construction; the message names the route that works
+    with pytest.raises(ConfigurationError, match=r"fsdp=True: .*shard=True.*opake train --shard"):
+        _trainer(tmp_path, fsdp="full_shard")
+
+
 def test_refusals_outside_the_arguments(tmp_path):
     from transformers import TrainingArguments
 

@@ -84,7 +84,7 @@ def test_the_resume_lock_is_derived_and_unchanged():
         "max_records_per_unit", "block_size", "val_fraction", "lora_r", "lora_alpha",
         "dropout", "target_epsilon", "noise_multiplier", "delta", "accountant", "clip",
         "batch_size", "sampler", "steps", "epochs", "lr", "warmup", "optimizer", "weight_decay",
-        "seed", "reproducible",
+        "shard", "seed", "reproducible",
     )  # fmt: skip
 
 

@@ -57,7 +57,18 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         "DPTrainer always draws Poisson batches (the only sampling ε is computed for)",
     ),
     ("deepspeed", lambda a: bool(a.deepspeed), "not supported with per-example clipping"),
-    ("fsdp", lambda a: bool(a.fsdp), "not supported here; use DDP (torchrun)"),
+    (
+        "fsdp",
+        lambda a: bool(a.fsdp),
+        (
+            "the Trainer's FSDP wrapping swaps gathered parameters in under the per-example "
+            "gradients and reduces gradients itself; DP-SGD with FSDP2 (per-layer sharded "
+            "compute) runs "
+            "through opake.dpsgd.training.DPTraining(..., shard=True) on a fully_shard-ed model "
+            "or `opake train --shard` under torchrun; DPTrainer runs DDP (launch with torchrun, "
+            "without fsdp)"
+        ),
+    ),
     (
         "neftune_noise_alpha",
         lambda a: a.neftune_noise_alpha is not None,

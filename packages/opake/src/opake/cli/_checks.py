@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -173,3 +174,11 @@ def disable_dropout(model: Any) -> int:
                 setattr(module, name, 0.0)
                 changed += 1
     return changed
+
+
+def watch_divergence(watch: DivergenceWatch, val_loss: float, done: int, plan: Any) -> None:
+    """Feed *val_loss* to *watch*; on divergence, note it in the plan and warn once."""
+    diverging = watch.observe(val_loss)
+    if diverging:
+        plan.notes.append(f"at step {done}, {diverging}")
+        print(f"\nopake train: warning: {diverging}", file=sys.stderr, flush=True)

@@ -72,8 +72,15 @@ def check_compile(settings: Any) -> None:
 
 
 def unpatched(settings: Any, patch: bool, notes: list[str]) -> bool:
-    """Whether to apply the model patches: not with ``--compile`` (``--kernels auto`` then
-    runs the model unpatched, and a note says so)."""
+    """Whether to apply the model patches: not with ``--compile`` or ``--shard``
+    (``--kernels auto`` then runs the model unpatched, and a note says so)."""
+    if patch and getattr(settings, "shard", False):
+        notes.append(
+            "--shard: the model runs unpatched (no loss-only head, no Opake kernels): the "
+            "loss-only head holds per-example gradients that per-layer sharded compute cannot "
+            "bound"
+        )
+        return False
     if not (settings.compile and patch):
         return patch
     notes.append(

@@ -307,7 +307,7 @@ def _check_out(settings: TrainSettings) -> Path:
     """``--out`` and ``--resume``: a new run in a free, writable directory, or a saved one."""
     out = Path(settings.out)
     checkpoint = out / CHECKPOINT_FILE
-    if settings.resume and not checkpoint.is_file():
+    if settings.resume and not checkpoint.exists():  # --shard: a directory of shards
         raise ConfigurationError(
             f"--resume: {checkpoint} does not exist; start the run without --resume, or point "
             "--out at the directory of the run to continue"

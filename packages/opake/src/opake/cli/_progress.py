@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 __all__ = ["LineProgress", "Progress", "make_progress"]
 
@@ -125,3 +125,14 @@ def make_progress(
         ncols=None if wide_enough else columns,
     )
     return bar
+
+
+def step_postfix(row: dict[str, Any], peak_seen: float | None) -> str:
+    """The progress bar's postfix after a step: loss, ε, throughput, peak memory."""
+    from opake.cli._summary import _fmt_gb
+
+    rate = row["samples_per_second"] or 0.0
+    return (
+        f"loss {row['train_loss']:.3f}  ε {row['epsilon']:.2f}  {rate:.0f} samples/s  "
+        f"peak {_fmt_gb(peak_seen)}"
+    )

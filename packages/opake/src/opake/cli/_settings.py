@@ -32,6 +32,7 @@ from opake.cli._options import (
     values_from_args,
 )
 from opake.cli._records import OBJECTIVES, check_objective
+from opake.cli._shard import check_shard
 from opake.cli._sources import model_help
 from opake.core.choices import ACCOUNTANTS, ENGINES, SAMPLERS
 from opake.core.errors import ConfigurationError
@@ -250,6 +251,13 @@ class TrainSettings:
         "of one shape (the microbatch, padded and masked), the first step compiles (seconds to "
         "minutes); privacy-neutral",
     )
+    shard: bool = option(
+        False,
+        group=_SPEED,
+        help="under torchrun: shard every decoder layer over the ranks (FSDP2 per-layer sharded "
+        "compute, book-keeping engine, the model unpatched); privacy-neutral",
+        locked=True,
+    )
     checkpointing: bool = option(
         False, group=_SPEED, help="gradient checkpointing of every layer (works under vmap)"
     )
@@ -339,6 +347,7 @@ class TrainSettings:
         """``--privacy-unit`` and ``--max-records-per-unit``, ``--compile``, ``--objective``
         and ``--dpo-beta``: what goes with them."""
         check_compile(self)
+        check_shard(self)
         check_objective(self)
         if self.max_records_per_unit is not None and self.privacy_unit is None:
             raise ConfigurationError(

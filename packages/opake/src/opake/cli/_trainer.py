@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from opake.cli._checks import DivergenceWatch, disable_dropout
+from opake.cli._checks import DivergenceWatch, disable_dropout, watch_divergence
 from opake.cli._compiling import compile_line
 from opake.cli._interrupt import StepBoundary, interrupted_before_training
 from opake.cli._memory import MicrobatchChoice, microbatch_for_run
@@ -36,7 +36,7 @@ from opake.cli._plan import (
     plan_run,
 )
 from opake.cli._posttrain import PostStep, run_loss
-from opake.cli._progress import make_progress
+from opake.cli._progress import make_progress, step_postfix
 from opake.cli._setup import (
     _autocast_factory,
     _build_model,
@@ -46,7 +46,8 @@ from opake.cli._setup import (
     forward_options,
     inner_optimizer,
 )
-from opake.cli._summary import _fmt_gb, _max_none, _save_model, _summary
+from opake.cli._shard import full_model, prepare_sharded
+from opake.cli._summary import _max_none, _save_model, _summary
 from opake.core.errors import OpakePrivacyWarning
 
 if TYPE_CHECKING:
@@ -96,6 +97,11 @@ class _Run:
     def checkpoint(self) -> Path:
         return self.plan.out / CHECKPOINT_FILE
 
+    @property
+    def evaluates(self) -> bool:
+        """Rank 0 evaluates; with ``--shard`` every rank (each forward gathers the layers)."""
+        return bool(self.ctx.is_main or self.plan.settings.shard)
+
     def evaluate(self) -> float:
         if self.post is not None:
             return self.post.evaluate()
@@ -104,8 +110,8 @@ class _Run:
     def save(self) -> None:
         """Checkpoint at the current step boundary (every rank calls it; rank 0 writes)."""
         self.training.save(
-            self.checkpoint,
-            model=self.trainable,
+            self.checkpoint,  # --shard: a directory of shards
+            model=None if self.plan.settings.shard else self.trainable,
             extra={
                 "settings": self.plan.settings.to_dict(),
                 "metrics": self.rows,
@@ -141,11 +147,13 @@ def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
     r.created_out = created
     val_loss = _loop(r)
     r.save()
-    if not ctx.is_main:
-        return None
-    if val_loss is None:
+    if val_loss is None and r.evaluates:
         val_loss = r.evaluate()
-    return _finish(r, val_loss, wall=time.perf_counter() - started)
+    # the model rank 0 saves: with --shard gathered from every rank (a collective)
+    trained = full_model(plan, r.model, ctx.is_main) if plan.settings.shard else r.model
+    if not ctx.is_main or val_loss is None:
+        return None
+    return _finish(r, val_loss, wall=time.perf_counter() - started, trained=trained)
 
 
 def _prepare(plan: RunPlan, ctx: Any) -> _Run:
@@ -162,6 +170,8 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
     loaded, model, patch_report = _build_model(plan, device)
     if not s.dropout:
         disable_dropout(model)
+    if s.shard:
+        return prepare_sharded(plan, ctx, device, (loaded, model, patch_report), _Run)
     forward_kwargs = forward_options(patch_report)
     fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
     autocast = _autocast_factory(s.precision, device)
@@ -260,7 +270,7 @@ def _start(r: _Run) -> None:
     s = r.plan.settings
     if s.resume:
         # a checkpoint written before DPTraining (the same parts) loads too
-        extra = r.training.load(r.checkpoint, model=r.trainable)
+        extra = r.training.load(r.checkpoint, model=None if s.shard else r.trainable)
         _check_resumed_settings(extra.get("settings", {}), s)
         r.start_step = r.training.steps
         r.rows = [dict(row) for row in extra.get("metrics", [])]
@@ -273,12 +283,13 @@ def _start(r: _Run) -> None:
                 file=sys.stderr,
                 flush=True,
             )
-    elif r.ctx.is_main:
-        r.initial_val = r.evaluate()
-        # --out is created only now, just before the first step: an interrupt while the
-        # model is built or the start evaluated leaves nothing behind
-        r.plan.out.mkdir(parents=True, exist_ok=True)
-        write_json(r.plan.out / SETTINGS_FILE, s.to_dict())
+    elif r.evaluates:
+        r.initial_val = r.evaluate()  # every rank when sharded
+        if r.ctx.is_main:
+            # --out is created only now, just before the first step: an interrupt while the
+            # model is built or the start evaluated leaves nothing behind
+            r.plan.out.mkdir(parents=True, exist_ok=True)
+            write_json(r.plan.out / SETTINGS_FILE, s.to_dict())
 
 
 def _loop(r: _Run) -> float | None:
@@ -318,12 +329,13 @@ def _loop(r: _Run) -> float | None:
             row = _step(r, batches, lr)
             done = row["step"]
             val_loss = None
-            if r.ctx.is_main and (done % eval_every == 0 or done == plan.steps):
-                val_loss = row["val_loss"] = r.evaluate()
-                _watch(watch, val_loss, done, plan)
+            if r.evaluates and (done % eval_every == 0 or done == plan.steps):
+                val_loss = row["val_loss"] = r.evaluate()  # every rank when sharded
+                if r.ctx.is_main:
+                    watch_divergence(watch, val_loss, done, plan)
             peak_seen = _max_none([peak_seen, row["peak_memory_gb"]])
             r.rows.append(row)
-            bar.set_postfix_str(_postfix(row, peak_seen), refresh=False)
+            bar.set_postfix_str(step_postfix(row, peak_seen), refresh=False)
             bar.update(1)
             if done % s.checkpoint_every == 0 and done < plan.steps:
                 r.save()
@@ -398,21 +410,6 @@ def _step(r: _Run, batches: Iterator[list[int]], lr: float) -> dict[str, Any]:
     }
 
 
-def _watch(watch: DivergenceWatch, val_loss: float, done: int, plan: RunPlan) -> None:
-    diverging = watch.observe(val_loss)
-    if diverging:
-        plan.notes.append(f"at step {done}, {diverging}")
-        print(f"\nopake train: warning: {diverging}", file=sys.stderr, flush=True)
-
-
-def _postfix(row: dict[str, Any], peak_seen: float | None) -> str:
-    rate = row["samples_per_second"] or 0.0
-    return (
-        f"loss {row['train_loss']:.3f}  ε {row['epsilon']:.2f}  {rate:.0f} samples/s  "
-        f"peak {_fmt_gb(peak_seen)}"
-    )
-
-
 def _interrupted(r: _Run, at_boundary: bool) -> None:
     """Ctrl-C: checkpoint the completed steps at a boundary, and say how to continue."""
     completed = int(r.rows[-1]["step"]) if r.rows else r.start_step
@@ -442,12 +439,12 @@ def _interrupted_before_training(plan: RunPlan, *, created: bool) -> None:
     )
 
 
-def _finish(r: _Run, val_loss: float, *, wall: float) -> dict[str, Any]:
+def _finish(r: _Run, val_loss: float, *, wall: float, trained: Any) -> dict[str, Any]:
     """Rank 0: save the model, write metrics.csv, the plots and summary.json."""
     from opake.profiling import get_memory_stats
 
     plan, s = r.plan, r.plan.settings
-    saved = _save_model(plan, r.loaded, r.model)
+    saved = _save_model(plan, r.loaded, trained)
     mem = get_memory_stats(r.device)
     grad_fn = r.training.grad_fn
     summary = _summary(

@@ -26,10 +26,10 @@ from opake.dpsgd.training._options import (
     _physical_batch,
     _positive,
     _rate,
-    _rates_of,
 )
 from opake.dpsgd.training._persist import TrainingState
 from opake.dpsgd.training._result import PrivacyBudgetExhausted, StepResult, _result
+from opake.dpsgd.training._sharded import check_shard, dp_optimizer, sharded_step
 from opake.dpsgd.training._units import StepUnits
 
 if TYPE_CHECKING:
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 
     from opake.accounting import PrivacyAccountant
     from opake.dpsgd.clipping import ClipAux, ClipState
-    from opake.dpsgd.distributed import DistributedDPOptimizer
 
 __all__ = ["DPTraining", "PrivacyBudgetExhausted", "StepResult"]
 
@@ -111,6 +110,15 @@ class DPTraining(TrainingState):
             sampling needs ``microbatch_size``), the last chunk padded with masked rows that
             add exactly zero. The first call compiles (seconds to minutes); refused with the
             book-keeping engine, privacy units and ``AdaptiveClipping``.
+        shard: per-layer sharded compute (FSDP2 level 2, ``docs/guide/distributed.md``): under
+            an initialised process group, ``module`` is the ``fully_shard``-ed model, ``params``
+            its trainable parameters by name, ``loss_fn(*batch)`` runs the model and returns
+            per-example losses ``[B]``; the sums come from
+            :func:`~opake.dpsgd.distributed.sharded_clipped_grad` (book-keeping), the update
+            from :class:`~opake.dpsgd.distributed.ShardedDPOptimizer`. :meth:`save` /
+            :meth:`load` write and read a directory of shards (same world size);
+            :meth:`state_dict` is refused. Refused: the vmap engine, ``compile``, adaptive
+            clipping, ``privacy_units``, ``args``, ``offload_state``, ``sampler="fixed"``.
 
     Example:
         >>> import torch
@@ -166,13 +174,16 @@ class DPTraining(TrainingState):
         privacy_units: Sequence[Hashable] | None = None,
         max_records_per_unit: int | None = None,
         compile: bool = False,
+        shard: bool = False,
         **unknown: Any,
     ) -> None:
         from opake.dpsgd.distributed import current_context
 
         n, self._batch_args = _check_arguments(unknown, args, params, dataset_size, batch_args)
         _check_choices(engine, sampler, seed, rates=(sample_rate, expected_batch_size))
-        self._context = current_context(process_group)
+        settings = (engine, compile, privacy_units, args, offload_state, clipping_norm, sampler)
+        self._shard, group = check_shard(shard, module, params, process_group, settings)
+        self._context = current_context(group)
         units = _check_privacy_units(
             privacy_units, max_records_per_unit, n, sampler, self._context.world_size
         )
@@ -199,9 +210,10 @@ class DPTraining(TrainingState):
             how=(microbatch_size, randomness, compile),
             units=units,
         )
-        self._optimizer = self._dp_optimizer(
-            optimizer, module if module is not None else params, process_group, sigma, seed
-        )(offload_state=offload_state, unused_params=unused_params)
+        parts = (self._sampler, self._accountant, self._clip_state)
+        how = (group, sigma, seed, offload_state, unused_params)
+        target = module if module is not None else params
+        self._optimizer = dp_optimizer(optimizer, target, self._shard, how, parts)
         accounting = _accounting_of(self._sampler, extra, self._clip_state)
         self._spending = Spending(self._accountant, accounting, delta, budget)
         self._hooks, self._units = [], StepUnits(self._sampler if units is not None else None)
@@ -222,6 +234,12 @@ class DPTraining(TrainingState):
         from opake.dpsgd.clipping import clipped_grad
 
         microbatch_size, randomness, compile = how
+        if self._shard is not None:
+            self._grad_fn, self._clip_state = sharded_step(  # type: ignore[assignment]
+                loss_fn, self._shard, clipping_norm, microbatch_size, self._batch_args
+            )
+            self._compiled = None
+            return
         engine, rows, fullgraph = check_compile(
             compile,
             engine=engine,
@@ -243,34 +261,6 @@ class DPTraining(TrainingState):
         )
         step = CompiledStep(self._grad_fn, rows or 1, fullgraph=fullgraph) if compile else None
         self._compiled = step
-
-    def _dp_optimizer(
-        self,
-        optimizer: torch.optim.Optimizer,
-        module: torch.nn.Module | Mapping[str, torch.Tensor],
-        group: ProcessGroup | None,
-        sigma: float,
-        seed: int | None,
-    ) -> Callable[..., DistributedDPOptimizer]:
-        """The DP optimizer over the sampler, accountant and clip state (its remaining
-        keywords are the caller's)."""
-        from functools import partial
-
-        from opake.dpsgd.distributed import DistributedDPOptimizer
-
-        return partial(
-            DistributedDPOptimizer,
-            optimizer,
-            module,
-            process_group=group,
-            noise_multiplier=sigma,
-            # a unit sampler's rate and divisor are passed as numbers: DPOptimizer refuses the
-            # sampler itself, since it cannot see that each unit is clipped as one (here it is)
-            **_rates_of(self._sampler),
-            accountant=self._accountant,
-            count_noise_multiplier=getattr(self._clip_state, "count_noise_multiplier", None),
-            seed=seed,  # None: a secure noise key, shared by the ranks, never stored
-        )
 
     # -- privacy -----------------------------------------------------------------------------
 
@@ -446,6 +436,8 @@ class DPTraining(TrainingState):
         the fixed arguments too. The optimizer keeps updating the module's parameters."""
         if self._pending_aux:
             raise OperationError("set_params() in the middle of a logical step")
+        if self._shard is not None:
+            raise OperationError("set_params() with shard=True: the step runs the sharded module")
         self._args = _check_new_params(self._params, self._args, params, args)
         self._params = params
 
@@ -469,11 +461,3 @@ class DPTraining(TrainingState):
         self._spending.reset()
         if self._sampler.position != self.steps:
             self._sampler.seek(self.steps)
-
-    def __repr__(self) -> str:
-        return (
-            f"DPTraining(steps={self.steps}, σ={self.noise_multiplier:.4g}, "
-            f"q={self.sample_rate:.4g}, N={self.dataset_size}, δ={self._delta:.3g}, "
-            f"target_epsilon={self.target_epsilon}, world_size={self.world_size}, "
-            f"{'secure' if self._secure else 'seeded'})"
-        )

@@ -32,7 +32,7 @@ class Parts:
 
     ``config``: the settings that decide the accounting (:func:`config_of`); ``pending``:
     physical batches are accumulated and not yet stepped; ``group``: the process group of a
-    collective save or load.
+    collective save or load; ``sharded``: the ``fully_shard``-ed module (``shard=True``).
     """
 
     config: dict[str, Any]
@@ -43,6 +43,7 @@ class Parts:
     sampler: Any
     clip_state: Any
     group: Any
+    sharded: Any = None
 
 
 def parts_of(training: TrainingViews) -> Parts:
@@ -57,6 +58,7 @@ def parts_of(training: TrainingViews) -> Parts:
         sampler=training.sampler,
         clip_state=training.clip_state,
         group=training.process_group,
+        sharded=training.sharded_module,
     )
 
 
@@ -88,8 +90,17 @@ def _check_config(mine: Mapping[str, Any], saved: Any) -> None:
         )
 
 
+#: why a sharded training has no state dict (its state is one shard per rank)
+_SHARDED = (
+    "with shard=True: each rank holds its shards of the parameters and optimizer state; use "
+    "save(directory) / load(directory) (save_sharded_checkpoint: every rank writes its shards)"
+)
+
+
 def state_dict(parts: Parts) -> dict[str, Any]:
     """``DPTraining.state_dict()`` (refused while physical batches are pending)."""
+    if parts.sharded is not None:
+        raise OperationError(f"state_dict() {_SHARDED}")
     if parts.pending:
         raise OperationError(
             "state_dict() in the middle of a logical step: call finish_step() first (the "
@@ -112,6 +123,8 @@ def load_state_dict(parts: Parts, state: Mapping[str, Any]) -> ClipState:
     training takes (validated before anything is restored)."""
     from opake.dpsgd.clipping import clip_state_from_dict
 
+    if parts.sharded is not None:
+        raise OperationError(f"load_state_dict() {_SHARDED}")
     if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
         raise ConfigurationError(
             "expected the dict from DPTraining.state_dict() (version "
@@ -161,11 +174,54 @@ def save(
         "rng": rng,
     }
     try:
+        if parts.sharded is not None:
+            return save_sharded(parts, path, common, collective=collective)
         if not collective:
             return save_checkpoint(path, **common)
         return save_checkpoint_distributed(path, group=parts.group, **common)
     finally:
         sampler.seek(position)
+
+
+def _check_sharded(parts: Parts, model: Any, collective: bool, what: str) -> None:
+    if not collective:
+        raise ConfigurationError(
+            f"{what}(collective=False) with shard=True: every rank writes and reads its own "
+            "shards; call it on every rank with collective=True"
+        )
+    if model is not None and model is not parts.sharded:
+        raise ConfigurationError(
+            f"{what}(model=...) with shard=True: the sharded module is saved with the state; "
+            "drop model= (or pass the training's own module)"
+        )
+
+
+def save_sharded(
+    parts: Parts, path: str | os.PathLike[str], common: dict[str, Any], *, collective: bool
+) -> Path:
+    """``save()`` of a sharded training: a directory (``save_sharded_checkpoint``)."""
+    from opake.dpsgd.distributed import save_sharded_checkpoint
+
+    _check_sharded(parts, common.pop("model"), collective, "save")
+    return save_sharded_checkpoint(path, model=parts.sharded, **common)
+
+
+def load_sharded(
+    parts: Parts, path: str | os.PathLike[str], *, model: Any, rng: bool, collective: bool
+) -> Any:
+    """``load()`` of a sharded training (``load_sharded_checkpoint``); returns the checkpoint."""
+    from opake.dpsgd.distributed import load_sharded_checkpoint
+
+    _check_sharded(parts, model, collective, "load")
+    return load_sharded_checkpoint(
+        path,
+        model=parts.sharded,
+        optimizer=parts.optimizer,
+        accountant=parts.accountant,
+        sampler=parts.sampler,
+        clip_state=parts.clip_state,
+        rng=rng,
+    )
 
 
 def load(
@@ -190,7 +246,9 @@ def load(
         "rng": rng,
         "strict": model is not None,
     }
-    if collective:
+    if parts.sharded is not None:
+        ckpt = load_sharded(parts, path, model=model, rng=rng, collective=collective)
+    elif collective:
         ckpt = load_checkpoint_distributed(path, group=parts.group, **common)
     else:
         ckpt = load_checkpoint(path, **common)
@@ -240,7 +298,10 @@ class TrainingState(TrainingViews, abc.ABC):
         """Write the training state (and ``model``, if given) atomically to ``path``.
 
         Every rank calls it under ``torch.distributed``; rank 0 writes (see
-        ``save_checkpoint_distributed``). With ``collective=False`` this process writes alone
+        ``save_checkpoint_distributed``). With ``shard=True``, ``path`` is a directory: every
+        rank writes its shards of the module and optimizer state
+        (:func:`~opake.dpsgd.distributed.save_sharded_checkpoint`; resume on the same world
+        size). With ``collective=False`` this process writes alone
         (no collective: call it on one rank only; the state is the same on every rank).
         ``extra``: plain values returned by :meth:`load`.
         """

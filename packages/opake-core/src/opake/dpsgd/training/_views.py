@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed import ProcessGroup
 
     from opake.accounting import PrivacyAccountant
@@ -30,6 +31,13 @@ class TrainingViews:
     _secure: bool
     _context: DistributedContext
     _pending_aux: list[Any]
+    _shard: torch.nn.Module | None
+
+    @property
+    def sharded_module(self) -> torch.nn.Module | None:
+        """The ``fully_shard``-ed module with ``shard=True`` (per-layer sharded compute), else
+        ``None``."""
+        return self._shard
 
     @property
     def pending_batches(self) -> int:
@@ -119,3 +127,12 @@ class TrainingViews:
         or one process)."""
         group: ProcessGroup | None = self._context.group  # DistributedContext holds it untyped
         return group
+
+    def __repr__(self) -> str:
+        return (
+            f"DPTraining(steps={self.steps}, σ={self.noise_multiplier:.4g}, "
+            f"q={self.sample_rate:.4g}, N={self.dataset_size}, δ={self._delta:.3g}, "
+            f"target_epsilon={self.target_epsilon}, world_size={self.world_size}, "
+            f"{'sharded, ' if self._shard is not None else ''}"
+            f"{'secure' if self._secure else 'seeded'})"
+        )
