@@ -80,13 +80,23 @@ def _hand_written_steps(records, engine: str, steps: int) -> dict[str, torch.Ten
 @pytest.mark.parametrize(
     ("engine", "sampler"), [("bookkeeping", "poisson"), ("vmap", "poisson"), ("vmap", "fixed")]
 )
-def test_two_steps_equal_a_hand_written_dp_training_loop(tmp_path, engine, sampler):
-    """Fixed shapes: the padding slots' pairs are masked out, both rows of each."""
+def test_two_steps_equal_a_hand_written_dp_training_loop(tmp_path, engine, sampler, monkeypatch):
+    """Fixed shapes: the padding slots' pairs are masked out, both rows of each. Once the
+    engine is known to be book-keeping, the pairs are weighed by the clipped forward itself
+    (no forward without gradient) — the same step as the hand-written loop's ``prepare``."""
+    from opake.transformers.losses import DPOLoss
+
+    weighed = []
+    inner = DPOLoss._weighed_here
+    monkeypatch.setattr(
+        DPOLoss, "_weighed_here", lambda self, *a: weighed.append(1) or inner(self, *a)
+    )
     trainer = T.dpo_trainer(tmp_path, engine=engine, max_steps=2, dp_sampler=sampler)
     assert trainer.ref_model is not None  # a frozen copy of the initial model
     assert not any(p.requires_grad for p in trainer.ref_model.parameters())
     trainer.train()
     assert trainer.dp_training.grad_fn.engine == engine
+    assert bool(weighed) == (engine == "bookkeeping")
     got = T.params(trainer.model)
     want = _hand_written_steps(trainer.train_dataset, engine, steps=2)
     for name, value in want.items():
@@ -94,6 +104,33 @@ def test_two_steps_equal_a_hand_written_dp_training_loop(tmp_path, engine, sampl
     first, second = (h for h in trainer.state.log_history if "loss" in h)
     assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-5)  # policy = reference
     assert abs(second["rewards/margins"]) > 1e-5  # the policy moved, the reference did not
+
+
+def test_a_batch_that_falls_back_to_vmap_is_weighed_first_and_the_step_is_unchanged(
+    tmp_path, monkeypatch
+):
+    """A book-keeping call can fall back to vmap (an inconclusive check), which evaluates rows
+    alone: the in-forward weighing then raises, DPTraining drops the pending step (this batch
+    only), and the trainer weighs the batch first and clips it again — the same step."""
+    from opake.transformers.losses import DPOLoss, PairsNeedBookkeepingError
+
+    calls = []
+    inner = DPOLoss._weighed_here
+
+    def once(self, *args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise PairsNeedBookkeepingError("simulated: this call took the vmap engine")
+        return inner(self, *args)
+
+    monkeypatch.setattr(DPOLoss, "_weighed_here", once)
+    trainer = T.dpo_trainer(tmp_path, engine="bookkeeping", max_steps=2)
+    trainer.train()
+    assert calls  # the second step tried, fell back, and was weighed first
+    got = T.params(trainer.model)
+    want = _hand_written_steps(trainer.train_dataset, "bookkeeping", steps=2)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_precomputed_reference_log_probs_give_the_same_step(tmp_path):

@@ -284,3 +284,108 @@ def test_an_empty_batch_of_pairs_prepares_and_clips_to_zeros(engine):
     grad_fn, state = _grad_fn(dpo, fmodel, engine)
     grads, _ = grad_fn(trainable, frozen, prepared.batch, state=state, units=prepared.units)
     assert all(float(g.abs().max()) == 0.0 for g in grads.values())
+
+
+# -- pairs weighed by the clipped forward itself (book-keeping) ---------------------------------
+
+
+def _dpo_weighed_here(dpo, fmodel, trainable, frozen, pairs, ref, ids=None, microbatch=None):
+    from opake.dpsgd.bookkeeping import BatchedLoss
+    from opake.dpsgd.clipping import clipped_grad
+
+    grad_fn, state = clipped_grad(
+        BatchedLoss(dpo, fmodel),
+        clipping_norm=CLIP,
+        batch_argnums=2,
+        engine="bookkeeping",
+        microbatch_size=microbatch,
+    )
+    from opake.transformers.losses import PairsNeedBookkeepingError
+
+    batch, units = dpo.pairs(_pair_rows(pairs), ref_chosen=ref[0], ref_rejected=ref[1], ids=ids)
+    try:
+        grads, _ = grad_fn(trainable, frozen, batch, state=state, units=units)
+    except PairsNeedBookkeepingError:  # the check was inconclusive: the call took vmap
+        prepared = dpo.prepare(
+            trainable, frozen, _pair_rows(pairs), ref_chosen=ref[0], ref_rejected=ref[1], ids=ids
+        )
+        grads, _ = grad_fn(trainable, frozen, prepared.batch, state=state, units=prepared.units)
+    return grads, grad_fn
+
+
+@pytest.mark.parametrize("microbatch", [None, 2])
+def test_pairs_weighed_in_the_clipped_forward_equal_the_prepared_weights(microbatch):
+    """The same clipped sum as prepare()'s forward without gradient — pairs found by id, also
+    when the engine reorders the rows into whole units per microbatch — and the margins."""
+    from opake.functional import make_functional
+    from opake.transformers.losses import DPOLoss
+
+    model = H.tiny_causal_lm(seed=2).eval()
+    pairs, ref = _pairs(5, seed=7)
+    fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
+    dpo = DPOLoss(fmodel, model, beta=2.0)
+    ids = torch.tensor([40, 7, 12, 3, 99])
+    want, prepared, _ = _dpo_clipped(dpo, fmodel, trainable, frozen, pairs, ref, "bookkeeping", ids)
+    got, grad_fn = _dpo_weighed_here(dpo, fmodel, trainable, frozen, pairs, ref, ids, microbatch)
+    assert grad_fn.engine == "bookkeeping"
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+    seen = {
+        int(i): float(m) for ids_, margins in dpo.seen for i, m in zip(ids_, margins, strict=True)
+    }
+    expect = dict(zip(ids.tolist(), prepared.margins.tolist(), strict=True))
+    assert seen.keys() == expect.keys()
+    for key, margin in expect.items():
+        assert seen[key] == pytest.approx(margin, rel=1e-5, abs=1e-6)
+
+
+@settings(max_examples=8)
+@given(
+    seed=st.integers(0, 10_000),
+    scale=st.sampled_from([1e-3, 1.0, 1e3, 1e6]),
+    beta=st.floats(1e-3, 20.0),
+    removed=st.integers(0, 2),
+)
+def test_one_record_weighed_in_the_forward_moves_the_clipped_sum_by_at_most_c(
+    seed, scale, beta, removed
+):
+    """Weights from the clipped forward read the pair's own rows only: one record still moves
+    the clipped sum by at most C (its partner's weight never depends on another record)."""
+    from opake.transformers.losses import DPOLoss
+
+    model, (fmodel, trainable, frozen) = _tiny()
+    pairs, ref = _pairs(3, seed=seed)
+    ref = ref * scale
+    dpo = DPOLoss(fmodel, model, beta=beta)
+    ids = torch.tensor([10, 11, 12])
+    whole, _ = _dpo_weighed_here(dpo, fmodel, trainable, frozen, pairs, ref, ids)
+    keep = [i for i in range(3) if i != removed]
+    rest, _ = _dpo_weighed_here(
+        dpo, fmodel, trainable, frozen, [pairs[i] for i in keep], ref[:, keep], ids[keep]
+    )
+    moved = torch.sqrt(sum((whole[n].double() - rest[n].double()).pow(2).sum() for n in whole))
+    assert float(moved) <= CLIP * (1 + 1e-5) + 1e-7
+
+
+def test_pairs_refuse_the_vmap_engine_and_a_pair_split_across_calls():
+    from opake.core.errors import ConfigurationError, OperationError
+    from opake.transformers.losses import DPOLoss, PairsNeedBookkeepingError
+
+    model, (fmodel, trainable, frozen) = _tiny()
+    pairs, ref = _pairs(2, seed=5)
+    dpo = DPOLoss(fmodel, model, beta=1.0)
+    grad_fn, state = _grad_fn(dpo, fmodel, "vmap")
+    batch, units = dpo.pairs(_pair_rows(pairs), ref_chosen=ref[0], ref_rejected=ref[1])
+    with pytest.raises(PairsNeedBookkeepingError, match="prepare"):
+        grad_fn(trainable, frozen, batch, state=state, units=units)
+    # rows 0 and 1 are the two chosen rows: each pair's rejected row is missing
+    split = {k: v[:2] for k, v in batch.items()}
+    with pytest.raises(OperationError, match="without its rejected row"):
+        dpo(trainable, frozen, split)
+    with pytest.raises(ConfigurationError, match="distinct pair ids"):
+        dpo.pairs(
+            _pair_rows(pairs),
+            ref_chosen=ref[0],
+            ref_rejected=ref[1],
+            ids=torch.tensor([3, 3]),
+        )

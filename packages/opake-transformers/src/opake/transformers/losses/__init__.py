@@ -16,7 +16,7 @@ and ``vmap``), with the patched model's loss-only head where it has one:
 
 >>> import opake.transformers.losses as losses
 >>> print(", ".join(sorted(losses.__all__)[:3]))
-DPOLoss, PreparedPairs, WEIGHT_KEY
+DPOLoss, PAIR_KEYS, PairsNeedBookkeepingError
 """
 
 from __future__ import annotations
@@ -28,19 +28,25 @@ from opake.transformers.losses._completion import (
     target_counts,
 )
 from opake.transformers.losses._dpo import (
+    PAIR_KEYS,
     WEIGHT_KEY,
     DPOLoss,
+    PairsNeedBookkeepingError,
     PreparedPairs,
     dpo_losses,
+    dpo_losses_from_margins,
     dpo_weights,
 )
 
 __all__ = [
+    "PAIR_KEYS",
     "WEIGHT_KEY",
     "DPOLoss",
+    "PairsNeedBookkeepingError",
     "PreparedPairs",
     "completion_losses",
     "dpo_losses",
+    "dpo_losses_from_margins",
     "dpo_weights",
     "loss_only_available",
     "sequence_log_probs",

@@ -18,6 +18,18 @@ one privacy unit (``units=``) — as a whole. Each row's loss depends on its own
 pair's ``w`` only, so the per-row check of the book-keeping engine and the per-row ``vmap``
 engine both apply unchanged, and the clipped unit gradient is exactly ``∇ℓ_i``: one record moves
 the clipped sum by at most ``C``.
+
+With the book-keeping engine the weights can come from the clipped forward itself
+(:meth:`DPOLoss.pairs`, no forward without gradient): the batch carries each row's pair id,
+role (chosen or rejected) and reference log-probability, and the loss, which sees the whole
+microbatch at once, weighs each row from its own pair's two log-probabilities of that forward
+(detached). The gradient is the same — ``w`` at the current parameters times ``∇π_row`` — and
+so is the guarantee: a row's weight reads its own pair's rows only, found by pair id, never by
+position; a microbatch that holds one row of a pair without the other raises. The engine's
+per-row checks of the same call take a row's weight from its pair's margin in that forward
+(:attr:`DPOLoss.seen`); a row alone with no such forward (the ``vmap`` engine) raises
+:class:`PairsNeedBookkeepingError`, and the caller weighs the batch with
+:meth:`DPOLoss.prepare` instead.
 """
 
 from __future__ import annotations
@@ -27,16 +39,34 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from opake.core.errors import ConfigurationError, InputTypeError
+from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.transformers.losses._completion import sequence_log_probs, target_counts
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["WEIGHT_KEY", "DPOLoss", "PreparedPairs", "dpo_losses", "dpo_weights"]
+__all__ = [
+    "PAIR_KEYS",
+    "WEIGHT_KEY",
+    "DPOLoss",
+    "PairsNeedBookkeepingError",
+    "PreparedPairs",
+    "dpo_losses",
+    "dpo_losses_from_margins",
+    "dpo_weights",
+]
 
 #: key of each row's DPO weight in a prepared batch (removed before the model sees the batch)
 WEIGHT_KEY = "opake_dpo_weight"
+#: keys of each row's pair id, role (+1 chosen, -1 rejected) and reference log-probability in a
+#: batch weighed by the clipped forward itself (:meth:`DPOLoss.pairs`)
+PAIR_KEYS = ("opake_dpo_pair", "opake_dpo_role", "opake_dpo_reference")
+_NOT_INPUTS = (WEIGHT_KEY, *PAIR_KEYS)
+
+
+class PairsNeedBookkeepingError(ConfigurationError):
+    """A batch of :meth:`DPOLoss.pairs` reached the loss one row at a time without its
+    weight (the ``vmap`` engine): weigh it with :meth:`DPOLoss.prepare` instead."""
 
 
 def _margins(
@@ -69,6 +99,18 @@ def dpo_losses(
     import torch.nn.functional as F
 
     return -F.logsigmoid(_margins(chosen, rejected, ref_chosen, ref_rejected, beta))
+
+
+def dpo_losses_from_margins(margins: torch.Tensor) -> torch.Tensor:
+    """Each pair's DPO loss ``−log σ(m)`` from its reward margin ``m`` (:func:`dpo_losses`).
+
+    >>> import torch
+    >>> round(float(dpo_losses_from_margins(torch.zeros(1))[0]), 4)
+    0.6931
+    """
+    import torch.nn.functional as F
+
+    return -F.logsigmoid(margins.float())
 
 
 def dpo_weights(
@@ -173,6 +215,9 @@ class DPOLoss:
         self.loss_only = bool(loss_only)
         self._enter = autocast if autocast is not None else contextlib.nullcontext
         self.__name__ = "dpo_row_losses"
+        #: ``(pair ids, margins)`` of each forward that weighed :meth:`pairs` rows itself
+        #: (diagnostics, **not private**; drain it after each call)
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def log_probs(
         self,
@@ -182,7 +227,9 @@ class DPOLoss:
     ) -> torch.Tensor:
         """Each row's summed log-probability of its completion tokens ``[R]`` (fp32)."""
         labels = batch["labels"]
-        inputs: dict[str, Any] = {k: v for k, v in batch.items() if k not in ("labels", WEIGHT_KEY)}
+        inputs: dict[str, Any] = {
+            k: v for k, v in batch.items() if k != "labels" and k not in _NOT_INPUTS
+        }
         params = (trainable, frozen)
         with self._enter():
             if self.loss_only:
@@ -206,6 +253,10 @@ class DPOLoss:
         batch: Mapping[str, torch.Tensor],
     ) -> torch.Tensor:
         """``w_row · π_row`` for each row: differentiated per row, summed per pair (units)."""
+        if PAIR_KEYS[0] in batch:
+            if int(batch["input_ids"].shape[0]) > 1:
+                return self._weighed_here(trainable, frozen, batch)
+            return self._row_weight(batch) * self.log_probs(trainable, frozen, batch)
         weight = batch.get(WEIGHT_KEY)
         if weight is None:
             raise ConfigurationError(
@@ -213,6 +264,60 @@ class DPOLoss:
                 "DPOLoss.prepare(...) returned (each row's DPO weight), with its units"
             )
         return weight.float() * self.log_probs(trainable, frozen, batch)
+
+    def _weighed_here(
+        self,
+        trainable: dict[str, torch.Tensor],
+        frozen: dict[str, torch.Tensor],
+        batch: Mapping[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Rows of :meth:`pairs`: each weighed from its own pair's two log-probabilities of
+        this forward (found by pair id); the margins are kept in :attr:`seen` for the engine's
+        per-row checks of the same call."""
+        import torch
+
+        logp = self.log_probs(trainable, frozen, batch)
+        pair, role, reference = (batch[key] for key in PAIR_KEYS)
+        ids, group = torch.unique(pair, return_inverse=True)
+        count = torch.zeros(ids.shape[0], device=logp.device).index_add_(
+            0, group, torch.ones_like(logp)
+        )
+        roles = torch.zeros(ids.shape[0], device=logp.device).index_add_(0, group, role.float())
+        if not (bool((count == 2).all()) and bool((roles == 0).all())):
+            raise OperationError(
+                "DPOLoss: a microbatch holds a pair's chosen row without its rejected row (or "
+                "a pair id twice): each pair's two rows must reach the loss together; clip "
+                "with units= so that the engine keeps them in one microbatch"
+            )
+        ratio = role.float() * (logp.detach() - reference.float())
+        margins = self.beta * torch.zeros_like(count).index_add_(0, group, ratio)
+        self.seen.append((ids.detach(), margins.detach()))
+        return -role.float() * self.beta * torch.sigmoid(-margins)[group] * logp
+
+    def _row_weight(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The weight of one row of :meth:`pairs` evaluated alone (the engine's checks): from
+        its pair's margin in the latest forward that saw it; the ``vmap`` engine (rows
+        alone, no such forward) raises :class:`PairsNeedBookkeepingError`."""
+        import torch
+
+        pair, role = batch[PAIR_KEYS[0]], batch[PAIR_KEYS[1]]
+        try:
+            key = int(pair.reshape(-1)[0])
+        except RuntimeError:  # a value under vmap: the rows are evaluated alone
+            key = -1
+            found = []
+        else:
+            found = list(reversed(self.seen))
+        for ids, margins in found:
+            hit = ids.eq(key).nonzero()
+            if hit.numel():
+                margin = margins[int(hit[0, 0])].to(role.device)
+                return -role.float().reshape(-1) * self.beta * torch.sigmoid(-margin)
+        raise PairsNeedBookkeepingError(
+            "DPOLoss: a row of DPOLoss.pairs(...) reached the loss alone, with no forward of "
+            "its pair to weigh it (the vmap engine evaluates rows alone); weigh the batch "
+            "with DPOLoss.prepare(...) instead"
+        )
 
     def prepare(
         self,
@@ -268,3 +373,68 @@ class DPOLoss:
             losses=dpo_losses(chosen, rejected, ref_c, ref_r, beta=self.beta),
             margins=margins,
         )
+
+    def pairs(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        *,
+        ref_chosen: torch.Tensor,
+        ref_rejected: torch.Tensor,
+        ids: torch.Tensor | None = None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """``batch`` (``2P`` rows: chosen, then rejected) made ready to be weighed by the
+        clipped forward itself, with the book-keeping engine: ``(batch, units)``, each row
+        carrying its pair id (``ids``, default ``0 .. P-1``), role and reference
+        log-probability (:data:`PAIR_KEYS`). Clip it with ``units=units``; the pairs' margins
+        seen by each forward are appended to :attr:`seen` (diagnostics: **not private**).
+
+        >>> import torch
+        >>> from opake.core.testing import tiny_llama
+        >>> from opake.dpsgd.bookkeeping import BatchedLoss
+        >>> from opake.dpsgd.clipping import clipped_grad
+        >>> from opake.functional import make_functional
+        >>> model = tiny_llama(hidden_size=16, num_hidden_layers=1, vocab_size=32,
+        ...                    intermediate_size=32, seed=0)
+        >>> fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
+        >>> dpo = DPOLoss(fmodel, model, beta=0.1)
+        >>> rows = {"input_ids": torch.tensor([[3, 4, 5, 6], [3, 4, 9, 0]]),
+        ...         "labels": torch.tensor([[-100, -100, 5, 6], [-100, -100, 9, -100]])}
+        >>> batch, units = dpo.pairs(rows, ref_chosen=torch.tensor([-7.0]),
+        ...                          ref_rejected=torch.tensor([-3.5]))
+        >>> grad_fn, state = clipped_grad(BatchedLoss(dpo, fmodel), clipping_norm=1.0,
+        ...                               batch_argnums=2, engine="bookkeeping")
+        >>> grads, state = grad_fn(trainable, frozen, batch, state=state, units=units)
+        >>> float(grads.max_norm), len(dpo.seen)
+        (1.0, 1)
+        """
+        import torch
+
+        rows = int(batch["input_ids"].shape[0])
+        if rows % 2:
+            raise ConfigurationError(
+                f"DPOLoss.pairs: {rows} rows; expected 2P rows (the P chosen sequences, then "
+                "the P rejected ones, as TRL's DataCollatorForPreference lays them out)"
+            )
+        count = rows // 2
+        device = batch["input_ids"].device
+        for name, value in (("ref_chosen", ref_chosen), ("ref_rejected", ref_rejected)):
+            if tuple(value.shape) != (count,):
+                raise ConfigurationError(
+                    f"DPOLoss.pairs({name}=...): shape {tuple(value.shape)}; expected "
+                    f"({count},), one reference log-probability per pair"
+                )
+        if ids is None:
+            ids = torch.arange(count, device=device)
+        ids = ids.to(device=device, dtype=torch.int64)
+        if tuple(ids.shape) != (count,) or torch.unique(ids).numel() != count:
+            raise ConfigurationError(
+                f"DPOLoss.pairs(ids=...): expected {count} distinct pair ids, one per pair"
+            )
+        units = torch.cat([ids, ids])
+        ready = {k: v for k, v in batch.items() if k not in _NOT_INPUTS}
+        ready[PAIR_KEYS[0]] = units
+        ready[PAIR_KEYS[1]] = torch.cat(
+            [torch.ones(count, device=device), -torch.ones(count, device=device)]
+        )
+        ready[PAIR_KEYS[2]] = torch.cat([ref_chosen, ref_rejected]).to(device).float()
+        return ready, units

@@ -6,8 +6,11 @@ rejected ones). The DP step is :class:`opake.transformers.losses.DPOLoss`'s: per
 batch, the reference log-probabilities (the frozen reference, the model with its adapters
 disabled, or TRL's precomputed columns) and one policy forward without gradient give each row
 its DPO weight; the clipping engine then differentiates the rows and clips each record's two
-rows together, as one privacy unit (``units=``, book-keeping and ``vmap`` alike). One record
-moves the clipped sum by at most ``C``; ε is accounted over records.
+rows together, as one privacy unit (``units=``, book-keeping and ``vmap`` alike). Once a call
+has run on the book-keeping engine, the weights come from the clipped forward itself
+(:meth:`DPOLoss.pairs`: no forward without gradient); a call that falls back to ``vmap`` is
+weighed first. One record moves the clipped sum by at most ``C``; ε is accounted over
+records.
 """
 
 from __future__ import annotations
@@ -24,7 +27,13 @@ from opake.core.errors import ConfigurationError, InputTypeError
 from opake.transformers._collate import engine_mask
 from opake.transformers._dp_mixin import DPTrainerMixin
 from opake.transformers._losses import has_dropout
-from opake.transformers.losses import DPOLoss, completion_losses, loss_only_available
+from opake.transformers.losses import (
+    DPOLoss,
+    PairsNeedBookkeepingError,
+    completion_losses,
+    dpo_losses_from_margins,
+    loss_only_available,
+)
 from opake.transformers.trl._config import DPDPOConfig
 from opake.transformers.trl._refusals import check_built, check_dpo_config
 from opake.transformers.trl._truncation import Truncation, count_dpo, report, with_counts
@@ -198,18 +207,69 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
         if ref[0] is None or ref[1] is None:
             ref = list(self._reference(batch, attention, pairs))
         ids = _unit_ids(indices, pairs, batch["input_ids"].device)
+        rows_mask = None if mask is None else torch.cat([mask, mask])
+        records = None
+        if dp.privacy_unit == "unit":  # user-level: each row's record (both rows of a pair)
+            records = [] if indices is None else [int(i) for i in indices.tolist()] * 2
+        # weighed by the clipped forward itself: on book-keeping, and for the first physical
+        # batch of a logical step only — a call that falls back to vmap raises, and
+        # DPTraining then drops the pending step, which must hold nothing else to redo it
+        if pairs and dp.grad_fn.engine == "bookkeeping" and dp.pending_batches == 0:
+            margins = self._weighed_in_forward(
+                dp, batch, ref=ref, ids=ids, rows_mask=rows_mask, records=records
+            )
+            if margins is not None:
+                self._record(margins, mask)
+                return dpo_losses_from_margins(margins)
         trainable, frozen = self._dp_params
         prepared = self._dpo_loss.prepare(
             trainable, frozen, batch, ref_chosen=ref[0], ref_rejected=ref[1], ids=ids
         )
-        rows_mask = None if mask is None else torch.cat([mask, mask])
-        if dp.privacy_unit == "unit":  # user-level: each row's record (both rows of a pair)
-            records = [] if indices is None else [int(i) for i in indices.tolist()] * 2
-            dp.accumulate(prepared.batch, example_mask=rows_mask, records=records)
-        else:
-            dp.accumulate(prepared.batch, example_mask=rows_mask, units=prepared.units)
+        self._clip(dp, prepared.batch, rows_mask, prepared.units, records)
         self._record(prepared.margins, mask)
         return prepared.losses
+
+    @staticmethod
+    def _clip(
+        dp: Any,
+        batch: dict[str, Any],
+        rows_mask: torch.Tensor | None,
+        units: torch.Tensor,
+        records: list[int] | None,
+    ) -> None:
+        if records is not None:
+            dp.accumulate(batch, example_mask=rows_mask, records=records)
+        else:
+            dp.accumulate(batch, example_mask=rows_mask, units=units)
+
+    def _weighed_in_forward(
+        self,
+        dp: Any,
+        batch: dict[str, Any],
+        *,
+        ref: list[torch.Tensor],
+        ids: torch.Tensor,
+        rows_mask: torch.Tensor | None,
+        records: list[int] | None,
+    ) -> torch.Tensor | None:
+        """Clip with each pair's weights taken from the book-keeping forward itself (no
+        forward without gradient, :meth:`DPOLoss.pairs`); the pairs' margins, or ``None``
+        when the call fell back to the vmap engine (DPTraining dropped the pending step,
+        which held this batch only: weigh it first and clip it again)."""
+        assert self._dpo_loss is not None
+        ready, units = self._dpo_loss.pairs(batch, ref_chosen=ref[0], ref_rejected=ref[1], ids=ids)
+        self._dpo_loss.seen.clear()
+        try:
+            self._clip(dp, ready, rows_mask, units, records)
+        except PairsNeedBookkeepingError:
+            logger.info(
+                "DPDPOTrainer: this batch took the vmap engine; its pairs are weighed first"
+            )
+            return None
+        finally:
+            seen, self._dpo_loss.seen = self._dpo_loss.seen, []
+        by_id = {int(i): m for found, margins in seen for i, m in zip(found, margins, strict=True)}
+        return torch.stack([by_id[int(i)] for i in ids]) if len(ids) else torch.zeros(0)
 
     def _reference(
         self, batch: Mapping[str, torch.Tensor], attention: torch.Tensor, pairs: int
