@@ -228,6 +228,13 @@ def test_dpo_trains_pairs_as_one_unit_and_accounts_records(
         return accumulate(self, *batch, **kwargs)
 
     monkeypatch.setattr(DPTraining, "accumulate", spy)
+    from opake.transformers.losses import DPOLoss
+
+    weighed: list[int] = []
+    inner = DPOLoss._weighed_here
+    monkeypatch.setattr(
+        DPOLoss, "_weighed_here", lambda self, *a: weighed.append(1) or inner(self, *a)
+    )
     out = tmp_path / "dpo"
     argv = ["train", "--model", str(chat_model), "--data", str(preference_records)]
     argv += ["--objective", "dpo", "--dpo-beta", "0.2", "--block-size", "48", "--batch-size"]
@@ -254,6 +261,7 @@ def test_dpo_trains_pairs_as_one_unit_and_accounts_records(
         rel=1e-9,
     )
     assert seen
+    assert weighed  # after the first step (book-keeping), weighed by the clipped forward
     for rows, units in seen:  # chosen rows, then rejected rows: pair i is rows i and P + i
         pairs = rows // 2
         assert units is not None

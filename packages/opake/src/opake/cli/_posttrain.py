@@ -145,14 +145,47 @@ class PostStep:
             empty = {**self._pairs(ids, labels), WEIGHT_KEY: torch.zeros(0, device=self.device)}
             return training.accumulate(empty, example_mask=mask), torch.zeros(0)
         ref = self.reference[0][index].to(self.device)
+        rows = self._pairs(ids, labels)
+        rows_mask = None if mask is None else torch.cat([mask] * self.rows)
+        if training.grad_fn.engine == "bookkeeping" and training.pending_batches == 0:
+            done = self._weighed_in_forward(training, rows, ref, rows_mask)
+            if done is not None:
+                return done
         # the pairs' weights from one forward without gradient; pair i's two rows share the
         # unit id i (its slot in this step's only physical batch) and are clipped as one
         prepared = self.dpo.prepare(
-            *self.params, self._pairs(ids, labels), ref_chosen=ref[:, 0], ref_rejected=ref[:, 1]
+            *self.params, rows, ref_chosen=ref[:, 0], ref_rejected=ref[:, 1]
         )
-        rows_mask = None if mask is None else torch.cat([mask] * self.rows)
         aux = training.accumulate(prepared.batch, example_mask=rows_mask, units=prepared.units)
         return aux, prepared.losses
+
+    def _weighed_in_forward(
+        self,
+        training: Any,
+        rows: dict[str, torch.Tensor],
+        ref: torch.Tensor,
+        rows_mask: torch.Tensor | None,
+    ) -> tuple[ClipAux, torch.Tensor] | None:
+        """Clip with the pairs' weights from the book-keeping forward itself
+        (``DPOLoss.pairs``: no forward without gradient); ``None`` when the call fell back to
+        the vmap engine (DPTraining dropped the pending step, this batch only: weigh it first).
+        """
+        import torch
+
+        from opake.transformers.losses import PairsNeedBookkeepingError, dpo_losses_from_margins
+
+        assert self.dpo is not None
+        ready, units = self.dpo.pairs(rows, ref_chosen=ref[:, 0], ref_rejected=ref[:, 1])
+        self.dpo.seen.clear()
+        try:
+            aux = training.accumulate(ready, example_mask=rows_mask, units=units)
+        except PairsNeedBookkeepingError:
+            return None
+        finally:
+            seen, self.dpo.seen = self.dpo.seen, []
+        by_id = {int(i): m for found, margins in seen for i, m in zip(found, margins, strict=True)}
+        margins = torch.stack([by_id[i] for i in range(int(ref.shape[0]))])
+        return aux, dpo_losses_from_margins(margins)
 
     def evaluate(self) -> float:
         """The validation loss: nats per target token (SFT), or the mean DPO loss of the
