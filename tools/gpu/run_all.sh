@@ -32,6 +32,8 @@ step training 90 python3 tools/gpu/training_step_check.py --out "$OUT/training.j
 step clip-kernel 60 python3 tools/gpu/clip_kernel_check.py
 step clipping-proof 120 python3 tools/gpu/clipping_proof_check.py --out "$OUT/clipping_proof.json"
 step ddp 90 python3 tools/gpu/ddp_check.py --out "$OUT/ddp.json"
+# FSDP2 level 2 (sharded_clipped_grad) on nccl: needs 2 GPUs, else reports "skipped" and passes
+step fsdp-sharded 90 python3 tools/gpu/fsdp_sharded_check.py --out "$OUT/fsdp_sharded.json"
 step bk-loss-only 150 python3 tools/bench/bk_loss_only.py --device cuda --hidden 1024 --layers 4 \
   --vocab 128256 --batch 8 --seq 1024 --steps 3 --warmup 1 \
   --methods nonprivate nonprivate-lossonly bk-logits bk-lossonly --json "$OUT/bk_loss_only.json"

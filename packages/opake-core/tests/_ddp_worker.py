@@ -211,6 +211,42 @@ def train_fsdp(
     }
 
 
+def fsdp_two_models(rank: int, world_size: int) -> dict[str, Any]:
+    """Two models sharded in one process, each over its own (equal) mesh: DTensor's spec cache
+    hands the second model's layer of an already seen shape the first call's mesh object, so
+    its parameters report two mesh objects for one mesh. The optimizer must accept it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from opake.dpsgd.distributed import ShardedDPOptimizer
+
+    def build(classes: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, classes)
+        )
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    build(4)
+    second = build(3)  # layer 0's shapes were seen above, layer 2's were not
+    objects = len({id(p.device_mesh) for p in second.parameters()})
+    error = _error(
+        lambda: ShardedDPOptimizer(
+            torch.optim.SGD(second.parameters(), lr=LR),
+            second,
+            noise_multiplier=SIGMA,
+            seed=NOISE_SEED,
+            expected_batch_size=float(N * Q),
+        )
+    )
+    return {"mesh_objects": objects, "error": error}
+
+
 def train_adaptive(rank: int, world_size: int) -> dict[str, Any]:
     """Adaptive clipping through logical_step: the bound follows the count of all ranks."""
     from opake.dpsgd.clipping import AdaptiveClipping, clipped_grad
@@ -465,6 +501,7 @@ def scenario_train(rank: int, world_size: int, out: Path) -> None:
     results["fsdp_secure"] = timed(
         "fsdp_secure", lambda: train_fsdp(rank, world_size, secure=True, steps=2)
     )
+    results["fsdp_two_models"] = timed("fsdp_two_models", lambda: fsdp_two_models(rank, world_size))
     results["llama"] = timed("llama", lambda: train_llama(rank, world_size))
     results["errors"] = timed("errors", lambda: misconfigurations(rank, world_size))
     results["secure"] = timed("secure", lambda: secure_defaults(rank, world_size))

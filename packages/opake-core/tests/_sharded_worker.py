@@ -348,6 +348,11 @@ def scenario_basic(rank: int, world_size: int, out: Path) -> None:
     torch.save(result, out / f"basic.rank{rank}.pt")
 
 
+def scenario_train(rank: int, world_size: int, out: Path) -> None:
+    """The training checks of ``basic`` alone (any world size: the opt-in 4-rank test)."""
+    torch.save({"train": train(rank, world_size, Counts())}, out / f"train.rank{rank}.pt")
+
+
 def resume(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
     """Stage 3: AdamW, 3 steps straight vs 2 steps, a sharded checkpoint, a fresh run resumed
     from it for the 3rd step. Returns both runs' parameters, Adam moments and ε."""
@@ -464,6 +469,7 @@ def scenario_adapters(rank: int, world_size: int, out: Path) -> None:
 
 SCENARIOS: dict[str, Callable[[int, int, Path], None]] = {
     "basic": scenario_basic,
+    "train": scenario_train,
     "adapters": scenario_adapters,
     "resume": scenario_resume,
 }

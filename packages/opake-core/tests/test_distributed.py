@@ -267,6 +267,15 @@ def test_fsdp2_secure_noise_is_broadcast_from_rank0(train):
     assert _same(train[0]["fsdp_secure"]["params"], train[1]["fsdp_secure"]["params"])
 
 
+def test_fsdp2_equal_meshes_of_two_sharded_models_are_one_mesh(train):
+    # DTensor reuses the mesh object of an earlier fully_shard call for a parameter of a shape
+    # it has seen: one mesh, two objects. Compared by equality, it is one mesh.
+    for rank in train:
+        run = rank["fsdp_two_models"]
+        assert run["mesh_objects"] == 2  # the situation arose (else this test proves nothing)
+        assert run["error"] is None
+
+
 def test_tiny_llama_two_ranks_equal_single_process(train):
     single = W.train_llama(0, 1)
     assert _same(train[0]["llama"]["params"], train[1]["llama"]["params"])

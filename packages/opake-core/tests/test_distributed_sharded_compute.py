@@ -217,6 +217,34 @@ def test_noise_rows_are_one_full_size_draw(
     assert noise_problems(rows, full, expected) == []
 
 
+@pytest.mark.skipif(
+    os.environ.get("OPAKE_TEST_FOUR_RANKS") != "1",
+    reason="opt-in (4 fresh interpreters on a 2-core CPU): OPAKE_TEST_FOUR_RANKS=1",
+)
+def test_four_ranks_equal_single_process_bookkeeping(
+    tmp_path: Path, reference: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
+) -> None:
+    """(a), (c), (d) with 4 ranks: shards of 0 to a few examples (empty ones padded), each rank
+    a quarter of every weight's rows; equal to the unsharded run, the noise one full draw."""
+    launch("train", tmp_path, world_size=4)
+    runs = [
+        torch.load(tmp_path / f"train.rank{r}.pt", weights_only=False)["train"] for r in range(4)
+    ]
+    want, expected = reference
+    assert len({tuple(run["sizes"]) for run in runs}) > 1
+    for name, value in want.items():
+        for run in runs[1:]:
+            assert torch.equal(runs[0]["params"][name], run["params"][name]), name
+        torch.testing.assert_close(runs[0]["params"][name], value, atol=2e-6, rtol=1e-5)
+    for run in runs:
+        assert run["reduces"] == [run["n_params"]] * W.STEPS
+        assert run["fsdp_reduces"] == 0
+    rows = [run["noise_rows"] for run in runs]
+    for pair in ((0, 1), (1, 2), (2, 3)):
+        problems = noise_problems([rows[i] for i in pair], runs[0]["noise_full"], expected)
+        assert problems == [], problems
+
+
 def test_the_noise_check_catches_a_shared_stream() -> None:
     """(c) The check above fails when both shards draw shard-shaped noise from one seed."""
     from opake.dpsgd.noise import GaussianNoise

@@ -19,6 +19,9 @@ through the sharded module. Here each step instead
    on every rank (shared seed), or rank 0's broadcast — so every coordinate of the global sum
    gets independent noise exactly once (the draw equals the unsharded run's);
 4. divides by q·N and lets the wrapped optimizer update the shards (sharded optimizer state).
+
+Level 2 (:mod:`opake.dpsgd.distributed.sharded`) replaces step 1 only: its ``grad_fn`` runs the
+sharded module itself (FSDP gathers one unit at a time) and feeds steps 2-4 here.
 """
 
 from __future__ import annotations
@@ -193,19 +196,23 @@ class ShardedDPOptimizer(DistributedDPOptimizer):
     """DP-SGD for an FSDP2-sharded module: sharded parameters and optimizer state.
 
     Build it over the ``fully_shard``-ed module and an optimizer over its (``DTensor``)
-    parameters. Each step: every rank calls :func:`gather_full_params` (full parameters,
-    transient), runs ``clipped_grad`` with ``make_functional(compute_template(model))`` on its
-    shard of the global Poisson batch, and :meth:`accumulate`-s the full-size clipped sums;
+    parameters. Each step: every rank computes the full-size clipped sums of its shard of the
+    global Poisson batch — level 1: :func:`gather_full_params` (full parameters, transient) and
+    ``clipped_grad`` with ``make_functional(compute_template(model))``; level 2:
+    :func:`~opake.dpsgd.distributed.sharded_clipped_grad` on the sharded module itself — and
+    :meth:`accumulate`-s them;
     :meth:`step` checks that every rank took part and clipped to the same bound,
     reduce-scatters the sums (fp32) so each rank holds its rows of the global sum, adds its rows
     of one full-size Gaussian draw (identical on every rank: the noise of every coordinate is
     drawn once), divides by the global ``q·N``, and steps the optimizer on the shards. The
     accountant records the global sample rate, as with :class:`DistributedDPOptimizer`.
 
-    Memory: parameters and optimizer state are sharded at rest; during a step each rank holds
-    the gathered parameters, one microbatch of per-example gradients, the full-size fp32 sums
-    (until the reduce-scatter) and one full-size noise draw. Per-layer gathering (true FSDP
-    compute) is not supported: see ``docs/design/fsdp2.md``. Parameters that are not
+    Memory: parameters and optimizer state are sharded at rest; with :func:`gather_full_params`
+    each rank holds, during a step, the gathered parameters, one microbatch of per-example
+    gradients, the full-size fp32 sums (until the reduce-scatter) and one full-size noise draw.
+    For per-layer sharded compute (FSDP gathers one unit at a time; the book-keeping engine),
+    feed it the sums of :func:`~opake.dpsgd.distributed.sharded_clipped_grad` instead: see
+    ``docs/design/fsdp2.md`` (level 2). Parameters that are not
     ``DTensor`` are all-reduced like in :class:`DistributedDPOptimizer`. Checkpoints of the
     sharded state are not supported by :func:`save_checkpoint_distributed`; the replica
     fingerprint check is off (shards differ by design).
@@ -239,12 +246,14 @@ class ShardedDPOptimizer(DistributedDPOptimizer):
                 "ShardedDPOptimizer: the module has no DTensor parameters (it was not "
                 "fully_shard-ed); use DistributedDPOptimizer for replicated parameters"
             )
-        meshes = {id(p.device_mesh) for p in sharded}
         mesh = sharded[0].device_mesh
-        if len(meshes) != 1 or mesh.ndim != 1:
+        # equal meshes, not one object: DTensor caches its specs, so parameters sharded over
+        # one mesh can report an equal mesh object of an earlier fully_shard call
+        others = [p.device_mesh for p in sharded if p.device_mesh != mesh]
+        if others or mesh.ndim != 1:
             raise ConfigurationError(
                 "ShardedDPOptimizer supports one 1-D device mesh (data-parallel sharding); got "
-                f"{len(meshes)} mesh(es) of dimension {mesh.ndim}"
+                f"meshes {mesh}{''.join(f', {m}' for m in others[:1])}"
             )
         group = mesh.get_group()
         super().__init__(
