@@ -15,9 +15,8 @@ base, per-sample gradients by hooks or ghost clipping). Every DP method: σ = 1,
 Batches: ``trl`` and ``dptrainer-*`` take exactly ``--batch`` records per step (``dptrainer``
 with ``poisson_sampling=False``); ``opake`` always samples Poisson batches (expected size
 ``--batch``, physical batches of at most ``--batch`` records through ``microbatch_size``), so
-each of its step times is scaled to ``--batch`` records (× batch / records drawn; a step that
-drew no record is left out). Every row is cut to exactly ``--seq`` tokens, so a step's work is
-proportional to its records.
+its time per step is the timed steps' total over their records, times ``--batch`` (see
+:meth:`_Clock.per_step`). Every row is cut to exactly ``--seq`` tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import resource
 import statistics
@@ -114,12 +114,26 @@ class _Clock:
 
         trainer.training_step = counted
 
-    def per_step(self, warmup: int, batch: int, scaled: bool) -> list[tuple[float, float]]:
-        """The timed steps (wall, CPU), scaled to *batch* records where *scaled*."""
+    def per_step(self, warmup: int, batch: int, sampled: bool) -> tuple[float, float, int]:
+        """Seconds per step of *batch* records (wall, CPU) and the steps timed. Fixed batches:
+        the median over the timed steps. Poisson batches (*sampled*): all timed steps' seconds
+        over all their records, times *batch* — the throughput a run sees, splits into several
+        physical batches included (a per-step median would weigh small draws' fixed costs
+        as if every record paid them)."""
         kept = list(zip(self.steps, self.records, strict=True))[warmup:]
-        if not scaled:
-            return [times for times, _ in kept]
-        return [(w * batch / n, c * batch / n) for (w, c), n in kept if n]
+        if not kept:
+            return math.nan, math.nan, 0
+        if not sampled:
+            return (
+                statistics.median(w for (w, _), _ in kept),
+                statistics.median(c for (_, c), _ in kept),
+                len(kept),
+            )
+        records = sum(n for _, n in kept)
+        if not records:
+            return math.nan, math.nan, 0
+        wall = sum(w for (w, _), _ in kept) * batch / records
+        return wall, sum(c for (_, c), _ in kept) * batch / records, len(kept)
 
 
 def _config(objective: str, method: str, out: str, args: argparse.Namespace) -> Any:
@@ -220,16 +234,16 @@ def run(objective: str, mode: str, method: str, args: argparse.Namespace) -> dic
         if method == "opake":
             clock.count(trainer)
         trainer.train()
-    kept = clock.per_step(args.warmup, args.batch, scaled=method == "opake")
-    if not kept:
-        raise SystemExit(f"no timed step: {len(clock.steps)} steps ran")
+    wall, cpu, timed = clock.per_step(args.warmup, args.batch, sampled=method == "opake")
+    if not timed:
+        raise SystemExit(f"no timed step with a record: {len(clock.steps)} steps ran")
     return {
         "objective": objective,
         "mode": mode,
         "method": method,
-        "wall_s": statistics.median(s[0] for s in kept),
-        "cpu_s": statistics.median(s[1] for s in kept),
-        "steps": len(kept),
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "steps": timed,
         "records": clock.records[args.warmup :] if method == "opake" else None,
         "peak_rss_mib": _peak_rss_mib(),
         "rss_at_start_mib": clock.rss_at_start,

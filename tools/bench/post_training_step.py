@@ -15,9 +15,11 @@ two rows), ``--batch`` records per step, AdamW, no gradient checkpointing, LoRA 
 on the attention's query and value projections or full fine-tuning. TRL's DPO step runs its
 reference forward every step (no precomputed reference), as Opake's does.
 
-Reported per configuration: the median wall seconds per step (each run's median over its timed
-steps, then the median over rounds), the median over rounds of the per-round ratio to ``trl``
-(wall and this process's CPU time), and the peak RSS of the process with its ratio to ``trl``.
+Reported per configuration: the wall seconds per step of ``--batch`` records (each run's
+median over its timed steps; for Opake's Poisson batches, the timed steps' total over their
+records times ``--batch``; then the median over rounds), the median over rounds of the
+per-round ratio to ``trl`` (wall and this process's CPU time), and the peak RSS of the process
+with its ratio to ``trl``.
 
     python tools/bench/post_training_step.py --opacus-python PYTHON_WITH_DPTRAINER
     python tools/bench/post_training_step.py --objectives sft --modes lora --rounds 1
@@ -132,7 +134,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--batch", type=int, default=8, help="records per step (Opake: expected, Poisson)")
     add("--seq", type=int, default=128, help="tokens of every row")
     add("--rank", type=int, default=8, help="LoRA rank")
-    add("--steps", type=int, default=3, help="timed steps of every run")
+    add("--steps", type=int, default=6, help="timed steps of every run")
     add("--warmup", type=int, default=1, help="steps of every run left out first")
     add("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     add("--rounds", type=int, default=3)
