@@ -330,9 +330,7 @@ def test_pairs_weighed_in_the_clipped_forward_equal_the_prepared_weights(microba
     assert grad_fn.engine == "bookkeeping"
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
-    seen = {
-        int(i): float(m) for ids_, margins in dpo.seen for i, m in zip(ids_, margins, strict=True)
-    }
+    seen = {int(i): float(m) for p in dpo.seen for i, m in zip(p.ids, p.margins, strict=True)}
     expect = dict(zip(ids.tolist(), prepared.margins.tolist(), strict=True))
     assert seen.keys() == expect.keys()
     for key, margin in expect.items():
@@ -368,7 +366,7 @@ def test_one_record_weighed_in_the_forward_moves_the_clipped_sum_by_at_most_c(
 
 
 def test_pairs_refuse_the_vmap_engine_and_a_pair_split_across_calls():
-    from opake.core.errors import ConfigurationError, OperationError
+    from opake.core.errors import ConfigurationError
     from opake.transformers.losses import DPOLoss, PairsNeedBookkeepingError
 
     model, (fmodel, trainable, frozen) = _tiny()
@@ -380,7 +378,7 @@ def test_pairs_refuse_the_vmap_engine_and_a_pair_split_across_calls():
         grad_fn(trainable, frozen, batch, state=state, units=units)
     # rows 0 and 1 are the two chosen rows: each pair's rejected row is missing
     split = {k: v[:2] for k, v in batch.items()}
-    with pytest.raises(OperationError, match="without its rejected row"):
+    with pytest.raises(ConfigurationError, match="without its rejected row"):
         dpo(trainable, frozen, split)
     with pytest.raises(ConfigurationError, match="distinct pair ids"):
         dpo.pairs(
@@ -389,3 +387,57 @@ def test_pairs_refuse_the_vmap_engine_and_a_pair_split_across_calls():
             ref_rejected=ref[1],
             ids=torch.tensor([3, 3]),
         )
+
+
+def test_a_row_alone_never_takes_a_margin_from_another_pairs_call():
+    """A microbatch of one row (no units=, microbatch_size=1) finds no forward of its pair in
+    this call — even when an earlier call, whose pairs reused the same ids, left margins
+    behind — and raises instead of weighing the row with another record's margin."""
+    from opake.dpsgd.bookkeeping import BatchedLoss
+    from opake.dpsgd.clipping import clipped_grad
+    from opake.transformers.losses import DPOLoss, PairsNeedBookkeepingError
+
+    model, (fmodel, trainable, frozen) = _tiny()
+    pairs, ref = _pairs(2, seed=9)
+    dpo = DPOLoss(fmodel, model, beta=1.0)
+    _dpo_weighed_here(dpo, fmodel, trainable, frozen, pairs, ref)
+    assert dpo.seen  # margins of the first call's pairs 0 and 1, left behind
+    grad_fn, state = clipped_grad(
+        BatchedLoss(dpo, fmodel),
+        clipping_norm=CLIP,
+        batch_argnums=2,
+        engine="bookkeeping",
+        microbatch_size=1,
+    )
+    batch, _ = dpo.pairs(_pair_rows(pairs), ref_chosen=ref[0] - 1e4, ref_rejected=ref[1])
+    with pytest.raises(PairsNeedBookkeepingError, match="a microbatch must hold whole pairs"):
+        grad_fn(trainable, frozen, batch, state=state)
+
+
+def test_pairs_keep_the_reference_exact_under_a_compute_dtype():
+    """clipped_grad(compute_dtype=bf16) casts the batch's floating tensors: the reference
+    log-probabilities travel as fp32 bits and keep their value (margins off by whole nats
+    otherwise)."""
+    from opake.dpsgd.bookkeeping import BatchedLoss
+    from opake.dpsgd.clipping import clipped_grad
+    from opake.transformers.losses import PAIR_KEYS, DPOLoss
+
+    model, (fmodel, trainable, frozen) = _tiny()
+    pairs, _ = _pairs(2, seed=11)
+    ref = torch.tensor([[-1234.56, -17.3], [-1230.01, -18.9]])
+    dpo = DPOLoss(fmodel, model, beta=1.0)
+    batch, units = dpo.pairs(_pair_rows(pairs), ref_chosen=ref[0], ref_rejected=ref[1])
+    assert not batch[PAIR_KEYS[2]].is_floating_point()
+    grad_fn, state = clipped_grad(
+        BatchedLoss(dpo, fmodel),
+        clipping_norm=CLIP,
+        batch_argnums=2,
+        engine="bookkeeping",
+        compute_dtype=torch.bfloat16,
+    )
+    grad_fn(trainable, frozen, batch, state=state, units=units)
+    with torch.no_grad():
+        logp = dpo.log_probs(trainable, frozen, _pair_rows(pairs))
+    want = (logp[:2] - ref[0]) - (logp[2:] - ref[1])
+    got = torch.cat([p.margins for p in dpo.seen])
+    torch.testing.assert_close(got, want, atol=0.2, rtol=0.0)  # bf16 forward, exact reference

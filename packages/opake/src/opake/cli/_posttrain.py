@@ -183,7 +183,7 @@ class PostStep:
             return None
         finally:
             seen, self.dpo.seen = self.dpo.seen, []
-        by_id = {int(i): m for found, margins in seen for i, m in zip(found, margins, strict=True)}
+        by_id = {int(i): m for pairs in seen for i, m in zip(pairs.ids, pairs.margins, strict=True)}
         margins = torch.stack([by_id[i] for i in range(int(ref.shape[0]))])
         return aux, dpo_losses_from_margins(margins)
 

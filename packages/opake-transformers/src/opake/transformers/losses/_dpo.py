@@ -37,9 +37,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from opake.core.errors import ConfigurationError, InputTypeError, OperationError
+from opake.core.errors import ConfigurationError, InputTypeError
 from opake.transformers.losses._completion import sequence_log_probs, target_counts
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ __all__ = [
     "DPOLoss",
     "PairsNeedBookkeepingError",
     "PreparedPairs",
+    "SeenPairs",
     "dpo_losses",
     "dpo_losses_from_margins",
     "dpo_weights",
@@ -58,10 +59,21 @@ __all__ = [
 
 #: key of each row's DPO weight in a prepared batch (removed before the model sees the batch)
 WEIGHT_KEY = "opake_dpo_weight"
-#: keys of each row's pair id, role (+1 chosen, -1 rejected) and reference log-probability in a
-#: batch weighed by the clipped forward itself (:meth:`DPOLoss.pairs`)
-PAIR_KEYS = ("opake_dpo_pair", "opake_dpo_role", "opake_dpo_reference")
+#: keys of each row's pair id, role (+1 chosen, -1 rejected), reference log-probability (fp32
+#: bits as int32, so that no cast of the batch's floating tensors rounds it) and the id of the
+#: :meth:`DPOLoss.pairs` call that made the batch, in a batch weighed by the clipped forward
+#: itself
+PAIR_KEYS = ("opake_dpo_pair", "opake_dpo_role", "opake_dpo_reference", "opake_dpo_call")
 _NOT_INPUTS = (WEIGHT_KEY, *PAIR_KEYS)
+
+
+class SeenPairs(NamedTuple):
+    """The pairs one forward weighed itself: their ids, margins, and the :meth:`DPOLoss.pairs`
+    call they came from (diagnostics, **not private**)."""
+
+    ids: torch.Tensor
+    margins: torch.Tensor
+    call: int
 
 
 class PairsNeedBookkeepingError(ConfigurationError):
@@ -215,9 +227,10 @@ class DPOLoss:
         self.loss_only = bool(loss_only)
         self._enter = autocast if autocast is not None else contextlib.nullcontext
         self.__name__ = "dpo_row_losses"
-        #: ``(pair ids, margins)`` of each forward that weighed :meth:`pairs` rows itself
-        #: (diagnostics, **not private**; drain it after each call)
-        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: the pairs each forward weighed itself (:class:`SeenPairs`: diagnostics, **not
+        #: private**; drain it after each call)
+        self.seen: list[SeenPairs] = []
+        self._calls = 0
 
     def log_probs(
         self,
@@ -277,45 +290,47 @@ class DPOLoss:
         import torch
 
         logp = self.log_probs(trainable, frozen, batch)
-        pair, role, reference = (batch[key] for key in PAIR_KEYS)
+        pair, role, bits, call = (batch[key] for key in PAIR_KEYS)
+        reference = bits.view(torch.float32)
         ids, group = torch.unique(pair, return_inverse=True)
         count = torch.zeros(ids.shape[0], device=logp.device).index_add_(
             0, group, torch.ones_like(logp)
         )
         roles = torch.zeros(ids.shape[0], device=logp.device).index_add_(0, group, role.float())
         if not (bool((count == 2).all()) and bool((roles == 0).all())):
-            raise OperationError(
+            raise ConfigurationError(
                 "DPOLoss: a microbatch holds a pair's chosen row without its rejected row (or "
                 "a pair id twice): each pair's two rows must reach the loss together; clip "
                 "with units= so that the engine keeps them in one microbatch"
             )
-        ratio = role.float() * (logp.detach() - reference.float())
+        ratio = role.float() * (logp.detach() - reference)
         margins = self.beta * torch.zeros_like(count).index_add_(0, group, ratio)
-        self.seen.append((ids.detach(), margins.detach()))
+        self.seen.append(SeenPairs(ids.detach(), margins.detach(), int(call[0])))
         return -role.float() * self.beta * torch.sigmoid(-margins)[group] * logp
 
     def _row_weight(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The weight of one row of :meth:`pairs` evaluated alone (the engine's checks): from
-        its pair's margin in the latest forward that saw it; the ``vmap`` engine (rows
-        alone, no such forward) raises :class:`PairsNeedBookkeepingError`."""
+        """The weight of one row of :meth:`pairs` evaluated alone (the engine's per-row checks
+        of a call): its pair's margin in a forward of the *same* :meth:`pairs` batch that saw
+        both rows. Anything else raises :class:`PairsNeedBookkeepingError`: the ``vmap``
+        engine (rows alone, no such forward) or a microbatch that split the pair."""
         import torch
 
-        pair, role = batch[PAIR_KEYS[0]], batch[PAIR_KEYS[1]]
+        pair, role, call = batch[PAIR_KEYS[0]], batch[PAIR_KEYS[1]], batch[PAIR_KEYS[3]]
         try:
-            key = int(pair.reshape(-1)[0])
+            key, made = int(pair.reshape(-1)[0]), int(call.reshape(-1)[0])
         except RuntimeError:  # a value under vmap: the rows are evaluated alone
-            key = -1
-            found = []
+            key, made, found = -1, -1, []
         else:
-            found = list(reversed(self.seen))
-        for ids, margins in found:
-            hit = ids.eq(key).nonzero()
+            found = [s for s in reversed(self.seen) if s.call == made]
+        for seen in found:
+            hit = seen.ids.eq(key).nonzero()
             if hit.numel():
-                margin = margins[int(hit[0, 0])].to(role.device)
+                margin = seen.margins[int(hit[0, 0])].to(role.device)
                 return -role.float().reshape(-1) * self.beta * torch.sigmoid(-margin)
         raise PairsNeedBookkeepingError(
             "DPOLoss: a row of DPOLoss.pairs(...) reached the loss alone, with no forward of "
-            "its pair to weigh it (the vmap engine evaluates rows alone); weigh the batch "
+            "both rows of its pair in this call to weigh it (the vmap engine evaluates rows "
+            "alone; a microbatch must hold whole pairs: clip with units=); weigh the batch "
             "with DPOLoss.prepare(...) instead"
         )
 
@@ -436,5 +451,8 @@ class DPOLoss:
         ready[PAIR_KEYS[1]] = torch.cat(
             [torch.ones(count, device=device), -torch.ones(count, device=device)]
         )
-        ready[PAIR_KEYS[2]] = torch.cat([ref_chosen, ref_rejected]).to(device).float()
+        reference = torch.cat([ref_chosen, ref_rejected]).to(device=device, dtype=torch.float32)
+        ready[PAIR_KEYS[2]] = reference.contiguous().view(torch.int32)
+        self._calls += 1
+        ready[PAIR_KEYS[3]] = torch.full((rows,), self._calls, dtype=torch.int64, device=device)
         return ready, units

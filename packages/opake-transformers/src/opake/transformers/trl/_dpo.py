@@ -97,7 +97,10 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
     reference at all. To resume, build the trainer from the same *initial* model: the
     checkpoint's weights go to the policy only.
 
-    Each step runs one policy forward without gradient more than TRL's (the pairs' weights).
+    On the book-keeping engine each pair's weights come from the clipped forward itself, from
+    the second call on and for the first physical batch of each step (:meth:`DPOLoss.pairs`);
+    other batches, and the ``vmap`` engine, take one policy forward without gradient more
+    than TRL's (the pairs' weights).
     ``rewards/margins`` and ``rewards/accuracies`` are logged as TRL logs them (not private).
     TRL's telemetry is off.
 
@@ -268,7 +271,7 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
             return None
         finally:
             seen, self._dpo_loss.seen = self._dpo_loss.seen, []
-        by_id = {int(i): m for found, margins in seen for i, m in zip(found, margins, strict=True)}
+        by_id = {int(i): m for pairs in seen for i, m in zip(pairs.ids, pairs.margins, strict=True)}
         return torch.stack([by_id[int(i)] for i in ids]) if len(ids) else torch.zeros(0)
 
     def _reference(
