@@ -365,3 +365,23 @@ def test_compute_template_and_sharded_optimizer_check_their_input():
         D.ShardedDPOptimizer(opt, net, noise_multiplier=1.0, expected_batch_size=4.0, seed=0)
     with pytest.raises(ConfigurationError, match="not applicable"):
         D.ShardedDPOptimizer(opt, net, broadcast_parameters=False)
+
+
+def test_make_functional_refuses_a_fully_shard_ed_model(tmp_path):
+    """FSDP2's forward swaps in its own gathered parameters: a functional call through it
+    would silently ignore the parameters passed (the level-1 trap), so it is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from opake.functional import make_functional
+
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        make_functional(model)  # before fully_shard: fine
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(ConfigurationError, match="compute_template"):
+            make_functional(model)
+    finally:
+        torch.distributed.destroy_process_group()

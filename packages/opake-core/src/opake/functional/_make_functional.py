@@ -172,6 +172,7 @@ def make_functional(
         raise InputTypeError(
             f"make_functional(partition_trainable={partition_trainable!r}): expected True or False"
         )
+    _refuse_sharded(model)
     fmodel = FunctionalModel(model)
     named = list(model.named_parameters())
     if not partition_trainable:
@@ -179,3 +180,23 @@ def make_functional(
     trainable = {name: p.detach() for name, p in named if p.requires_grad}
     frozen = {name: p.detach() for name, p in named if not p.requires_grad}
     return fmodel, trainable, frozen
+
+
+def _refuse_sharded(model: torch.nn.Module) -> None:
+    """A ``fully_shard``-ed module (DTensor parameters) gathers and swaps in its own parameters
+    in its forward, overriding the ones a functional call passes: per-example gradients
+    through it would be silently wrong."""
+    import torch
+
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ConfigurationError(
+            "make_functional(model): the model is fully_shard-ed (FSDP2, DTensor parameters); "
+            "its forward gathers and swaps in its own parameters, overriding the ones passed, "
+            "so per-example gradients through it would be silently wrong. Use "
+            "compute_template(model) made before fully_shard with gather_full_params (level "
+            "1), or sharded_clipped_grad (level 2), from opake.dpsgd.distributed"
+        )
