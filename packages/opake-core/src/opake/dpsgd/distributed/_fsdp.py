@@ -17,7 +17,8 @@ through the sharded module. Here each step instead
    parameter's own placements): each rank receives *its rows* of the global sum;
 3. adds to each rank's rows the matching rows of one full-size Gaussian draw — the same draw
    on every rank (shared seed), or rank 0's broadcast — so every coordinate of the global sum
-   gets independent noise exactly once (the draw equals the unsharded run's);
+   gets independent noise exactly once (the draw equals the unsharded run's). With a shared
+   key each rank generates only its own rows of it, parameter by parameter;
 4. divides by q·N and lets the wrapped optimizer update the shards (sharded optimizer state).
 
 Level 2 (:mod:`opake.dpsgd.distributed.sharded`) replaces step 1 only: its ``grad_fn`` runs the
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 
     import torch
     from torch.distributed.tensor import DTensor
+
+    from opake.dpsgd.noise._rows import NoiseRows
 
 __all__ = ["ShardedDPOptimizer", "compute_template", "gather_full_params"]
 
@@ -152,12 +155,95 @@ def _like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return replicated.redistribute(mesh, like.placements)
 
 
+def _row_range(value: DTensor) -> tuple[int, int] | None:
+    """The global rows ``[start, stop)`` this rank's local part of ``value`` holds, when it is
+    sharded on dim 0 alone (FSDP2's layout); ``None`` for any other layout."""
+    from torch.distributed.tensor import Shard
+
+    try:  # DTensor's own layout arithmetic (a private helper: without it, the full draw)
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - a PyTorch that moved it
+        return None
+    placements = tuple(value.placements)
+    if value.ndim == 0 or placements != (Shard(0),) or type(placements[0]) is not Shard:
+        return None
+    shape, offset = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, placements
+    )
+    if tuple(value.to_local().shape) != tuple(shape):
+        return None
+    start = int(offset[0]) if shape[0] else 0
+    return start, start + int(shape[0])
+
+
+def _rows_of(draw: NoiseRows, name: str, value: torch.Tensor) -> torch.Tensor:
+    """The noise of ``value``'s elements on this rank, laid out like ``value``: only its own
+    rows are drawn (dim-0 shards), else the parameter's full noise, redistributed."""
+    if _is_sharded(value):
+        rows = _row_range(value)
+        if rows is not None:
+            from torch.distributed.tensor import DTensor
+
+            local = draw.rows(name, *rows, device=value.to_local().device)
+            return DTensor.from_local(
+                local,
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+    full = draw.rows(name, 0, value.shape[0] if value.ndim else 1, device=_local(value).device)
+    return _like(full, value)
+
+
 class _ShardedNoise(_NoiseProxy):
-    """One full-size draw (shared seed, or rank 0's broadcast), each rank adding its rows."""
+    """One full-size draw (shared seed, or rank 0's broadcast), each rank adding its rows.
+
+    With a :class:`~opake.dpsgd.noise.GaussianNoise` (its own ``add``) the draw is never
+    materialised at once (:meth:`GaussianNoise.draw_rows`, bit for bit the full draw): with a
+    shared key each rank generates only its rows, parameter by parameter; in broadcast mode
+    rank 0 draws and broadcasts one parameter's full-size noise at a time. Other noise objects
+    are drawn full-size, all parameters at once, as before."""
 
     def __init__(self, inner: Any, *, broadcast: bool, group: Any, device: torch.device) -> None:
         super().__init__(inner, group=group, device=device)
         self._broadcast = broadcast
+
+    def _draws_rows(self) -> bool:
+        """Whether the inner object is a GaussianNoise drawing as the class does (the same on
+        every rank: the ranks agreed on their configuration)."""
+        from opake.dpsgd.noise import GaussianNoise
+
+        inner = self._inner
+        return (
+            isinstance(inner, GaussianNoise)
+            and type(inner).add is GaussianNoise.add
+            and type(inner).draw_rows is GaussianNoise.draw_rows
+        )
+
+    def _broadcast_by_parameter(
+        self, grads: Mapping[str, torch.Tensor], sensitivity: float | None
+    ) -> dict[str, torch.Tensor]:
+        """Rank 0's draw, one parameter's full-size noise at a time, broadcast; rows kept."""
+        import torch
+        import torch.distributed as dist
+
+        names = list(grads)
+        draw = None
+        if dist.get_rank(self._group) == 0:
+            draw = self._inner.draw_rows({n: grads[n].shape for n in names}, sensitivity)
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            value = grads[name]
+            device = _local(value).device
+            if draw is not None:
+                noise = draw.rows(name, 0, value.shape[0] if value.ndim else 1, device=device)
+            else:
+                noise = torch.zeros(value.shape, dtype=torch.float32, device=device)
+            broadcast_tensors([noise], src=0, group=self._group, device=self._device)
+            out[name] = value.to(torch.float32) + _like(noise, value)
+        return out
 
     def add(
         self, grads: Mapping[str, torch.Tensor], sensitivity: float | None = None
@@ -166,6 +252,14 @@ class _ShardedNoise(_NoiseProxy):
         import torch.distributed as dist
 
         names = list(grads)
+        if self._draws_rows():
+            if sensitivity is None:
+                sensitivity = getattr(grads, "max_norm", None)
+            if self._broadcast:
+                return self._broadcast_by_parameter(grads, sensitivity)
+            draw = self._inner.draw_rows({n: grads[n].shape for n in names}, sensitivity)
+            # one parameter's rows at a time: no full-size noise, no full-size zeros
+            return {n: grads[n].to(torch.float32) + _rows_of(draw, n, grads[n]) for n in names}
         zeros = {
             n: torch.zeros(grads[n].shape, dtype=torch.float32, device=_local(grads[n]).device)
             for n in names
@@ -209,7 +303,8 @@ class ShardedDPOptimizer(DistributedDPOptimizer):
 
     Memory: parameters and optimizer state are sharded at rest; with :func:`gather_full_params`
     each rank holds, during a step, the gathered parameters, one microbatch of per-example
-    gradients, the full-size fp32 sums (until the reduce-scatter) and one full-size noise draw.
+    gradients and the full-size fp32 sums (each released once reduce-scattered); the noise is
+    drawn as this rank's rows only (shared key), or one parameter's full size at a time.
     For per-layer sharded compute (FSDP gathers one unit at a time; the book-keeping engine),
     feed it the sums of :func:`~opake.dpsgd.distributed.sharded_clipped_grad` instead: see
     ``docs/design/fsdp2.md`` (level 2). Parameters that are not
@@ -335,15 +430,18 @@ class ShardedDPOptimizer(DistributedDPOptimizer):
             present, sensitivity, physical = self._agree_on_pending(
                 self._full_physical, self._full_sensitivity, set(self._full)
             )
+            # one parameter at a time, each full-size sum released once it is reduce-scattered
+            pending, self._full = self._full, {}
             shards: dict[str, torch.Tensor] = {}
             for name in present:
                 param = self._params[name]
-                full = self._full.get(name)
+                full = pending.pop(name, None)
                 if full is None:
                     device = _local(param).device
                     full = torch.zeros(param.shape, dtype=torch.float32, device=device)
                 shards[name] = self._reduce_scatter(full, param)
-            self._full = {}
+                del full
+            del pending
             DPOptimizer.accumulate(self, ClippedGrads(shards, max_norm=sensitivity, batch_size=0))
             report = DPOptimizer.step(self)
         except BaseException:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
@@ -24,6 +24,7 @@ from opake.dpsgd.noise._checks import (
     resolve_sensitivity,
 )
 from opake.dpsgd.noise._noisy import NoisyGrads
+from opake.dpsgd.noise._rows import NoiseRows
 from opake.dpsgd.randomness._source import Randomness, check_seed, resolve_randomness
 
 if TYPE_CHECKING:
@@ -355,6 +356,32 @@ class GaussianNoise:
         return NoisyGrads(
             noisy, noise_multiplier=self._noise_multiplier, sensitivity=sens, secure=self.secure
         )
+
+    def draw_rows(self, shapes: Mapping[str, Sequence[int]], sensitivity: float) -> NoiseRows:
+        """This call's noise on zero tensors of ``shapes``, drawn a row range at a time.
+
+        Counts as one :meth:`add` call (the same index, σ·S and :attr:`last_noise_std`):
+        ``draw_rows(shapes, S).rows(name, a, b)`` equals rows ``a:b`` of
+        ``add({n: torch.zeros(s) for n, s in shapes.items()}, S)[name]`` bit for bit, and
+        generates only those elements — each rank of a sharded run draws its own rows of the
+        one global draw (disjoint rows get independent noise, shared rows the same).
+
+        Example:
+            >>> import torch
+            >>> shapes = {"b": (3,), "w": (4, 2)}
+            >>> part = GaussianNoise(1.0, seed=0).draw_rows(shapes, 0.5).rows("w", 1, 3)
+            >>> full = GaussianNoise(1.0, seed=0).add({n: torch.zeros(s) for n, s in
+            ...                                        shapes.items()}, 0.5)
+            >>> torch.equal(part, full["w"][1:3])
+            True
+        """
+        sens = resolve_sensitivity({}, sensitivity)
+        std = self._noise_multiplier * sens
+        noise_grid(std)  # the same checks as add()
+        rows = NoiseRows(shapes, std=std, source=self._source, index=self._calls)
+        self._calls += 1
+        self.last_noise_std = std
+        return rows
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state: σ, the mode, the seed (seeded only) and the call count.

@@ -254,6 +254,53 @@ class Randomness:
             if kept > 0:
                 yield pairs + p0, sin_part[:kept].to(dtype)
 
+    def normal_range_pieces(
+        self,
+        stream: str,
+        index: int,
+        count: int,
+        start: int,
+        stop: int,
+        *,
+        dtype: torch.dtype | None = None,
+        scale: float = 1.0,
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Positions ``[start, stop)`` of :meth:`normal_pieces`'s draw of ``count`` values, as
+        ``(position, values)`` pieces (≤ 2¹⁷ values each): the same values bit for bit, and
+        only the keystream of their pairs is read (pair ``i`` gives positions ``i`` and
+        ``⌈count/2⌉ + i`` from its own words only).
+
+        Example:
+            >>> import torch
+            >>> source = Randomness.seeded(0)
+            >>> full = source.normal("noise", 0, 9, dtype=torch.float64)
+            >>> part = torch.cat([v for _, v in source.normal_range_pieces(
+            ...     "noise", 0, 9, 3, 7, dtype=torch.float64)])
+            >>> torch.equal(part, full[3:7])
+            True
+        """
+        dtype, scale = _normal_dtype(dtype), _check_scale(scale)
+        if not 0 <= start <= stop <= count:
+            raise ConfigurationError(
+                f"start={start}, stop={stop}: expected 0 ≤ start ≤ stop ≤ count={count}"
+            )
+        address = _Address(self._key, _stream_id(stream), _index(index))
+        pairs = (count + 1) // 2
+        # (first pair, end pair, position of pair 0, cosine?) of each half
+        runs = ((start, min(stop, pairs), 0, True), (start - pairs, stop - pairs, pairs, False))
+        for lowest, last, base, cosine in runs:
+            first = max(lowest, 0)
+            if first >= last:
+                continue
+            scratch = bytearray(_PAIR_BYTES * min(last - first, _CHUNK_PAIRS) + 2 * _BLOCK_BYTES)
+            for p0 in range(first, last, _CHUNK_PAIRS):
+                p1 = min(last, p0 + _CHUNK_PAIRS)
+                k = np.empty(p1 - p0, dtype=np.float64)
+                j = np.empty(p1 - p0, dtype=np.float64)
+                address.pairs_into(pairs, p0, p1, scratch, k=k, j=j)
+                cos_part, sin_part = _box_muller(k, j, scale)
+                yield base + p0, (cos_part if cosine else sin_part).to(dtype)
+
     def bernoulli(self, stream: str, index: int, count: int, p: float) -> np.ndarray:
         """``count`` independent Bernoulli(p) draws as a bool array (p within 2⁻⁶⁴)."""
         if not 0.0 <= p <= 1.0:
