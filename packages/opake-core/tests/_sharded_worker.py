@@ -339,11 +339,14 @@ def no_rule(world_size: int, counts: Counts) -> dict[str, Any]:
 
 
 def scenario_basic(rank: int, world_size: int, out: Path) -> None:
+    from _sharded_refusals import refusals  # beside this script (its directory is on sys.path)
+
     counts = Counts()
     result = {
         "train": train(rank, world_size, counts),
         "one_example": one_example(rank, world_size),
         "no_rule": no_rule(world_size, counts),
+        "refusals": refusals(rank, world_size),
     }
     torch.save(result, out / f"basic.rank{rank}.pt")
 

@@ -280,6 +280,34 @@ def test_a_layer_without_a_rule_raises_and_gathers_nothing(basic: list[dict[str,
         assert refused["gathers"] == 0
 
 
+def test_what_mixes_examples_or_misaligns_the_ranks_is_refused_on_every_rank(
+    basic: list[dict[str, Any]],
+) -> None:
+    """The per-example check (one secret row alone vs. in its batch, agreed by all-reduce)
+    refuses a batch mean, a Linear with the batch dimension moved and F.batch_norm, then every
+    later call; a _BatchNorm with batch statistics is refused at construction and at each call
+    (also after a first call in eval mode); calls that do not line up raise, never hang."""
+    want = {
+        "mix": ("BookkeepingMismatchError", "the loss mixes examples"),
+        "mix_again": ("BookkeepingMismatchError", "the loss mixes examples"),
+        "functional_bn": ("BookkeepingMismatchError", "alone fails: ValueError"),
+        "functional_bn_again": ("BookkeepingMismatchError", "the loss mixes examples"),
+        "moved": ("BookkeepingMismatchError", "moves the batch dimension"),
+        "bn_no_stats": ("ConfigurationError", "normalises with batch statistics"),
+        "bn_eval": ("accepted", ""),
+        "bn_train": ("ConfigurationError", "normalises with batch statistics"),
+        "microbatch": ("ConfigurationError", "microbatch_size 1..2"),
+        "end_step": ("ConfigurationError", "the same number of times per logical step"),
+        "plain": ("accepted", ""),
+    }
+    for result in basic:
+        got = result["refusals"]
+        assert set(got) == set(want)
+        for case, (kind, text) in want.items():
+            assert got[case].startswith(kind), (case, got[case])
+            assert text in got[case], (case, got[case])
+
+
 def test_a_trainable_parameter_the_loss_never_reads_is_reported(
     basic: list[dict[str, Any]],
 ) -> None:

@@ -129,7 +129,7 @@ def sharded_clipped_grad(
     sharded_plan(model, trainable(model), trusted=trusted)
     batched = BatchedLoss(lambda _params, *args: loss_fn(*args), model)
     runner = ShardedRunner(
-        batched, argnums=0, batch_argnums=batch, has_aux=has_aux, trusted=trusted
+        batched, argnums=0, batch_argnums=batch, has_aux=has_aux, trusted=trusted, group=group
     )
     engine = _Engine(
         batched.per_example(batch_argnums=batch, has_aux=has_aux),

@@ -8,12 +8,19 @@ therefore agrees on the largest local batch (one all-reduce MAX of an integer) a
 rank's batch to it with all-zero rows that ``example_mask`` marks as padding: they run through
 the model and contribute exactly zero (``clipped_grad``'s padding semantics), and every rank
 runs the same chunks. A global batch of zero examples runs no forward anywhere.
+
+The same all-reduce checks that the ranks' calls line up: this call's place in its logical
+step (calls since the last ``end_step=True``), its ``end_step`` and ``microbatch_size`` must be
+equal on every rank (MAX of the values and of their negations: their MIN), or every rank
+raises the same :class:`~opake.core.errors.ConfigurationError` — not a hang or a collective
+paired with another call's.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from opake.core.errors import ConfigurationError
 from opake.dpsgd.clipping._call import batch_size, check_mask
 from opake.dpsgd.distributed._replicas import _comm_device
 
@@ -30,12 +37,14 @@ def agreed_batch(
     *,
     group: Any,
     device: torch.device,
+    calls: tuple[int, int, int] = (1, 1, 0),
 ) -> tuple[tuple[Any, ...], torch.Tensor | None, int]:
     """``(args, mask, local)``: the batched arguments padded to the ranks' largest batch.
 
-    ``positions`` are the batched arguments; ``mask`` the user's ``example_mask`` (checked).
-    The returned mask marks the padding rows ``False`` (``None``: no padding, no user mask);
-    ``local`` is this rank's own batch size.
+    ``positions`` are the batched arguments; ``mask`` the user's ``example_mask`` (checked);
+    ``calls``: (this call's place in its logical step, ``end_step``, ``microbatch_size`` or 0),
+    which every rank must pass alike. The returned mask marks the padding rows ``False``
+    (``None``: no padding, no user mask); ``local`` is this rank's own batch size.
     """
     import torch
     import torch.distributed as dist
@@ -43,10 +52,20 @@ def agreed_batch(
 
     local = batch_size(args, positions)
     checked = check_mask(mask, local, device)
-    size = torch.tensor([local], dtype=torch.int64, device=_comm_device(group))
+    row = [local, *calls, *(-c for c in calls)]
+    agreed = torch.tensor(row, dtype=torch.int64, device=_comm_device(group))
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
-    pad = int(size.item()) - local
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    top = [int(v) for v in agreed.tolist()]
+    high, low = top[1:4], [-v for v in top[4:7]]
+    if high != low:
+        raise ConfigurationError(
+            "sharded grad_fn: every rank must call grad_fn the same number of times per "
+            "logical step (end_step) with the same microbatch_size; across the ranks this "
+            f"call is call {low[0]}..{high[0]} of its step, end_step {bool(low[1])}.."
+            f"{bool(high[1])}, microbatch_size {low[2] or None}..{high[2] or None}"
+        )
+    pad = top[0] - local
     if pad == 0:
         return args, checked, local
 

@@ -9,10 +9,12 @@ gradients ``δ_i``, the norms come from those records, and each layer's clipped 
 
 The engine's check against per-example autograd does not run here: it would run one example
 through the sharded module on some ranks only (unmatched collectives) and differentiate FSDP's
-parameters (FSDP would then reduce-scatter their gradients itself). Privacy does not rest on it:
-each example's contribution is bounded by certified norms of the very pieces that are summed.
-The rules are validated against per-example autograd by the conformance harness; the model's
-part of the contract — nothing mixes examples — is the user's, as for every engine.
+parameters (FSDP would then reduce-scatter their gradients itself). Level 2 runs its own
+cross-rank check instead (:mod:`._check`): on the first chunk and every ``RECHECK_EVERY``
+chunks, one secret row per rank again, alone, through the same runner; a row whose norms
+depend on the other rows (something mixes examples) refuses the call on every rank. Each
+example's contribution is bounded by certified norms of the very pieces that are summed; the
+rules are validated against per-example autograd by the conformance harness.
 """
 
 from __future__ import annotations
@@ -26,15 +28,22 @@ from opake.dpsgd.clipping._bookkeeping import BookkeepingEngine
 from opake.dpsgd.clipping._compiled import compiling, refuse
 from opake.dpsgd.clipping._grad_fn import ClippedGradFn
 from opake.dpsgd.distributed.sharded._batch import agreed_batch
-from opake.dpsgd.distributed.sharded._plan import sharded_plan, trainable
+from opake.dpsgd.distributed.sharded._plan import (
+    refuse_batch_statistics,
+    sharded_plan,
+    trainable,
+)
+from opake.dpsgd.distributed.sharded._runner import ShardedRunner
 
 if TYPE_CHECKING:
     import torch
 
     from opake.dpsgd.bookkeeping._plan import BookkeepingPlan
     from opake.dpsgd.bookkeeping._runner import BookkeepingRunner
+    from opake.dpsgd.bookkeeping._units import RowUnits
     from opake.dpsgd.clipping._base import ClipState
-    from opake.dpsgd.clipping._chunks import ChunkEngine
+    from opake.dpsgd.clipping._call import Call
+    from opake.dpsgd.clipping._chunks import ChunkEngine, ChunkOut
     from opake.dpsgd.clipping._grads import ClipAux
     from opake.dpsgd.clipping._tree import DiffTree
 
@@ -74,7 +83,31 @@ class _Engine(ClippedGradFn):
                 "the book-keeping engine could not run this call"
             )
         loss_fn = tree.wrap(self.loss_fn, self.argnums)
-        return BookkeepingEngine(runner, loss_fn, names=tree.names, check=False)
+        return _CheckedEngine(runner, loss_fn, names=tree.names, check=False)
+
+    def _run(
+        self, engine: ChunkEngine, call: Call
+    ) -> tuple[dict[str, torch.Tensor], ClipAux, torch.Tensor]:
+        if isinstance(engine, _CheckedEngine):
+            engine.mask = call.mask  # the padding rows the check must not draw
+        return super()._run(engine, call)
+
+
+class _CheckedEngine(BookkeepingEngine):
+    """The book-keeping engine with level 2's per-example check (:mod:`._check`) after each
+    chunk, before its sums are formed (chunks are consecutive slices of the call's rows)."""
+
+    mask: torch.Tensor | None = None
+    _start = 0
+
+    def chunk(self, args: tuple[Any, ...], m: int, units: RowUnits | None = None) -> ChunkOut:
+        out = super().chunk(args, m, units)
+        start, self._start = self._start, self._start + m
+        is_real = None if self.mask is None else self.mask[start : start + m]
+        runner = self.runner
+        assert isinstance(runner, ShardedRunner)
+        runner.row_check(runner, args, out.payload, is_real)
+        return out
 
 
 def _trim(aux: ClipAux, rows: int) -> ClipAux:
@@ -108,6 +141,10 @@ class ShardedClippedGradFn:
     largest local batch and pads to it (:mod:`._batch`). ``example_mask`` marks padding rows
     as in ``clipped_grad``; ``units=`` is not supported here. With ``return_aux`` the
     per-example figures are this rank's rows only (not private, as in ``clipped_grad``).
+    The per-example check (:mod:`._check`) runs on the first chunk and every
+    ``RECHECK_EVERY`` chunks: a mismatch raises
+    :class:`~opake.dpsgd.bookkeeping._check.BookkeepingMismatchError` on every rank, then at
+    every later call; ranks whose calls do not line up raise ``ConfigurationError``.
     """
 
     def __init__(
@@ -120,6 +157,7 @@ class ShardedClippedGradFn:
         self._plan: BookkeepingPlan | None = None
         self._names: tuple[str, ...] = ()
         self._warned = False
+        self._in_step = 0  # calls since the last end_step=True
 
     @property
     def engine(self) -> str | None:
@@ -150,13 +188,26 @@ class ShardedClippedGradFn:
                 "state, end_step, example_mask (privacy units are not supported by per-layer "
                 "sharded compute yet)"
             )
-        self.plan()  # raises on a layer without a closed-form rule, before any collective
+        # before any collective, on every rank alike: a failed check refuses every later call;
+        # no layer without a closed-form rule; no batch statistics (the mode can change)
+        runner = self._engine._bookkeeping
+        assert isinstance(runner, ShardedRunner)
+        runner.row_check.refuse_if_failed()
+        self.plan()
+        refuse_batch_statistics(self.module)
         params = trainable(self.module)
         device = next(iter(params.values())).device
         positions = tuple(p - 1 for p in self._engine.batch_argnums)
+        index = self._in_step + 1  # this call's place in its logical step
         call, mask, local = agreed_batch(
-            args, positions, example_mask, group=self._group, device=device
+            args,
+            positions,
+            example_mask,
+            group=self._group,
+            device=device,
+            calls=(index, int(end_step), self._engine.microbatch_size or 0),
         )
+        self._in_step = 0 if end_step else index
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_VIEW_WARNING, category=UserWarning)
             out, new_state = self._engine(

@@ -19,7 +19,13 @@ from opake.dpsgd.distributed._fsdp import _is_sharded
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FALLBACK_RULE", "mesh_group", "sharded_plan", "trainable"]
+__all__ = [
+    "FALLBACK_RULE",
+    "mesh_group",
+    "refuse_batch_statistics",
+    "sharded_plan",
+    "trainable",
+]
 
 #: the book-keeping rule that is a fallback, not a rule: vmap over the layer and its weights
 FALLBACK_RULE = "per_layer"
@@ -64,24 +70,27 @@ def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return params
 
 
-def _refuse_batch_statistics(model: torch.nn.Module) -> None:
-    """Refuse a batch norm in training mode: its batch statistics mix the examples, so one
-    example's records would carry the others' (per-layer sharded compute has no per-example
-    autograd check to notice it)."""
+def refuse_batch_statistics(model: torch.nn.Module) -> None:
+    """Refuse a batch norm that normalises with batch statistics — in training mode, or in
+    eval mode without running statistics (``track_running_stats=False``), the condition under
+    which ``_BatchNorm.forward`` uses them: they mix the examples, so one example's records
+    would carry the others'. Checked at construction and at every call (the mode can change);
+    a functional ``F.batch_norm(training=True)`` is caught by the per-example check."""
     from torch.nn.modules.batchnorm import _BatchNorm
 
     mixing = [
         f"{name or '<root>'} ({type(m).__name__})"
         for name, m in model.named_modules()
-        if isinstance(m, _BatchNorm) and m.training
+        if isinstance(m, _BatchNorm)
+        and (m.training or (m.running_mean is None and m.running_var is None))
     ]
     if mixing:
         raise ConfigurationError(
             f"sharded_clipped_grad: {', '.join(mixing[:5])} normalises with batch statistics "
-            "in training mode, which mixes the examples of a batch: per-example clipping "
-            "would not bound one example's influence. Put it in eval mode (running "
-            "statistics, .eval()), or replace it by a per-example normalisation (LayerNorm, "
-            "GroupNorm)"
+            "(training mode, or no running statistics), which mixes the examples of a batch: "
+            "per-example clipping would not bound one example's influence. Put it in eval "
+            "mode with running statistics (track_running_stats=True, .eval()), or replace it "
+            "by a per-example normalisation (LayerNorm, GroupNorm)"
         )
 
 
@@ -110,7 +119,7 @@ def sharded_plan(
     ...
     opake.core.errors.ConfigurationError: sharded_clipped_grad: 1 (BatchNorm1d) normalises ...
     """
-    _refuse_batch_statistics(model)
+    refuse_batch_statistics(model)
     plan = bookkeeping_plan(model, names, trusted=trusted)
     problems = [f"{what} ({why})" for what, why in plan.unsupported]
     problems += [

@@ -24,11 +24,12 @@ post-backward hooks reshard it, with no gradient to reduce-scatter.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import OperationError
 from opake.dpsgd.bookkeeping._runner import BookkeepingRunner
 from opake.dpsgd.distributed._fsdp import _is_sharded
+from opake.dpsgd.distributed.sharded._check import RowCheck
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +43,12 @@ WEIGHT_FREE_RULES = frozenset({"linear", "conv1d", "embedding"})
 
 
 class ShardedRunner(BookkeepingRunner):
-    """:class:`BookkeepingRunner` for a loss that runs a ``fully_shard``-ed module directly."""
+    """:class:`BookkeepingRunner` for a loss that runs a ``fully_shard``-ed module directly;
+    ``row_check`` is level 2's per-example check (:mod:`._check`) over the mesh's ``group``."""
+
+    def __init__(self, *args: Any, group: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.row_check = RowCheck(group)
 
     def _layer_params(self, layer: LayerRule, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         params = {attr: getattr(module, attr) for attr in module._parameters}
