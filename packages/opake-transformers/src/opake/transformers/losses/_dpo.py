@@ -354,19 +354,7 @@ class DPOLoss:
         """
         import torch
 
-        rows = int(batch["input_ids"].shape[0])
-        if rows % 2:
-            raise ConfigurationError(
-                f"DPOLoss.prepare: {rows} rows; expected 2P rows (the P chosen sequences, then "
-                "the P rejected ones, as TRL's DataCollatorForPreference lays them out)"
-            )
-        pairs = rows // 2
-        for name, value in (("ref_chosen", ref_chosen), ("ref_rejected", ref_rejected)):
-            if tuple(value.shape) != (pairs,):
-                raise ConfigurationError(
-                    f"DPOLoss.prepare({name}=...): shape {tuple(value.shape)}; expected "
-                    f"({pairs},), one reference log-probability per pair"
-                )
+        pairs = _pair_count("prepare", batch, ref_chosen, ref_rejected)
         if pairs == 0:  # an empty Poisson batch: no forward (a model refuses zero rows)
             logp = torch.zeros(0, dtype=torch.float32, device=batch["input_ids"].device)
         else:
@@ -424,20 +412,9 @@ class DPOLoss:
         """
         import torch
 
-        rows = int(batch["input_ids"].shape[0])
-        if rows % 2:
-            raise ConfigurationError(
-                f"DPOLoss.pairs: {rows} rows; expected 2P rows (the P chosen sequences, then "
-                "the P rejected ones, as TRL's DataCollatorForPreference lays them out)"
-            )
-        count = rows // 2
+        count = _pair_count("pairs", batch, ref_chosen, ref_rejected)
+        rows = 2 * count
         device = batch["input_ids"].device
-        for name, value in (("ref_chosen", ref_chosen), ("ref_rejected", ref_rejected)):
-            if tuple(value.shape) != (count,):
-                raise ConfigurationError(
-                    f"DPOLoss.pairs({name}=...): shape {tuple(value.shape)}; expected "
-                    f"({count},), one reference log-probability per pair"
-                )
         if ids is None:
             ids = torch.arange(count, device=device)
         ids = ids.to(device=device, dtype=torch.int64)
@@ -456,3 +433,26 @@ class DPOLoss:
         self._calls += 1
         ready[PAIR_KEYS[3]] = torch.full((rows,), self._calls, dtype=torch.int64, device=device)
         return ready, units
+
+
+def _pair_count(
+    method: str,
+    batch: Mapping[str, torch.Tensor],
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+) -> int:
+    """``P`` for a batch of ``2P`` rows with ``[P]`` reference log-probabilities each side."""
+    rows = int(batch["input_ids"].shape[0])
+    if rows % 2:
+        raise ConfigurationError(
+            f"DPOLoss.{method}: {rows} rows; expected 2P rows (the P chosen sequences, then "
+            "the P rejected ones, as TRL's DataCollatorForPreference lays them out)"
+        )
+    pairs = rows // 2
+    for name, value in (("ref_chosen", ref_chosen), ("ref_rejected", ref_rejected)):
+        if tuple(value.shape) != (pairs,):
+            raise ConfigurationError(
+                f"DPOLoss.{method}({name}=...): shape {tuple(value.shape)}; expected "
+                f"({pairs},), one reference log-probability per pair"
+            )
+    return pairs
