@@ -82,21 +82,27 @@ def _hand_written_steps(records, engine: str, steps: int) -> dict[str, torch.Ten
 )
 def test_two_steps_equal_a_hand_written_dp_training_loop(tmp_path, engine, sampler, monkeypatch):
     """Fixed shapes: the padding slots' pairs are masked out, both rows of each. Once the
-    engine is known to be book-keeping, the pairs are weighed by the clipped forward itself
-    (no forward without gradient) — the same step as the hand-written loop's ``prepare``."""
+    engine asked for is book-keeping, the pairs are weighed by the clipped forward itself from
+    the first physical batch of the run on (no forward without gradient; later physical
+    batches of a step take ``prepare``) — the same step as the hand-written loop's
+    ``prepare``."""
     from opake.transformers.losses import DPOLoss
 
-    weighed = []
-    inner = DPOLoss._weighed_here
+    events: list[str] = []
+    inner, prepare = DPOLoss._weighed_here, DPOLoss.prepare
     monkeypatch.setattr(
-        DPOLoss, "_weighed_here", lambda self, *a: weighed.append(1) or inner(self, *a)
+        DPOLoss, "_weighed_here", lambda self, *a: events.append("forward") or inner(self, *a)
+    )
+    monkeypatch.setattr(
+        DPOLoss, "prepare", lambda self, *a, **k: events.append("prepare") or prepare(self, *a, **k)
     )
     trainer = T.dpo_trainer(tmp_path, engine=engine, max_steps=2, dp_sampler=sampler)
     assert trainer.ref_model is not None  # a frozen copy of the initial model
     assert not any(p.requires_grad for p in trainer.ref_model.parameters())
     trainer.train()
     assert trainer.dp_training.grad_fn.engine == engine
-    assert bool(weighed) == (engine == "bookkeeping")
+    assert ("forward" in events) == (engine == "bookkeeping")
+    assert events[0] == ("forward" if engine == "bookkeeping" else "prepare")
     got = T.params(trainer.model)
     want = _hand_written_steps(trainer.train_dataset, engine, steps=2)
     for name, value in want.items():
@@ -126,7 +132,7 @@ def test_a_batch_that_falls_back_to_vmap_is_weighed_first_and_the_step_is_unchan
     monkeypatch.setattr(DPOLoss, "_weighed_here", once)
     trainer = T.dpo_trainer(tmp_path, engine="bookkeeping", max_steps=2)
     trainer.train()
-    assert calls  # the second step tried, fell back, and was weighed first
+    assert len(calls) > 1  # the first call tried, fell back and was weighed first; then in forward
     got = T.params(trainer.model)
     want = _hand_written_steps(trainer.train_dataset, "bookkeeping", steps=2)
     for name, value in want.items():

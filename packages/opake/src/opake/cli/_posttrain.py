@@ -138,6 +138,12 @@ class PostStep:
         if self.dpo is None:
             aux = training.accumulate({"input_ids": ids, "labels": labels}, example_mask=mask)
             return aux, aux.loss_values
+        from opake.transformers.losses import (
+            accumulate_pairs,
+            dpo_losses_from_margins,
+            weighs_in_forward,
+        )
+
         assert self.reference is not None
         if not len(index):  # an empty Poisson batch adds zeros (no forward to weigh)
             from opake.transformers.losses import WEIGHT_KEY
@@ -147,10 +153,17 @@ class PostStep:
         ref = self.reference[0][index].to(self.device)
         rows = self._pairs(ids, labels)
         rows_mask = None if mask is None else torch.cat([mask] * self.rows)
-        if training.grad_fn.engine == "bookkeeping" and training.pending_batches == 0:
-            done = self._weighed_in_forward(training, rows, ref, rows_mask)
+        if weighs_in_forward(training):  # weighed by the clipped forward itself
+            done = accumulate_pairs(
+                self.dpo,
+                training,
+                rows,
+                ref_chosen=ref[:, 0],
+                ref_rejected=ref[:, 1],
+                example_mask=rows_mask,
+            )
             if done is not None:
-                return done
+                return done[0], dpo_losses_from_margins(done[1])
         # the pairs' weights from one forward without gradient; pair i's two rows share the
         # unit id i (its slot in this step's only physical batch) and are clipped as one
         prepared = self.dpo.prepare(
@@ -158,34 +171,6 @@ class PostStep:
         )
         aux = training.accumulate(prepared.batch, example_mask=rows_mask, units=prepared.units)
         return aux, prepared.losses
-
-    def _weighed_in_forward(
-        self,
-        training: Any,
-        rows: dict[str, torch.Tensor],
-        ref: torch.Tensor,
-        rows_mask: torch.Tensor | None,
-    ) -> tuple[ClipAux, torch.Tensor] | None:
-        """Clip with the pairs' weights from the book-keeping forward itself
-        (``DPOLoss.pairs``: no forward without gradient); ``None`` when the call fell back to
-        the vmap engine (DPTraining dropped the pending step, this batch only: weigh it first).
-        """
-        import torch
-
-        from opake.transformers.losses import PairsNeedBookkeepingError, dpo_losses_from_margins
-
-        assert self.dpo is not None
-        ready, units = self.dpo.pairs(rows, ref_chosen=ref[:, 0], ref_rejected=ref[:, 1])
-        self.dpo.seen.clear()
-        try:
-            aux = training.accumulate(ready, example_mask=rows_mask, units=units)
-        except PairsNeedBookkeepingError:
-            return None
-        finally:
-            seen, self.dpo.seen = self.dpo.seen, []
-        by_id = {int(i): m for pairs in seen for i, m in zip(pairs.ids, pairs.margins, strict=True)}
-        margins = torch.stack([by_id[i] for i in range(int(ref.shape[0]))])
-        return aux, dpo_losses_from_margins(margins)
 
     def evaluate(self) -> float:
         """The validation loss: nats per target token (SFT), or the mean DPO loss of the

@@ -9,7 +9,9 @@ and ``vmap``), with the patched model's loss-only head where it has one:
   conversation's non-assistant turns and on padding), so prompt tokens get no gradient;
 - :class:`DPOLoss` (DPO): one preference pair is one example, its chosen and rejected rows
   clipped together as one privacy unit; :func:`dpo_losses` and :func:`dpo_weights` are its
-  arithmetic, :func:`sequence_log_probs` the summed completion log-probability of a row.
+  arithmetic, :func:`sequence_log_probs` the summed completion log-probability of a row;
+  :func:`accumulate_pairs` clips pairs weighed by the book-keeping forward itself, when
+  :func:`weighs_in_forward` says the step allows it.
 
 ``opake.transformers.trl.DPSFTTrainer`` and ``DPDPOTrainer`` use them; so can a hand-written
 ``DPTraining`` loop (``docs/guide/post-training.md``).
@@ -38,6 +40,7 @@ from opake.transformers.losses._dpo import (
     dpo_losses_from_margins,
     dpo_weights,
 )
+from opake.transformers.losses._in_forward import accumulate_pairs, weighs_in_forward
 
 __all__ = [
     "PAIR_KEYS",
@@ -46,6 +49,7 @@ __all__ = [
     "PairsNeedBookkeepingError",
     "PreparedPairs",
     "SeenPairs",
+    "accumulate_pairs",
     "completion_losses",
     "dpo_losses",
     "dpo_losses_from_margins",
@@ -53,4 +57,5 @@ __all__ = [
     "loss_only_available",
     "sequence_log_probs",
     "target_counts",
+    "weighs_in_forward",
 ]

@@ -16,7 +16,6 @@ records.
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,18 +28,17 @@ from opake.transformers._dp_mixin import DPTrainerMixin
 from opake.transformers._losses import has_dropout
 from opake.transformers.losses import (
     DPOLoss,
-    PairsNeedBookkeepingError,
+    accumulate_pairs,
     completion_losses,
     dpo_losses_from_margins,
     loss_only_available,
+    weighs_in_forward,
 )
 from opake.transformers.trl._config import DPDPOConfig
 from opake.transformers.trl._refusals import check_built, check_dpo_config
 from opake.transformers.trl._truncation import Truncation, count_dpo, report, with_counts
 
 __all__ = ["DPDPOTrainer", "PreferenceRows"]
-
-logger = logging.getLogger("opake.transformers")
 
 #: the 2-D attention mask kept beside the rows for the reference forward (not a model input)
 _MASK_KEY = "opake_attention_mask"
@@ -214,16 +212,21 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
         records = None
         if dp.privacy_unit == "unit":  # user-level: each row's record (both rows of a pair)
             records = [] if indices is None else [int(i) for i in indices.tolist()] * 2
-        # weighed by the clipped forward itself: on book-keeping, and for the first physical
-        # batch of a logical step only — a call that falls back to vmap raises, and
-        # DPTraining then drops the pending step, which must hold nothing else to redo it
-        if pairs and dp.grad_fn.engine == "bookkeeping" and dp.pending_batches == 0:
-            margins = self._weighed_in_forward(
-                dp, batch, ref=ref, ids=ids, rows_mask=rows_mask, records=records
+        # weighed by the clipped forward itself on book-keeping (see losses._in_forward)
+        if pairs and weighs_in_forward(dp):
+            done = accumulate_pairs(
+                self._dpo_loss,
+                dp,
+                batch,
+                ref_chosen=ref[0],
+                ref_rejected=ref[1],
+                ids=ids,
+                example_mask=rows_mask,
+                records=records,
             )
-            if margins is not None:
-                self._record(margins, mask)
-                return dpo_losses_from_margins(margins)
+            if done is not None:
+                self._record(done[1], mask)
+                return dpo_losses_from_margins(done[1])
         trainable, frozen = self._dp_params
         prepared = self._dpo_loss.prepare(
             trainable, frozen, batch, ref_chosen=ref[0], ref_rejected=ref[1], ids=ids
@@ -244,35 +247,6 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
             dp.accumulate(batch, example_mask=rows_mask, records=records)
         else:
             dp.accumulate(batch, example_mask=rows_mask, units=units)
-
-    def _weighed_in_forward(
-        self,
-        dp: Any,
-        batch: dict[str, Any],
-        *,
-        ref: list[torch.Tensor],
-        ids: torch.Tensor,
-        rows_mask: torch.Tensor | None,
-        records: list[int] | None,
-    ) -> torch.Tensor | None:
-        """Clip with each pair's weights taken from the book-keeping forward itself (no
-        forward without gradient, :meth:`DPOLoss.pairs`); the pairs' margins, or ``None``
-        when the call fell back to the vmap engine (DPTraining dropped the pending step,
-        which held this batch only: weigh it first and clip it again)."""
-        assert self._dpo_loss is not None
-        ready, units = self._dpo_loss.pairs(batch, ref_chosen=ref[0], ref_rejected=ref[1], ids=ids)
-        self._dpo_loss.seen.clear()
-        try:
-            self._clip(dp, ready, rows_mask, units, records)
-        except PairsNeedBookkeepingError:
-            logger.info(
-                "DPDPOTrainer: this batch took the vmap engine; its pairs are weighed first"
-            )
-            return None
-        finally:
-            seen, self._dpo_loss.seen = self._dpo_loss.seen, []
-        by_id = {int(i): m for pairs in seen for i, m in zip(pairs.ids, pairs.margins, strict=True)}
-        return torch.stack([by_id[int(i)] for i in ids]) if len(ids) else torch.zeros(0)
 
     def _reference(
         self, batch: Mapping[str, torch.Tensor], attention: torch.Tensor, pairs: int
