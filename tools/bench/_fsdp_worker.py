@@ -7,7 +7,9 @@ one process). Writes ``rank<r>.json`` into the folder it is given. Methods:
   with one process the plain model (no FSDP).
 - ``level1``: ``gather_full_params`` + ``clipped_grad(engine="bookkeeping")`` on
   ``compute_template(model)``, then ``ShardedDPOptimizer`` (AdamW).
-- ``level2``: ``sharded_clipped_grad`` on the sharded model itself + ``ShardedDPOptimizer``.
+- ``level2``: ``sharded_clipped_grad`` on the sharded model itself + ``ShardedDPOptimizer``;
+  one physical batch per step, so ``grad_fn(..., reduce_scatter=True)``: each clipped sum is
+  reduce-scattered as soon as it is formed (the ``update`` phase only adds the noise rows).
 - ``dp``: one process, unsharded: ``clipped_grad(engine="bookkeeping")`` + ``DPOptimizer``.
 
 Memory: the kernel's peak resident set (``VmHWM``) of the process, once after the setup (the
@@ -234,8 +236,9 @@ def level2(model: torch.nn.Module, ids: torch.Tensor, args: Any, world_size: int
 
     def step() -> dict[str, float]:
         PHASES.start()
-        grads, state[0] = grad_fn(ids, state=state[0])
-        sums = nbytes(grads.values())
+        # the step's only physical batch: each sum reduce-scattered as soon as it is formed
+        grads, state[0] = grad_fn(ids, state=state[0], reduce_scatter=True)
+        sums = nbytes(grads.values())  # this rank's rows
         opt.accumulate(grads)
         del grads
         PHASES.end("compute")

@@ -10,7 +10,8 @@ physical batch per step. Each decoder layer, the head and the root are ``fully_s
 - ``nonprivate``: FSDP2 as is, ``loss.backward()`` + AdamW (with one process: the plain model);
 - ``level1``: ``ShardedDPOptimizer`` + ``gather_full_params`` + ``clipped_grad`` (book-keeping
   engine) on ``compute_template(model)``: the whole model gathered every step;
-- ``level2``: ``sharded_clipped_grad`` + ``ShardedDPOptimizer``: FSDP gathers one unit at a time;
+- ``level2``: ``sharded_clipped_grad`` + ``ShardedDPOptimizer``: FSDP gathers one unit at a time,
+  and each clipped sum is reduce-scattered as soon as it is formed (``reduce_scatter=True``);
 - with one process, both DP levels are the unsharded ``clipped_grad`` (book-keeping) +
   ``DPOptimizer`` (one row, ``DP (unsharded)``).
 
@@ -24,8 +25,8 @@ World sizes 1, 2 and 4 by default, each run in fresh processes started like ``to
   the full model before ``fully_shard``; meta-device initialisation, not used here, would
   avoid it);
 - the **bytes held per rank** after a step: parameters (local shards), optimizer state (local
-  shards), gradients (non-private: FSDP's gradient shards) or the full-size fp32 clipped sums
-  (DP), and the parameters gathered by level 1;
+  shards), gradients (non-private: FSDP's gradient shards) or the fp32 clipped sums (DP:
+  full size, or this rank's rows at level 2), and the parameters gathered by level 1;
 - **step time**: median over ``--steps`` timed steps after ``--warmup``, wall clock of the
   slowest rank and CPU seconds per rank.
 

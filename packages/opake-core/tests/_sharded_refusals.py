@@ -1,8 +1,9 @@
 """The refusals of level 2, run by ``_sharded_worker.py basic`` on each rank (2 gloo ranks).
 
 What mixes examples (a batch mean, a Linear run with the batch dimension moved, batch
-statistics) and ranks whose calls do not line up: each case records, per rank, the error it
-raised (``"TypeName: message"``) or ``"accepted"``; every rank must raise the same type.
+statistics), ranks whose calls do not line up and a rank that steps while another runs one more
+physical batch: each case records, per rank, the error it raised (``"TypeName: message"``) or
+``"accepted"``; every rank must raise the same type.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from opake.dpsgd.distributed import sharded_clipped_grad
+    from opake.dpsgd.distributed import ShardedDPOptimizer, sharded_clipped_grad
 
     mesh = init_device_mesh("cpu", (world_size,))
     gen = torch.Generator().manual_seed(rank)
@@ -97,4 +98,23 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     _, grad_fn, state = build(Net())
     out["end_step"] = _outcome(grad_fn, x, y, state=state, end_step=rank == 1)
     out["plain"] = _outcome(grad_fn, x, y, state=state)
+    net, grad_fn, state = build(Net())
+    opt = ShardedDPOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.1),
+        net,
+        noise_multiplier=1.0,
+        expected_batch_size=8.0,
+        seed=0,
+    )
+
+    def step(batches: int) -> None:
+        for _ in range(batches):
+            grads, _ = grad_fn(x, y, state=state)
+            opt.accumulate(grads)
+        opt.step()
+
+    # rank 1 runs one more physical batch: its 2nd call meets rank 0's step (no hang)
+    out["out_of_step"] = _outcome(step, 1 + rank)
+    opt.zero_grad()  # the step is dropped on every rank; the ranks are in line again
+    out["in_step_again"] = _outcome(step, 2)
     return out

@@ -1,9 +1,8 @@
 """One rank of test_distributed_sharded_compute.py (level 2: per-layer sharded compute).
 
 ``RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python _sharded_worker.py SCENARIO OUTDIR``.
-The model is a tiny Llama-like causal LM built from a config (embedding, blocks of RMSNorm,
-causal attention and a gated MLP, final RMSNorm, head); its blocks and root are ``fully_shard``-ed
-and ``sharded_clipped_grad`` computes the clipped sums with FSDP gathering one unit at a time.
+A tiny Llama-like causal LM from a config, its blocks and root ``fully_shard``-ed;
+``sharded_clipped_grad`` computes the clipped sums with FSDP gathering one unit at a time.
 """
 
 from __future__ import annotations
@@ -247,8 +246,7 @@ def train(rank: int, world_size: int, counts: Counts) -> dict[str, Any]:
 
 
 def adapters(rank: int, world_size: int) -> dict[str, Any]:
-    """Stage 2: PEFT LoRA (fp32); the whole model in bf16; fp32 parameters with bf16 compute
-    (FSDP's mixed precision). Sums, reduction and noise in fp32 throughout."""
+    """Stage 2: PEFT LoRA; the model in bf16; fp32 parameters, bf16 compute; fp32 sums, noise."""
     from opake.dpsgd.distributed import gather_full_params
 
     out: dict[str, Any] = {}
@@ -340,6 +338,7 @@ def no_rule(world_size: int, counts: Counts) -> dict[str, Any]:
 
 def scenario_basic(rank: int, world_size: int, out: Path) -> None:
     from _sharded_refusals import refusals  # beside this script (its directory is on sys.path)
+    from _sharded_scatter import scatter_checks
 
     counts = Counts()
     result = {
@@ -347,6 +346,7 @@ def scenario_basic(rank: int, world_size: int, out: Path) -> None:
         "one_example": one_example(rank, world_size),
         "no_rule": no_rule(world_size, counts),
         "refusals": refusals(rank, world_size),
+        "scatter": scatter_checks(sys.modules[__name__], rank, world_size),
     }
     torch.save(result, out / f"basic.rank{rank}.pt")
 
@@ -357,8 +357,7 @@ def scenario_train(rank: int, world_size: int, out: Path) -> None:
 
 
 def resume(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
-    """Stage 3: AdamW, 3 steps straight vs 2 steps, a sharded checkpoint, a fresh run resumed
-    from it for the 3rd step. Returns both runs' parameters, Adam moments and ε."""
+    """Stage 3 (AdamW): 3 steps vs 2, a sharded checkpoint and a resumed 3rd; params, moments, ε."""
     from opake.accounting import RDPAccountant
     from opake.core.errors import OperationError
     from opake.dpsgd.distributed import (

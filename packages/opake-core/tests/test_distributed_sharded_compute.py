@@ -4,9 +4,10 @@ One launch of ``_sharded_worker.py basic`` runs every check of stage 1 in one pr
 tiny Llama-like model, its blocks and root ``fully_shard``-ed, trained with
 ``sharded_clipped_grad`` + ``ShardedDPOptimizer`` on Poisson shards (2 physical batches per rank,
 microbatches of 2, batches of different sizes per rank), then one step on an empty global batch
-(the noise alone). The reference, computed here: the single-process book-keeping run (the
-unsharded model, ``clipped_grad(engine="bookkeeping")`` on the global batches, one noise draw
-per step from the same seed, ÷ q·N, SGD).
+(the noise alone); and the same steps of one physical batch each, reduce-scattered by the step or
+in the call (``reduce_scatter=True``, ``_sharded_scatter.py``). The reference, computed here: the
+single-process book-keeping run (the unsharded model, ``clipped_grad(engine="bookkeeping")`` on
+the global batches, one noise draw per step from the same seed, ÷ q·N, SGD).
 """
 
 from __future__ import annotations
@@ -270,6 +271,38 @@ def test_reduction_is_one_sum_per_logical_step(basic: list[dict[str, Any]]) -> N
         assert run["fsdp_reduces"] == 0
 
 
+def test_reduce_scatter_in_the_call(
+    basic: list[dict[str, Any]], reference: tuple[dict[str, torch.Tensor], Any]
+) -> None:
+    """(d) One physical batch per step: grad_fn(reduce_scatter=True) reduce-scatters each sum
+    as it is formed — bit for bit the step's reduce-scatter, once per parameter and step (none
+    left to the step), and with one chunk per call one full-size sum alive at a time."""
+    want, _ = reference
+    for result in basic:
+        runs = result["scatter"]
+        step, scatter, chunks = runs["step"], runs["scatter"], runs["scatter_chunks"]
+        n = step["n_params"] * W.STEPS
+        assert step["reductions"] == {"optimizer": n, "grad_fn": 0}
+        assert scatter["reductions"] == chunks["reductions"] == {"optimizer": 0, "grad_fn": n}
+        assert (step["kinds"], scatter["kinds"]) == (["ClippedGrads"], ["ScatteredGrads"])
+        for name, value in want.items():
+            assert torch.equal(scatter["params"][name], step["params"][name]), name
+            torch.testing.assert_close(scatter["params"][name], value, atol=2e-6, rtol=1e-5)
+            torch.testing.assert_close(chunks["params"][name], value, atol=2e-6, rtol=1e-5)
+        assert (step["most_alive"], scatter["most_alive"]) == (step["n_params"], 1)
+
+
+def test_reduce_scatter_is_the_steps_only_physical_batch(basic: list[dict[str, Any]]) -> None:
+    for result in basic:
+        got = result["scatter"]["misuse"]
+        assert got["second_call"].startswith("ConfigurationError: sharded grad_fn(reduce_scatter")
+        assert "call 2 of its step" in got["second_call"]
+        assert got["after_full"].startswith("OperationError: ShardedDPOptimizer.accumulate()")
+        assert got["after_scattered"].startswith("OperationError: ShardedDPOptimizer.accumulate")
+        assert got["pending"] == "1"
+        assert got["empty"] == got["halved"] == "True"
+
+
 def test_a_layer_without_a_rule_raises_and_gathers_nothing(basic: list[dict[str, Any]]) -> None:
     """(e) A trainable layer only the vmap fallback matches: ConfigurationError naming it, at
     construction and at a call (before any FSDP all-gather)."""
@@ -286,7 +319,9 @@ def test_what_mixes_examples_or_misaligns_the_ranks_is_refused_on_every_rank(
     """The per-example check (one secret row alone vs. in its batch, agreed by all-reduce)
     refuses a batch mean, a Linear with the batch dimension moved and F.batch_norm, then every
     later call; a _BatchNorm with batch statistics is refused at construction and at each call
-    (also after a first call in eval mode); calls that do not line up raise, never hang."""
+    (also after a first call in eval mode); calls that do not line up raise, never hang; a
+    rank that steps while another runs one more physical batch makes both raise (the step's
+    line-up meets the extra call's), and after zero_grad() the ranks step together again."""
     want = {
         "mix": ("BookkeepingMismatchError", "the loss mixes examples"),
         "mix_again": ("BookkeepingMismatchError", "the loss mixes examples"),
@@ -299,6 +334,8 @@ def test_what_mixes_examples_or_misaligns_the_ranks_is_refused_on_every_rank(
         "microbatch": ("ConfigurationError", "microbatch_size 1..2"),
         "end_step": ("ConfigurationError", "the same number of times per logical step"),
         "plain": ("accepted", ""),
+        "out_of_step": ("OperationError", "the ranks are out of step: rank(s) [0] called"),
+        "in_step_again": ("accepted", ""),
     }
     for result in basic:
         got = result["refusals"]

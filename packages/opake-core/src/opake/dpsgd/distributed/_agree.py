@@ -1,14 +1,28 @@
-"""Agreement of the ranks on the configuration of a DistributedDPOptimizer.
+"""Agreement of the ranks: on the configuration of a DistributedDPOptimizer, and on their
+place in the sequence of level-2 collectives.
 
 Every rank describes its model structure, noise, sampler and divisor in one plain dict;
 one all-gather collects them and :func:`_config_problems` lists every difference, so that a
 misconfigured rank fails on every rank at construction, not silently mid-training.
+
+Under per-layer sharded compute (level 2) every ``grad_fn`` call and every
+``ShardedDPOptimizer.step`` starts with :func:`line_up`: one all-gather of a fixed-size row
+(what the rank is doing, and the call's or the step's figures). The two share the row's size
+and the collective, so when one rank steps while another runs one more ``grad_fn`` call, the
+two all-gathers pair up and *both* ranks see it (:func:`out_of_step`) and raise, instead of
+pairing the step's next collective with FSDP's all-gathers and hanging until the timeout.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
+
+#: what a rank is doing when it lines up: a level-2 ``grad_fn`` call, or the optimizer's step
+CALL, STEP = 1, 2
+#: the fields of a line-up row, in order (an absent field is 0)
+LINEUP_FIELDS = ("kind", "batch", "index", "end_step", "microbatch", "scatter", "pending")
 
 _AGREE_HINTS = {
     "structure": "the model (parameter names, shapes, dtypes)",
@@ -104,3 +118,48 @@ def _fresh_key() -> bytes:
     from opake.dpsgd.randomness import Randomness
 
     return Randomness.secure().export_key()
+
+
+def line_up(kind: int, group: Any, **fields: int) -> list[dict[str, int]]:
+    """Every rank's row (``kind`` :data:`CALL` or :data:`STEP`, then ``fields`` named in
+    :data:`LINEUP_FIELDS`), by rank: one all-gather of the same size on every rank, whatever
+    it is doing."""
+    import torch
+    import torch.distributed as dist
+
+    from opake.dpsgd.distributed._replicas import _gather_rows
+
+    unknown = set(fields) - set(LINEUP_FIELDS[1:])
+    if unknown:  # pragma: no cover - a programming error
+        raise KeyError(f"line_up: unknown fields {sorted(unknown)}")
+    values = [float(kind), *(float(fields.get(name, 0)) for name in LINEUP_FIELDS[1:])]
+    row = torch.tensor(values, dtype=torch.float64)
+    rows = _gather_rows(row, group=group, world_size=dist.get_world_size(group))
+    return [dict(zip(LINEUP_FIELDS, map(int, r.tolist()), strict=True)) for r in rows]
+
+
+def out_of_step(rows: Sequence[dict[str, int]]) -> str | None:
+    """What :func:`line_up`'s ``rows`` say is out of step (``None``: nothing): some ranks
+    stepping while others call ``grad_fn``, or stepping ranks whose pending sums are of
+    different kinds (already reduce-scattered, or full-size). The same text on every rank."""
+    steps = [r for r, row in enumerate(rows) if row["kind"] == STEP]
+    calls = [r for r, row in enumerate(rows) if row["kind"] != STEP]
+    if steps and calls:
+        pending = ", ".join(f"rank {r}: {rows[r]['pending']}" for r in steps)
+        return (
+            f"the ranks are out of step: rank(s) {steps} called ShardedDPOptimizer.step() "
+            f"(physical batches accumulated: {pending}) while rank(s) {calls} called the "
+            "sharded grad_fn once more. Every rank must call grad_fn the same number of times "
+            "per logical step (a rank whose Poisson shard is empty too: its batch is padded "
+            "and adds zero) and then step(): split every rank's shard into the same number of "
+            "physical batches, and drop this step on every rank with zero_grad()"
+        )
+    scattered = [r for r in steps if rows[r]["scatter"]]
+    if scattered and len(scattered) != len(steps):
+        full = [r for r in steps if not rows[r]["scatter"]]
+        return (
+            f"rank(s) {scattered} accumulated a grad_fn(..., reduce_scatter=True) result "
+            f"(already reduce-scattered) and rank(s) {full} full-size sums: every rank must "
+            "pass reduce_scatter alike and accumulate what its grad_fn returned"
+        )
+    return None

@@ -186,7 +186,7 @@ def _check_ready(
 
 
 def _refuse_sharded(model: Any) -> None:
-    from opake.dpsgd.distributed._fsdp import _is_sharded
+    from opake.dpsgd.distributed._rows import _is_sharded
 
     tensors = _replica_tensors(model) if model is not None else []
     if any(_is_sharded(t) for _, t in tensors):

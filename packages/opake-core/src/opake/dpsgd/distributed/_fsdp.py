@@ -21,8 +21,13 @@ through the sharded module. Here each step instead
    key each rank generates only its own rows of it, parameter by parameter;
 4. divides by q·N and lets the wrapped optimizer update the shards (sharded optimizer state).
 
-Level 2 (:mod:`opake.dpsgd.distributed.sharded`) replaces step 1 only: its ``grad_fn`` runs the
-sharded module itself (FSDP gathers one unit at a time) and feeds steps 2-4 here.
+Level 2 (:mod:`opake.dpsgd.distributed.sharded`) replaces step 1: its ``grad_fn`` runs the
+sharded module itself (FSDP gathers one unit at a time) and feeds steps 2-4 here; with
+``reduce_scatter=True`` (a step of one physical batch) it does step 2 itself, one parameter at a
+time as each sum is formed. Each step starts by lining the ranks up (one small all-gather,
+:func:`~._agree.line_up`, the collective every level-2 ``grad_fn`` call starts with too): a
+rank that steps while another runs one more ``grad_fn`` call makes both raise, not hang. The
+reductions and the noise rows are :mod:`._rows`.
 """
 
 from __future__ import annotations
@@ -30,40 +35,25 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeGuard, overload
+from typing import TYPE_CHECKING, Any, overload
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
-from opake.dpsgd.distributed._comm import broadcast_tensors
-from opake.dpsgd.distributed._optim import DistributedDPOptimizer, _BroadcastNoise, _NoiseProxy
+from opake.dpsgd.distributed._optim import DistributedDPOptimizer, _BroadcastNoise
+from opake.dpsgd.distributed._rows import (
+    ScatteredGrads,
+    _is_sharded,
+    _local,
+    _ShardedNoise,
+    reduce_rows,
+)
 from opake.dpsgd.optimizer._dp_optimizer import DPOptimizer, StepReport
 
 if TYPE_CHECKING:
     from typing import Literal
 
     import torch
-    from torch.distributed.tensor import DTensor
-
-    from opake.dpsgd.noise._rows import NoiseRows
 
 __all__ = ["ShardedDPOptimizer", "compute_template", "gather_full_params"]
-
-
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return None
-    return DTensor
-
-
-def _is_sharded(tensor: object) -> TypeGuard[DTensor]:
-    kind = _dtensor_type()
-    return kind is not None and isinstance(tensor, kind)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a ``DTensor`` (the tensor itself when it is not sharded)."""
-    return tensor.to_local() if _is_sharded(tensor) else tensor
 
 
 def compute_template(model: torch.nn.Module) -> torch.nn.Module:
@@ -144,148 +134,6 @@ def gather_full_params(
     return {**trainable, **frozen}
 
 
-def _like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``full`` (identical on every rank) laid out like ``like``: its rows on this rank."""
-    if not _is_sharded(like):
-        return full
-    from torch.distributed.tensor import DTensor, Replicate
-
-    mesh = like.device_mesh
-    replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return replicated.redistribute(mesh, like.placements)
-
-
-def _row_range(value: DTensor) -> tuple[int, int] | None:
-    """The global rows ``[start, stop)`` this rank's local part of ``value`` holds, when it is
-    sharded on dim 0 alone (FSDP2's layout); ``None`` for any other layout."""
-    from torch.distributed.tensor import Shard
-
-    try:  # DTensor's own layout arithmetic (a private helper: without it, the full draw)
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    except ImportError:  # pragma: no cover - a PyTorch that moved it
-        return None
-    placements = tuple(value.placements)
-    if value.ndim == 0 or placements != (Shard(0),) or type(placements[0]) is not Shard:
-        return None
-    shape, offset = compute_local_shape_and_global_offset(
-        value.shape, value.device_mesh, placements
-    )
-    if tuple(value.to_local().shape) != tuple(shape):
-        return None
-    start = int(offset[0]) if shape[0] else 0
-    return start, start + int(shape[0])
-
-
-def _rows_of(draw: NoiseRows, name: str, value: torch.Tensor) -> torch.Tensor:
-    """The noise of ``value``'s elements on this rank, laid out like ``value``: only its own
-    rows are drawn (dim-0 shards), else the parameter's full noise, redistributed."""
-    if _is_sharded(value):
-        rows = _row_range(value)
-        if rows is not None:
-            from torch.distributed.tensor import DTensor
-
-            local = draw.rows(name, *rows, device=value.to_local().device)
-            return DTensor.from_local(
-                local,
-                value.device_mesh,
-                value.placements,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
-    full = draw.rows(name, 0, value.shape[0] if value.ndim else 1, device=_local(value).device)
-    return _like(full, value)
-
-
-class _ShardedNoise(_NoiseProxy):
-    """One full-size draw (shared seed, or rank 0's broadcast), each rank adding its rows.
-
-    With a :class:`~opake.dpsgd.noise.GaussianNoise` (its own ``add``) the draw is never
-    materialised at once (:meth:`GaussianNoise.draw_rows`, bit for bit the full draw): with a
-    shared key each rank generates only its rows, parameter by parameter; in broadcast mode
-    rank 0 draws and broadcasts one parameter's full-size noise at a time. Other noise objects
-    are drawn full-size, all parameters at once, as before."""
-
-    def __init__(self, inner: Any, *, broadcast: bool, group: Any, device: torch.device) -> None:
-        super().__init__(inner, group=group, device=device)
-        self._broadcast = broadcast
-
-    def _draws_rows(self) -> bool:
-        """Whether the inner object is a GaussianNoise drawing as the class does (the same on
-        every rank: the ranks agreed on their configuration)."""
-        from opake.dpsgd.noise import GaussianNoise
-
-        inner = self._inner
-        return (
-            isinstance(inner, GaussianNoise)
-            and type(inner).add is GaussianNoise.add
-            and type(inner).draw_rows is GaussianNoise.draw_rows
-        )
-
-    def _broadcast_by_parameter(
-        self, grads: Mapping[str, torch.Tensor], sensitivity: float | None
-    ) -> dict[str, torch.Tensor]:
-        """Rank 0's draw, one parameter's full-size noise at a time, broadcast; rows kept."""
-        import torch
-        import torch.distributed as dist
-
-        names = list(grads)
-        draw = None
-        if dist.get_rank(self._group) == 0:
-            draw = self._inner.draw_rows({n: grads[n].shape for n in names}, sensitivity)
-        out: dict[str, torch.Tensor] = {}
-        for name in names:
-            value = grads[name]
-            device = _local(value).device
-            if draw is not None:
-                noise = draw.rows(name, 0, value.shape[0] if value.ndim else 1, device=device)
-            else:
-                noise = torch.zeros(value.shape, dtype=torch.float32, device=device)
-            broadcast_tensors([noise], src=0, group=self._group, device=self._device)
-            out[name] = value.to(torch.float32) + _like(noise, value)
-        return out
-
-    def add(
-        self, grads: Mapping[str, torch.Tensor], sensitivity: float | None = None
-    ) -> dict[str, torch.Tensor]:
-        import torch
-        import torch.distributed as dist
-
-        names = list(grads)
-        if self._draws_rows():
-            if sensitivity is None:
-                sensitivity = getattr(grads, "max_norm", None)
-            if self._broadcast:
-                return self._broadcast_by_parameter(grads, sensitivity)
-            draw = self._inner.draw_rows({n: grads[n].shape for n in names}, sensitivity)
-            # one parameter's rows at a time: no full-size noise, no full-size zeros
-            return {n: grads[n].to(torch.float32) + _rows_of(draw, n, grads[n]) for n in names}
-        zeros = {
-            n: torch.zeros(grads[n].shape, dtype=torch.float32, device=_local(grads[n]).device)
-            for n in names
-        }
-        if self._broadcast:
-            if dist.get_rank(self._group) == 0:
-                out = self._inner.add(zeros, sensitivity=sensitivity)
-                noise = [out[n].to(torch.float32) for n in names]
-            else:
-                noise = list(zeros.values())
-            broadcast_tensors(noise, src=0, group=self._group, device=self._device)
-        else:
-            out = self._inner.add(zeros, sensitivity=sensitivity)
-            noise = [out[n].to(torch.float32) for n in names]
-        return {
-            n: grads[n].to(torch.float32) + _like(z, grads[n])
-            for n, z in zip(names, noise, strict=True)
-        }
-
-    __call__ = add
-
-    def __repr__(self) -> str:
-        how = "rank 0's draw" if self._broadcast else "a shared-seed draw"
-        return f"ShardedNoise({self._inner!r}, rows of {how})"
-
-
 class ShardedDPOptimizer(DistributedDPOptimizer):
     """DP-SGD for an FSDP2-sharded module: sharded parameters and optimizer state.
 
@@ -307,10 +155,13 @@ class ShardedDPOptimizer(DistributedDPOptimizer):
     drawn as this rank's rows only (shared key), or one parameter's full size at a time.
     For per-layer sharded compute (FSDP gathers one unit at a time; the book-keeping engine),
     feed it the sums of :func:`~opake.dpsgd.distributed.sharded_clipped_grad` instead: see
-    ``docs/design/fsdp2.md`` (level 2). Parameters that are not
-    ``DTensor`` are all-reduced like in :class:`DistributedDPOptimizer`. Checkpoints of the
-    sharded state are not supported by :func:`save_checkpoint_distributed`; the replica
-    fingerprint check is off (shards differ by design).
+    ``docs/design/fsdp2.md`` (level 2). A step of one physical batch can take the
+    :class:`~._rows.ScatteredGrads` of its ``grad_fn(..., reduce_scatter=True)``: this rank's
+    rows, reduced as each sum was formed, so no rank holds the full-size sums of the step.
+    Parameters that are not ``DTensor`` are all-reduced like in
+    :class:`DistributedDPOptimizer`. Checkpoints of the sharded state are not supported by
+    :func:`save_checkpoint_distributed`; the replica fingerprint check is off (shards differ
+    by design).
 
     Args:
         optimizer: a ``torch.optim`` optimizer over the sharded module's parameters.
@@ -366,6 +217,7 @@ class ShardedDPOptimizer(DistributedDPOptimizer):
         self._full: dict[str, torch.Tensor] = {}
         self._full_sensitivity: float | None = None
         self._full_physical = 0
+        self._scattered = False  # the pending sums are a ScatteredGrads (rows, reduced)
 
     @property
     def pending_batches(self) -> int:
@@ -373,7 +225,9 @@ class ShardedDPOptimizer(DistributedDPOptimizer):
         return self._full_physical
 
     def accumulate(self, grads: Mapping[str, torch.Tensor]) -> None:
-        """Add this rank's full-size clipped sum of one physical batch (fp32, kept locally)."""
+        """Add this rank's full-size clipped sum of one physical batch (fp32, kept locally),
+        or take the :class:`~._rows.ScatteredGrads` of a level-2 ``grad_fn(...,
+        reduce_scatter=True)`` call as the step's only physical batch (reduced already)."""
         import math
 
         import torch
@@ -389,29 +243,23 @@ class ShardedDPOptimizer(DistributedDPOptimizer):
                 f"grads.max_norm={max_norm!r}: pass the dict returned by clipped_grad's grad_fn "
                 "(it carries its L2 sensitivity)"
             )
+        scattered = isinstance(grads, ScatteredGrads)
+        if self._full_physical and (scattered or self._scattered):
+            raise OperationError(
+                "ShardedDPOptimizer.accumulate(): a grad_fn(..., reduce_scatter=True) result is "
+                "its logical step's only physical batch (it was reduce-scattered at once), and "
+                f"{self._full_physical} physical batch(es) are already accumulated for this "
+                "step. Pass reduce_scatter=True only for a step of one physical batch (step() "
+                "after it), or drop it to accumulate several"
+            )
         for name, value in grads.items():
-            param = self._params.get(name)
-            if param is None:
-                raise ConfigurationError(
-                    f"gradient for {name!r}, which the optimizer does not update (its "
-                    f"parameters: {', '.join(self._params)})"
-                )
-            if not isinstance(value, torch.Tensor) or _is_sharded(value):
-                raise InputTypeError(
-                    f"grads[{name!r}]: expected a plain full-size tensor (clipped_grad run on "
-                    "gather_full_params(...) with make_functional(compute_template(model)))"
-                )
-            if value.shape != param.shape:
-                raise ConfigurationError(
-                    f"grads[{name!r}] has shape {tuple(value.shape)}; the full parameter has "
-                    f"{tuple(param.shape)}"
-                )
+            self._check_sum(name, value, scattered)
         for name, value in grads.items():
             value32 = value.detach().to(torch.float32)
             if name in self._full:
                 self._full[name].add_(value32)
             else:
-                self._full[name] = value32.clone()
+                self._full[name] = value32 if scattered else value32.clone()
         sensitivity = float(max_norm)
         self._full_sensitivity = (
             sensitivity
@@ -419,14 +267,48 @@ class ShardedDPOptimizer(DistributedDPOptimizer):
             else max(self._full_sensitivity, sensitivity)
         )
         self._full_physical += 1
+        self._scattered = scattered
+
+    def _check_sum(self, name: str, value: object, scattered: bool) -> None:
+        """Refuse a sum the optimizer does not update, or not laid out as it should be: the
+        full parameter's shape; for a scattered sum, the parameter's own layout (shards)."""
+        import torch
+
+        param = self._params.get(name)
+        if param is None:
+            raise ConfigurationError(
+                f"gradient for {name!r}, which the optimizer does not update (its "
+                f"parameters: {', '.join(self._params)})"
+            )
+        if scattered:
+            laid_out = isinstance(value, torch.Tensor) and _is_sharded(value) == _is_sharded(param)
+            if laid_out and _is_sharded(value) and _is_sharded(param):
+                laid_out = tuple(value.placements) == tuple(param.placements)
+            if not laid_out:
+                raise InputTypeError(
+                    f"grads[{name!r}]: a ScatteredGrads value must be laid out like its "
+                    "parameter (pass what grad_fn(..., reduce_scatter=True) returned)"
+                )
+        if not isinstance(value, torch.Tensor) or (_is_sharded(value) and not scattered):
+            raise InputTypeError(
+                f"grads[{name!r}]: expected a plain full-size tensor (clipped_grad run on "
+                "gather_full_params(...) with make_functional(compute_template(model)))"
+            )
+        if value.shape != param.shape:
+            raise ConfigurationError(
+                f"grads[{name!r}] has shape {tuple(value.shape)}; the full parameter has "
+                f"{tuple(param.shape)}"
+            )
 
     def step(self) -> StepReport:
-        """Check, reduce-scatter, add each rank's rows of the noise, divide, update, account."""
+        """Line the ranks up, check, reduce-scatter (a scattered result: reduced already), add
+        each rank's rows of the noise, divide, update, account."""
         import torch
 
         from opake.dpsgd.clipping import ClippedGrads
 
         try:
+            self._line_up()
             present, sensitivity, physical = self._agree_on_pending(
                 self._full_physical, self._full_sensitivity, set(self._full)
             )
@@ -436,6 +318,11 @@ class ShardedDPOptimizer(DistributedDPOptimizer):
             for name in present:
                 param = self._params[name]
                 full = pending.pop(name, None)
+                if self._scattered:  # this rank's rows of the global sum already
+                    shards[name] = (
+                        torch.zeros_like(param, dtype=torch.float32) if full is None else full
+                    )
+                    continue
                 if full is None:
                     device = _local(param).device
                     full = torch.zeros(param.shape, dtype=torch.float32, device=device)
@@ -449,22 +336,26 @@ class ShardedDPOptimizer(DistributedDPOptimizer):
             raise
         return replace(report, physical_batches=physical)
 
+    def _line_up(self) -> None:
+        """The step-start agreement (:func:`~._agree.line_up`, one small all-gather): raise on
+        every rank when some rank runs one more level-2 ``grad_fn`` call instead of stepping
+        (which would otherwise hang in the collectives until the timeout)."""
+        from opake.dpsgd.distributed._agree import STEP, line_up, out_of_step
+
+        if self._world_size == 1:
+            return
+        rows = line_up(STEP, self._group, pending=self._full_physical, scatter=int(self._scattered))
+        problem = out_of_step(rows)
+        if problem is not None:
+            raise OperationError(f"{problem} (this is rank {self._rank})")
+
     def _reduce_scatter(self, full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        if not _is_sharded(like):
-            buffer = full.to(self._comm).clone()
-            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group)
-            return buffer.to(full.device)
-        from torch.distributed.tensor import DTensor, Partial
-
-        mesh = like.device_mesh
-        partial = DTensor.from_local(full, mesh, [Partial()] * mesh.ndim, run_check=False)
-        return partial.redistribute(mesh, like.placements)
+        return reduce_rows(full, like, group=self._group, device=self._comm)
 
     def _clear(self) -> None:
         super()._clear()
         self._full = {}
+        self._scattered = False
         self._full_sensitivity = None
         self._full_physical = 0
 

@@ -12,7 +12,12 @@ One logical step over a ``fully_shard``-ed module, on every rank::
 No rank ever holds more than one unit's gathered parameters for the per-example work (level 1,
 :func:`~opake.dpsgd.distributed.gather_full_params`, gathers the whole model). The second half
 — agreement, reduce-scatter, noise rows, divisor, optimizer, accountant — is level 1's
-:class:`~opake.dpsgd.distributed.ShardedDPOptimizer`, unchanged.
+:class:`~opake.dpsgd.distributed.ShardedDPOptimizer`. A step of one physical batch can pass
+``reduce_scatter=True`` to its ``grad_fn`` call: each layer's sum is then reduce-scattered as
+soon as it is formed and freed before the next (with one chunk per call, one full-size sum
+alive at a time), and the step only adds the noise rows. Every call and every step first lines
+the ranks up (one small all-gather): a rank that steps while another calls ``grad_fn`` once
+more makes both raise.
 
 - :func:`sharded_clipped_grad` — the ``grad_fn`` (:class:`ShardedClippedGradFn`);
 - :func:`sharded_plan` — the rule of every layer; raises for a layer without a closed-form rule;
@@ -42,6 +47,10 @@ Example (the shape of a ``torchrun`` worker; ``build_model``, ``loader`` are you
             grads, state = grad_fn(ids[part], state=state)
             opt.accumulate(grads)              # full-size fp32 sums, kept locally
         opt.step()                             # reduce-scatter once, noise rows, update
+    for idx in sampler:                        # or: one physical batch per step
+        grads, state = grad_fn(ids[idx], state=state, reduce_scatter=True)
+        opt.accumulate(grads)                  # this rank's rows, reduced as each was formed
+        opt.step()                             # noise rows, update
 
 >>> from opake.dpsgd.distributed.sharded import WEIGHT_FREE_RULES
 >>> sorted(WEIGHT_FREE_RULES)

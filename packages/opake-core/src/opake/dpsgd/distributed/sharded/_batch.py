@@ -9,20 +9,22 @@ rank's batch to it with all-zero rows that ``example_mask`` marks as padding: th
 the model and contribute exactly zero (``clipped_grad``'s padding semantics), and every rank
 runs the same chunks. A global batch of zero examples runs no forward anywhere.
 
-The same all-reduce checks that the ranks' calls line up: this call's place in its logical
-step (calls since the last ``end_step=True``), its ``end_step`` and ``microbatch_size`` must be
-equal on every rank (MAX of the values and of their negations: their MIN), or every rank
-raises the same :class:`~opake.core.errors.ConfigurationError` — not a hang or a collective
-paired with another call's.
+The same collective lines the ranks up (:func:`~opake.dpsgd.distributed._agree.line_up`: one
+all-gather of a fixed-size row per rank): this call's place in its logical step (calls since
+the last ``end_step=True``), its ``end_step``, ``microbatch_size`` and ``reduce_scatter`` must
+be equal on every rank, or every rank raises the same
+:class:`~opake.core.errors.ConfigurationError` — not a hang or a collective paired with another
+call's; a rank that calls ``ShardedDPOptimizer.step()`` instead (it lines up the same way)
+makes every rank raise :class:`~opake.core.errors.OperationError`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from opake.core.errors import ConfigurationError
+from opake.core.errors import ConfigurationError, OperationError
 from opake.dpsgd.clipping._call import batch_size, check_mask
-from opake.dpsgd.distributed._replicas import _comm_device
+from opake.dpsgd.distributed._agree import CALL, line_up, out_of_step
 
 if TYPE_CHECKING:
     import torch
@@ -37,14 +39,15 @@ def agreed_batch(
     *,
     group: Any,
     device: torch.device,
-    calls: tuple[int, int, int] = (1, 1, 0),
+    calls: tuple[int, int, int, int] = (1, 1, 0, 0),
 ) -> tuple[tuple[Any, ...], torch.Tensor | None, int]:
     """``(args, mask, local)``: the batched arguments padded to the ranks' largest batch.
 
     ``positions`` are the batched arguments; ``mask`` the user's ``example_mask`` (checked);
-    ``calls``: (this call's place in its logical step, ``end_step``, ``microbatch_size`` or 0),
-    which every rank must pass alike. The returned mask marks the padding rows ``False``
-    (``None``: no padding, no user mask); ``local`` is this rank's own batch size.
+    ``calls``: (this call's place in its logical step, ``end_step``, ``microbatch_size`` or 0,
+    ``reduce_scatter``), which every rank must pass alike. The returned mask marks the padding
+    rows ``False`` (``None``: no padding, no user mask); ``local`` is this rank's own batch
+    size.
     """
     import torch
     import torch.distributed as dist
@@ -52,20 +55,32 @@ def agreed_batch(
 
     local = batch_size(args, positions)
     checked = check_mask(mask, local, device)
-    row = [local, *calls, *(-c for c in calls)]
-    agreed = torch.tensor(row, dtype=torch.int64, device=_comm_device(group))
+    index, end_step, microbatch, scatter = calls
+    fields = {
+        "batch": local,
+        "index": index,
+        "end_step": end_step,
+        "microbatch": microbatch,
+        "scatter": scatter,
+    }
+    rows = [{"kind": CALL, **fields}]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    top = [int(v) for v in agreed.tolist()]
-    high, low = top[1:4], [-v for v in top[4:7]]
+        rows = line_up(CALL, group, **fields)
+    problem = out_of_step(rows)
+    if problem is not None:
+        raise OperationError(f"{problem} (this is rank {dist.get_rank(group)})")
+    agreed = ("index", "end_step", "microbatch", "scatter")
+    low = [min(row[k] for row in rows) for k in agreed]
+    high = [max(row[k] for row in rows) for k in agreed]
     if high != low:
         raise ConfigurationError(
             "sharded grad_fn: every rank must call grad_fn the same number of times per "
-            "logical step (end_step) with the same microbatch_size; across the ranks this "
-            f"call is call {low[0]}..{high[0]} of its step, end_step {bool(low[1])}.."
-            f"{bool(high[1])}, microbatch_size {low[2] or None}..{high[2] or None}"
+            "logical step (end_step) with the same microbatch_size and reduce_scatter; across "
+            f"the ranks this call is call {low[0]}..{high[0]} of its step, end_step "
+            f"{bool(low[1])}..{bool(high[1])}, microbatch_size {low[2] or None}.."
+            f"{high[2] or None}, reduce_scatter {bool(low[3])}..{bool(high[3])}"
         )
-    pad = top[0] - local
+    pad = max(row["batch"] for row in rows) - local
     if pad == 0:
         return args, checked, local
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.dpsgd.bookkeeping._plan import BookkeepingPlan, bookkeeping_plan
-from opake.dpsgd.distributed._fsdp import _is_sharded
+from opake.dpsgd.distributed._rows import _is_sharded
 
 if TYPE_CHECKING:
     import torch

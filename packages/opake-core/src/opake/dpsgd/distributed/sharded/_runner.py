@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import OperationError
 from opake.dpsgd.bookkeeping._runner import BookkeepingRunner
-from opake.dpsgd.distributed._fsdp import _is_sharded
+from opake.dpsgd.distributed._rows import _is_sharded
 from opake.dpsgd.distributed.sharded._check import RowCheck
 
 if TYPE_CHECKING:
