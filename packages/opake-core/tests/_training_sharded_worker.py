@@ -69,6 +69,39 @@ def run(training: Any, steps: int) -> list[int]:
     return sizes
 
 
+def whole_steps(world_size: int, steps: int) -> dict[str, Any]:
+    """``steps`` steps by ``DPTraining.step`` (one physical batch each, so each parameter's sum
+    is reduce-scattered as it is formed) next to the same steps by ``logical_step`` (two
+    physical batches, reduced in the optimizer's step): the parameters of both and the kind of
+    sums the optimizer received."""
+    from opake.dpsgd.distributed import ShardedDPOptimizer
+
+    received: list[str] = []
+    inner = ShardedDPOptimizer.accumulate
+
+    def spy(self: Any, grads: Any) -> Any:
+        received.append(type(grads).__name__)
+        return inner(self, grads)
+
+    ShardedDPOptimizer.accumulate = spy  # type: ignore[method-assign]
+    try:
+        halves_model, halves = build(world_size)
+        run(halves, steps)
+        split = len(received)
+        whole_model, whole = build(world_size)
+        ids = W.data()
+        for _, idx in zip(range(steps), whole.batches(), strict=False):
+            whole.step(ids[torch.tensor(idx, dtype=torch.long)])
+    finally:
+        ShardedDPOptimizer.accumulate = inner  # type: ignore[method-assign]
+    return {
+        "halves": full(halves_model),
+        "whole": full(whole_model),
+        "received_halves": received[:split],
+        "received_whole": received[split:],
+    }
+
+
 def full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from opake.dpsgd.distributed import gather_full_params
 
@@ -132,6 +165,7 @@ def main(argv: list[str]) -> int:
             record["resumed"] = full(resumed_model)
             record["resumed_epsilon"] = resumed.epsilon()
             record["refusals"] = refusals(world_size)
+            record["whole_steps"] = whole_steps(world_size, 2)
             torch.save(record, out / f"rank{rank}.pt")
         except Exception:
             traceback.print_exc()

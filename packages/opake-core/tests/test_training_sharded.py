@@ -178,6 +178,23 @@ def test_sharded_training_resumes_from_its_checkpoint_bit_for_bit(
 
 
 @pytest.mark.slow
+def test_a_one_batch_step_reduce_scatters_each_sum_in_grad_fn(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """``DPTraining.step`` (one physical batch) hands the optimizer this rank's rows already
+    reduced (one full-size sum alive at a time); ``logical_step`` (two) hands it full sums.
+    Same parameters either way (the same noise; the sums' order differs within fp32)."""
+    for run in ranks:
+        got = run["whole_steps"]
+        assert set(got["received_whole"]) == {"ScatteredGrads"}
+        assert len(got["received_whole"]) == 2
+        assert "ScatteredGrads" not in got["received_halves"]
+        assert len(got["received_halves"]) == 4
+        for name, value in got["halves"].items():
+            torch.testing.assert_close(got["whole"][name], value, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_sharded_refusals_under_a_process_group(ranks: list[dict[str, Any]]) -> None:
     for run in ranks:
         assert "not fully_shard-ed" in run["refusals"]["unsharded"]

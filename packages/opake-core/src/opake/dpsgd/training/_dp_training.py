@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from contextlib import nullcontext as _nothing
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
@@ -29,7 +30,7 @@ from opake.dpsgd.training._options import (
 )
 from opake.dpsgd.training._persist import TrainingState
 from opake.dpsgd.training._result import PrivacyBudgetExhausted, StepResult, _result
-from opake.dpsgd.training._sharded import check_shard, dp_optimizer, sharded_step
+from opake.dpsgd.training._sharded import ShardedStep, check_shard, dp_optimizer, sharded_step
 from opake.dpsgd.training._units import StepUnits
 
 if TYPE_CHECKING:
@@ -399,8 +400,13 @@ class DPTraining(TrainingState):
         units: torch.Tensor | None = None,
         records: Sequence[int] | torch.Tensor | None = None,
     ) -> StepResult:
-        """One logical step from one physical batch: :meth:`accumulate` then :meth:`finish_step`."""
-        self.accumulate(*batch, example_mask=example_mask, units=units, records=records)
+        """One logical step from one physical batch: :meth:`accumulate` then :meth:`finish_step`
+        (with ``shard=True`` on a new step, each parameter's sum is reduce-scattered as it is
+        formed: one full-size sum alive per rank)."""
+        grad_fn: object = self._grad_fn
+        whole = self._step_state is None and isinstance(grad_fn, ShardedStep)
+        with grad_fn.whole_step() if isinstance(grad_fn, ShardedStep) and whole else _nothing():
+            self.accumulate(*batch, example_mask=example_mask, units=units, records=records)
         return self.finish_step()
 
     def logical_step(self, physical: Iterable[tuple[Any, ...] | Mapping[str, Any]]) -> StepResult:

@@ -18,7 +18,8 @@ refused (each rank holds its own shards).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
@@ -152,13 +153,28 @@ class ShardedStep:
 
     def __init__(self, inner: ShardedClippedGradFn) -> None:
         self._inner = inner
+        self._whole = False
 
     @property
     def engine(self) -> str | None:
         """``"bookkeeping"`` after a call (``None`` before)."""
         return self._inner.engine
 
+    @contextlib.contextmanager
+    def whole_step(self) -> Iterator[None]:
+        """The next call is its logical step's only physical batch (``DPTraining.step`` on a
+        new step): each parameter's clipped sum is reduce-scattered as soon as it is formed
+        (``reduce_scatter=True``), so a rank never holds all full-size sums at once."""
+        self._whole = True
+        try:
+            yield
+        finally:
+            self._whole = False
+
     def __call__(self, params: object, *batch: Any, **kwargs: Any) -> tuple[Any, ClipState]:
+        if self._whole:  # a fixed clipping state (adaptive is refused): end_step only counts
+            self._whole = False
+            kwargs.update(end_step=True, reduce_scatter=True)
         return self._inner(*batch, **kwargs)
 
 
