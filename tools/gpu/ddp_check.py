@@ -19,18 +19,13 @@ equal, within fp32 tolerance of the single process, and the per-rank ``step_perf
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _two_ranks import rank_device, run_check, run_ranks, versus_single
 
 N, Q, STEPS, SEED, NOISE_SEED = 64, 0.25, 4, 3, 7
 SIGMA, CLIP, LR, HIDDEN = 0.8, 1.0, 0.2, 512
@@ -106,13 +101,7 @@ def _rank_main(out: Path, device_kind: str) -> None:
     from opake.dpsgd.distributed import gather_metrics, init_distributed
     from opake.profiling import step_perf
 
-    rank = int(os.environ["RANK"])
-    if device_kind == "cuda":
-        count = torch.cuda.device_count()
-        device = torch.device("cuda", rank % count)
-        backend = "nccl" if count >= 2 else "gloo"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    device, backend = rank_device(device_kind)
     with init_distributed(backend=backend, timeout=120, device=device) as ctx:
         with step_perf(device, batch_size=0) as perf:
             params = _train(ctx.rank, ctx.world_size, device)
@@ -126,52 +115,13 @@ def _rank_main(out: Path, device_kind: str) -> None:
         torch.save(result, out / f"rank{ctx.rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--out", type=Path, help="also write the JSON report here")
-    parser.add_argument("--rank-worker", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.rank_worker is not None:
-        _rank_main(args.rank_worker, args.device)
-        return 0
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(json.dumps({"ok": False, "error": "no CUDA device"}))
-        return 1
-    report: dict[str, Any] = {"torch": torch.__version__}
-    with tempfile.TemporaryDirectory() as tmp:
-        port = _free_port()
-        start = time.perf_counter()
-        procs = []
-        for rank in range(2):
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE="2",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-            )
-            cmd = [sys.executable, __file__, "--device", args.device, "--rank-worker", tmp]
-            procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
-        errors = [p.communicate(timeout=300)[1] for p in procs]
-        report["ranks_sec"] = round(time.perf_counter() - start, 1)
-        failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-        if failed:
-            report.update(ok=False, error={r: errors[r][-2000:] for r in failed})
-            print(json.dumps(report, indent=2))
-            return 1
-        ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def _check(args: argparse.Namespace, report: dict[str, Any]) -> bool:
+    ranks = run_ranks(__file__, args.device, report)
+    if ranks is None:
+        return False
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     single = _train(0, 1, device)
-    same = all(torch.equal(ranks[0]["params"][n], ranks[1]["params"][n]) for n in single)
-    diff = max(float((ranks[0]["params"][n] - single[n]).abs().max()) for n in single)
+    same, diff = versus_single(ranks, single)
     report.update(
         backend=ranks[0]["backend"],
         devices=[r["device"] for r in ranks],
@@ -184,12 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         sharded = max(float((ranks[0]["sharded"][n] - single[n]).abs().max()) for n in single)
         report["fsdp2_max_abs_diff_vs_single_process"] = sharded
         ok = ok and sharded < 1e-5
-    report["ok"] = ok
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return 0 if ok else 1
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_check(__doc__, argv, rank_main=_rank_main, check=_check)
 
 
 if __name__ == "__main__":

@@ -19,17 +19,12 @@ of the single process.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from _two_ranks import rank_device, run_check, run_ranks, versus_single
 
 N, Q, STEPS, SEQ, SEED, NOISE_SEED = 32, 0.25, 3, 16, 3, 7
 SIGMA, CLIP, LR = 0.8, 1.0, 0.5
@@ -133,60 +128,24 @@ def _single(device: torch.device) -> dict[str, torch.Tensor]:
 def _rank_main(out: Path, device_kind: str) -> None:
     from opake.dpsgd.distributed import init_distributed
 
-    rank = int(os.environ["RANK"])
-    if device_kind == "cuda":
-        device, backend = torch.device("cuda", rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    device, backend = rank_device(device_kind)  # CUDA: >= 2 GPUs, nccl
     with init_distributed(backend=backend, timeout=120, device=device) as ctx:
         result = _sharded(ctx.rank, ctx.world_size, device)
         result.update(backend=backend, device=str(device))
         torch.save(result, out / f"rank{ctx.rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _launch(tmp: str, device: str) -> list[tuple[int, str]]:
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        cmd = [sys.executable, __file__, "--device", device, "--rank-worker", tmp]
-        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
-    errors = [p.communicate(timeout=300)[1] for p in procs]
-    return [(p.returncode, err) for p, err in zip(procs, errors, strict=True)]
-
-
-def _report(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
-    report: dict[str, Any] = {"torch": torch.__version__}
+def _check(args: argparse.Namespace, report: dict[str, Any]) -> bool:
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         count = torch.cuda.device_count()
         report["skipped"] = f"needs 2 GPUs for nccl, found {count}: level 2 not checked on CUDA"
-        return report, True
-    with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
-        done = _launch(tmp, args.device)
-        report["ranks_sec"] = round(time.perf_counter() - start, 1)
-        failed = {r: err[-2000:] for r, (code, err) in enumerate(done) if code != 0}
-        if failed:
-            report["error"] = failed
-            return report, False
-        ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(2)]
+        return True
+    ranks = run_ranks(__file__, args.device, report)
+    if ranks is None:
+        return False
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     single = _single(device)
-    same = all(torch.equal(ranks[0]["params"][n], ranks[1]["params"][n]) for n in single)
-    diff = max(float((ranks[0]["params"][n] - single[n]).abs().max()) for n in single)
+    same, diff = versus_single(ranks, single)
     report.update(
         backend=ranks[0]["backend"],
         devices=[r["device"] for r in ranks],
@@ -194,29 +153,11 @@ def _report(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         ranks_equal=same,
         max_abs_diff_vs_single_process=diff,
     )
-    ok = same and diff < 1e-5 and ranks[0]["engine"] == "bookkeeping"
-    return report, ok
+    return same and diff < 1e-5 and ranks[0]["engine"] == "bookkeeping"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--out", type=Path, help="also write the JSON report here")
-    parser.add_argument("--rank-worker", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.rank_worker is not None:
-        _rank_main(args.rank_worker, args.device)
-        return 0
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(json.dumps({"ok": False, "error": "no CUDA device"}))
-        return 1
-    report, ok = _report(args)
-    report["ok"] = ok
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return 0 if ok else 1
+    return run_check(__doc__, argv, rank_main=_rank_main, check=_check)
 
 
 if __name__ == "__main__":

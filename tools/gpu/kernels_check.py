@@ -27,10 +27,10 @@ import importlib.util
 import os
 import sys
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _step_report import ROOT, Report, package_sources
 
 DRY = "--dry-run-cpu" in sys.argv  # exercise this script without a GPU (tiny, interpreted)
 if DRY:
@@ -38,7 +38,6 @@ if DRY:
 else:
     os.environ.pop("TRITON_INTERPRET", None)  # real kernels: unset before triton loads them
 
-ROOT = Path(__file__).resolve().parents[2]
 T0 = time.monotonic()
 DEV = "cpu" if DRY else "cuda"
 
@@ -47,43 +46,13 @@ def _bootstrap() -> None:
     try:
         import opake.kernels  # noqa: F401
     except ImportError:
-        sys.path[:0] = [str(d / "src") for d in sorted((ROOT / "packages").iterdir())]
+        sys.path[:0] = package_sources()
     from opake.core.plugins import kernel_backends, register_plugin
 
     if "triton" not in kernel_backends():
         import opake.kernels._plugin as plugin
 
         register_plugin(plugin, name="kernels")
-
-
-class Report:
-    """Markdown report, rewritten after every step so a killed run still leaves its results."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.parts: list[str] = ["# opake-kernels GPU check", ""]
-        self.failures = 0
-
-    def add(self, text: str) -> None:
-        self.parts.append(text)
-        self.path.write_text("\n".join(self.parts) + "\n")
-        print(text, flush=True)
-
-    def step(self, title: str, fn: Callable[[], str], budget: float, needs: float) -> None:
-        elapsed = time.monotonic() - T0
-        if elapsed + needs > budget:
-            self.add(f"## {title}\n\nSKIPPED: {elapsed:.0f} s spent, step needs ~{needs:.0f} s "
-                     f"of a {budget:.0f} s budget.\n")  # fmt: skip
-            return
-        t = time.monotonic()
-        try:
-            body = fn()
-            status = "ok"
-        except Exception:
-            self.failures += 1
-            body = "```\n" + traceback.format_exc()[-4000:] + "```"
-            status = "FAILED"
-        self.add(f"## {title} — {status} ({time.monotonic() - t:.1f} s)\n\n{body}\n")
 
 
 def _empty_cache() -> None:
@@ -251,7 +220,7 @@ def main() -> int:
     p.add_argument("--dry-run-cpu", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    report = Report(args.out / "kernels_gpu.md")
+    report = Report(args.out / "kernels_gpu.md", "opake-kernels GPU check", start=T0)
     _bootstrap()
     import torch
 

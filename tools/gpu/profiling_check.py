@@ -30,13 +30,12 @@ import os
 import subprocess
 import sys
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _step_report import ROOT, Report, package_sources
+
 DRY = "--dry-run-cpu" in sys.argv
-ROOT = Path(__file__).resolve().parents[2]
 T0 = time.monotonic()
 DEV = "cpu" if DRY else "cuda"
 GIB = 1024**3
@@ -47,36 +46,7 @@ def _bootstrap() -> None:
         import opake.dpsgd.clipping
         import opake.profiling  # noqa: F401
     except ImportError:
-        sys.path[:0] = [str(d / "src") for d in sorted((ROOT / "packages").iterdir())]
-
-
-class Report:
-    """Markdown report, rewritten after every step so a killed run still leaves its results."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.parts: list[str] = ["# opake-profiling GPU check", ""]
-        self.failures = 0
-
-    def add(self, text: str) -> None:
-        self.parts.append(text)
-        self.path.write_text("\n".join(self.parts) + "\n")
-        print(text, flush=True)
-
-    def step(self, title: str, fn: Callable[[], str], budget: float, needs: float) -> None:
-        elapsed = time.monotonic() - T0
-        if elapsed + needs > budget:
-            self.add(f"## {title}\n\nSKIPPED: {elapsed:.0f} s spent, step needs ~{needs:.0f} s.\n")
-            return
-        t = time.monotonic()
-        try:
-            body = fn()
-            status = "ok"
-        except Exception:
-            self.failures += 1
-            body = "```\n" + traceback.format_exc()[-4000:] + "```"
-            status = "FAILED"
-        self.add(f"## {title} — {status} ({time.monotonic() - t:.1f} s)\n\n{body}\n")
+        sys.path[:0] = package_sources()
 
 
 def _check(ok: bool, what: str) -> str:
@@ -299,10 +269,7 @@ def _overhead(out_dir: Path) -> str:
             str(target),
         ]
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(d / "src") for d in sorted((ROOT / "packages").iterdir())]
-            + [env.get("PYTHONPATH", "")]
-        )
+        env["PYTHONPATH"] = os.pathsep.join([*package_sources(), env.get("PYTHONPATH", "")])
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
         lines += [f"`{' '.join(cmd[1:])}`", "", "```", proc.stdout + proc.stderr[-2000:], "```"]
         if proc.returncode != 0:
@@ -359,7 +326,7 @@ def main() -> int:
     _bootstrap()
     out_dir = Path(os.environ.get("OUT") or "gpu_out")
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = Report(out_dir / "profiling_gpu.md")
+    report = Report(out_dir / "profiling_gpu.md", "opake-profiling GPU check", start=T0)
     report.step("1. environment", _environment, args.budget, 5)
     report.step("2. memory figures and synchronisation", _memory_figures, args.budget, 20)
     report.step("3. real out-of-memory sweep and recovery", _real_oom, args.budget, 40)

@@ -59,13 +59,13 @@ def chunk_rows(args: Any, microbatch: int | None, *, max_batch: int | None) -> i
     ``torch_compile``: *microbatch* unchanged."""
     if not getattr(args, "torch_compile", False):
         return microbatch
-    if microbatch is not None:
-        rows, why = microbatch, "the microbatch"
-    elif max_batch is not None:  # the slots are a multiple of the physical batches
-        rows = max_batch // int(args.gradient_accumulation_steps * args.world_size)
-        why = "the fixed-shape batch's slots"
-    else:
-        rows, why = int(args.per_device_train_batch_size), "per_device_train_batch_size"
+    from opake.dpsgd.training._compile import compiled_rows
+
+    slots = None
+    if max_batch is not None:  # the slots are a multiple of the physical batches
+        slots = max_batch // int(args.gradient_accumulation_steps * args.world_size)
+    per_device = (int(args.per_device_train_batch_size), "per_device_train_batch_size")
+    rows, why = compiled_rows(microbatch, fixed_rows=slots, poisson=per_device)
     logger.info(
         "torch_compile=True: the DP step compiles once, for chunks of %d rows (%s); each "
         "physical batch runs as such chunks, the last one padded with masked rows",

@@ -93,19 +93,24 @@ def unpatched(settings: Any, patch: bool, notes: list[str]) -> bool:
 def compiled_choice(choice: MicrobatchChoice, *, largest: int) -> MicrobatchChoice:
     """The compiled chunk for a Poisson run: the chosen microbatch, or, when the whole batch
     runs at once, *largest* rows (the largest likely Poisson batch: one chunk, padded)."""
-    if choice.microbatch is not None:
+    from opake.dpsgd.training._compile import compiled_rows
+
+    poisson = (largest, "the largest likely Poisson batch")
+    rows, why = compiled_rows(choice.microbatch, fixed_rows=None, poisson=poisson)
+    if rows == choice.microbatch:
         return choice
     reason = (
-        f"{choice.reason}; --compile: one chunk of {largest} rows per step (the largest likely "
-        "Poisson batch), padded and masked"
+        f"{choice.reason}; --compile: one chunk of {rows} rows per step ({why}), padded and masked"
     )
-    return dataclasses.replace(choice, microbatch=largest, reason=reason)
+    return dataclasses.replace(choice, microbatch=rows, reason=reason)
 
 
 def compile_line(engine_given: str, rows: int | None, max_batch: int | None) -> str:
-    """The plan's ``compile`` line: the engine, the chunk rows, and that the first step
-    compiles."""
-    chunk = rows if rows is not None else max_batch
+    """The plan's ``compile`` line: the engine, the chunk rows (``DPTraining`` falls back to
+    the fixed-shape sampler's *max_batch* slots), and that the first step compiles."""
+    from opake.dpsgd.training._compile import compiled_rows
+
+    chunk, _ = compiled_rows(rows, fixed_rows=max_batch)
     engine = "the vmap engine"
     if engine_given == "auto":
         engine += " (--engine auto: book-keeping does not trace into one graph)"

@@ -14,8 +14,7 @@ processes.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError
 
@@ -23,8 +22,6 @@ if TYPE_CHECKING:
     import torch
 
     from opake.cli._plan import RunPlan
-
-RunT = TypeVar("RunT")
 
 __all__ = ["check_shard", "full_model", "prepare_sharded", "shard_model", "sharded_loss"]
 
@@ -148,54 +145,33 @@ def full_model(plan: RunPlan, model: torch.nn.Module, is_main: bool) -> Any:
 
 
 def prepare_sharded(
-    plan: RunPlan,
-    ctx: Any,
-    device: torch.device,
-    built: tuple[Any, Any, Any],
-    make_run: Callable[..., RunT],
-) -> RunT:
-    """The run of ``--shard`` (``make_run``: the trainer's run record): the model sharded, its
-    optimizer over the shards, ``DPTraining(shard=True)``."""
+    plan: RunPlan, ctx: Any, model: torch.nn.Module, forward_kwargs: dict[str, Any], autocast: Any
+) -> dict[str, Any]:
+    """The ``--shard`` run's own fields of the trainer's run record: the model sharded, its
+    optimizer over the shards, the DP step (:func:`~opake.cli._dp_step.dp_training`) with
+    ``shard=True``."""
     import sys
 
+    from opake.cli._dp_step import dp_training
     from opake.cli._memory import MicrobatchChoice
-    from opake.cli._setup import _autocast_factory, forward_options, inner_optimizer
-    from opake.dpsgd.training import DPTraining
+    from opake.cli._setup import inner_optimizer
 
     s = plan.settings
-    loaded, model, patch_report = built
     line = shard_model(plan, model, ctx)
     if ctx.is_main:
         print(line, file=sys.stderr, flush=True)
-    forward_kwargs = forward_options(patch_report)
-    autocast = _autocast_factory(s.precision, device)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     inner = inner_optimizer(plan, model)
     micro = s.microbatch if isinstance(s.microbatch, int) else None
-    training = DPTraining(
-        sharded_loss(model, forward_kwargs, autocast),
-        inner,
-        trainable,
-        module=model,
-        dataset_size=plan.dataset_size,
-        microbatch_size=micro,
-        seed=s.seed if s.reproducible else None,
-        shard=True,
-        **plan.training_options(),
+    loss = sharded_loss(model, forward_kwargs, autocast)
+    training = dp_training(
+        plan, loss, inner, trainable, module=model, microbatch_size=micro, shard=True
     )
     reason = f"microbatch {micro} per rank" if micro else "each rank's share of the batch at once"
-    return make_run(
-        plan=plan,
-        ctx=ctx,
-        device=device,
-        loaded=loaded,
-        model=model,
-        patch_report=patch_report,
-        trainable=trainable,
-        forward_kwargs=forward_kwargs,
-        autocast=autocast,
-        training=training,
-        inner=inner,
-        expected_zero=frozenset(),
-        microbatch=MicrobatchChoice(micro, f"--shard: {reason}"),
-    )
+    return {
+        "trainable": trainable,
+        "inner": inner,
+        "training": training,
+        "expected_zero": frozenset(),
+        "microbatch": MicrobatchChoice(micro, f"--shard: {reason}"),
+    }

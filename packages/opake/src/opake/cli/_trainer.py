@@ -19,11 +19,13 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opake.cli._checks import DivergenceWatch, disable_dropout, watch_divergence
 from opake.cli._compiling import compile_line
+from opake.cli._dp_step import dp_training
 from opake.cli._interrupt import StepBoundary, interrupted_before_training
 from opake.cli._memory import MicrobatchChoice, microbatch_for_run
 from opake.cli._outputs import plot_metrics, write_json, write_metrics
@@ -157,11 +159,11 @@ def _train(plan: RunPlan, ctx: Any) -> dict[str, Any] | None:
 
 
 def _prepare(plan: RunPlan, ctx: Any) -> _Run:
-    """Build the model, its per-example loss and the DP step (:class:`DPTraining`)."""
+    """Build the model, its per-example loss and the DP step (:func:`dp_training`), over the
+    whole model or, with ``--shard``, over the sharded one (:func:`prepare_sharded`)."""
     import torch
 
     from opake.dpsgd.optimizer import lora_a_note
-    from opake.dpsgd.training import DPTraining
     from opake.functional import make_functional
 
     s = plan.settings
@@ -170,11 +172,22 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
     loaded, model, patch_report = _build_model(plan, device)
     if not s.dropout:
         disable_dropout(model)
-    if s.shard:
-        return prepare_sharded(plan, ctx, device, (loaded, model, patch_report), _Run)
     forward_kwargs = forward_options(patch_report)
-    fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
     autocast = _autocast_factory(s.precision, device)
+    run = partial(
+        _Run,
+        plan=plan,
+        ctx=ctx,
+        device=device,
+        loaded=loaded,
+        model=model,
+        patch_report=patch_report,
+        forward_kwargs=forward_kwargs,
+        autocast=autocast,
+    )
+    if s.shard:
+        return run(**prepare_sharded(plan, ctx, model, forward_kwargs, autocast))
+    fmodel, trainable, frozen = make_functional(model, partition_trainable=True)
     loss, post = run_loss(
         plan,
         fmodel,
@@ -195,41 +208,27 @@ def _prepare(plan: RunPlan, ctx: Any) -> _Run:
     if expected_zero:
         plan.notes.append(lora_a_note(sorted(expected_zero)))
     inner = inner_optimizer(plan, model)
-    # the DP step, composed once: the sampler (every rank draws the global batch and keeps its
-    # share; fixed-shape with B_max slots), the clipped-gradient function, the DP optimizer (the
-    # divisor q·N, noise once; under torchrun the clipped sums of every rank all-reduced before
-    # the noise) and the accountant. Secure (default): batch membership and noise from a key
-    # drawn on rank 0 and shared, never stored; --reproducible: from --seed (not private)
-    training = DPTraining(
+    training = dp_training(
+        plan,
         loss,
         inner,
         trainable,
-        args=(frozen,),
         module=model,
-        dataset_size=plan.dataset_size,
         microbatch_size=None if choice.microbatch is None else choice.microbatch * rows,
+        args=(frozen,),
         randomness=randomness,
+        # fixed-shape sampling: B_max slots
         sampler="poisson" if plan.max_batch_size is None else "fixed",
         max_batch_size=plan.max_batch_size,
-        seed=s.seed if s.reproducible else None,
         # --privacy-unit: units sampled and each clipped as one (records= at every step)
         privacy_units=plan.units,
         max_records_per_unit=s.max_records_per_unit,
         compile=s.compile,
-        **plan.training_options(),
     )
-    return _Run(
-        plan=plan,
-        ctx=ctx,
-        device=device,
-        loaded=loaded,
-        model=model,
-        patch_report=patch_report,
+    return run(
         trainable=trainable,
-        forward_kwargs=forward_kwargs,
-        autocast=autocast,
-        training=training,
         inner=inner,
+        training=training,
         expected_zero=expected_zero,
         microbatch=choice,
         post=post,

@@ -30,9 +30,33 @@ if TYPE_CHECKING:
 
     from opake.dpsgd.clipping import ClipAux, ClippedGrads, ClipState
 
-__all__ = ["CompiledStep", "check_compile"]
+__all__ = ["CompiledStep", "check_compile", "compiled_rows"]
 
 _LOG = logging.getLogger("opake.core")
+
+
+def compiled_rows(
+    microbatch: int | None, *, fixed_rows: int | None, poisson: tuple[int, str] | None = None
+) -> tuple[int | None, str]:
+    """The rows of every compiled call, and why: *microbatch* (given or chosen), else the slots
+    of a fixed-shape batch (*fixed_rows*), else the caller's one shape for Poisson batches
+    (*poisson*: its rows and why; ``None``: no shape, which ``compile=True`` refuses).
+
+    The one rule of ``DPTraining(compile=True)``, ``opake train --compile`` and
+    ``DPTrainer(torch_compile=True)``.
+
+    >>> compiled_rows(8, fixed_rows=40)
+    (8, 'the microbatch')
+    >>> compiled_rows(None, fixed_rows=40)
+    (40, "the fixed-shape batch's slots")
+    >>> compiled_rows(None, fixed_rows=None, poisson=(22, "the largest likely Poisson batch"))
+    (22, 'the largest likely Poisson batch')
+    """
+    if microbatch is not None:
+        return microbatch, "the microbatch"
+    if fixed_rows is not None:
+        return fixed_rows, "the fixed-shape batch's slots"
+    return poisson if poisson is not None else (None, "Poisson batches vary in size")
 
 
 def check_compile(
@@ -77,7 +101,7 @@ def check_compile(
         from opake.dpsgd.training._options import _positive
 
         microbatch_size = _positive("microbatch_size", microbatch_size, integer=True)
-    rows = microbatch_size if microbatch_size is not None else fixed_rows
+    rows, _ = compiled_rows(microbatch_size, fixed_rows=fixed_rows)
     if rows is None:
         raise ConfigurationError(
             "compile=True compiles one batch shape, and Poisson batches vary in size: pass "
