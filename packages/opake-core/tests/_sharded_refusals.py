@@ -1,8 +1,9 @@
 """The refusals of level 2, run by ``_sharded_worker.py basic`` on each rank (2 gloo ranks).
 
 What mixes examples (a batch mean, a Linear run with the batch dimension moved, batch
-statistics), ranks whose calls do not line up and a rank that steps while another runs one more
-physical batch: each case records, per rank, the error it raised (``"TypeName: message"``) or
+statistics), a parameter read outside its layer (an output head on the embedding's weight),
+ranks whose calls do not line up and a rank that steps while another runs one more physical
+batch: each case records, per rank, the error it raised (``"TypeName: message"``) or
 ``"accepted"``; every rank must raise the same type.
 """
 
@@ -49,6 +50,28 @@ class Net(torch.nn.Module):
         return self.head(self.block(h))
 
 
+class TiedHead(torch.nn.Module):
+    """Embedding → Linear, tanh (one FSDP unit) → mean over the tokens → logits on the
+    embedding's weight. ``module=True``: an ``nn.Linear`` head tied to it (a layer the engine
+    records); otherwise ``F.linear(h, self.embed.weight)``, a use of the weight outside its
+    layer that no rule records (the head's share of its gradient would be lost)."""
+
+    def __init__(self, module: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(5, 6)
+        self.block = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh())
+        self.head = torch.nn.Linear(6, 5, bias=False) if module else None
+        if self.head is not None:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.block(self.embed(ids)).mean(1)
+        if self.head is not None:
+            return self.head(h)
+        return torch.nn.functional.linear(h, self.embed.weight)
+
+
 def _outcome(run: Callable[..., object], *args: Any, **kwargs: Any) -> str:
     try:
         run(*args, **kwargs)
@@ -68,7 +91,7 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     gen = torch.Generator().manual_seed(rank)
     x, y = torch.randn(4, 4, generator=gen), torch.randint(0, 3, (4,), generator=gen)
 
-    def build(net: Net, **options: Any) -> tuple[Net, Any, Any]:
+    def build(net: Any, **options: Any) -> tuple[Any, Any, Any]:
         fully_shard(net.block, mesh=mesh)
         fully_shard(net, mesh=mesh)
 
@@ -85,6 +108,14 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
         _, grad_fn, state = build(Net(mix))
         out[name] = _outcome(grad_fn, x, y, state=state)
         out[f"{name}_again"] = _outcome(grad_fn, x, y, state=state)
+    ids = torch.randint(0, 5, (4, 3), generator=gen)
+    _, grad_fn, state = build(TiedHead(module=False))
+    out["tied_functional"] = _outcome(grad_fn, ids, y, state=state)
+    out["tied_functional_again"] = _outcome(grad_fn, ids, y, state=state)
+    net, grad_fn, state = build(TiedHead(module=True))
+    with torch.no_grad():  # an evaluation first: FSDP leaves the root unit gathered
+        net(ids)
+    out["tied_module"] = _outcome(grad_fn, ids, y, state=state)
     _, grad_fn, state = build(Net(moved=True))
     out["moved"] = _outcome(grad_fn, torch.randn(4, 4, 4, generator=gen), y, state=state)
     no_stats = torch.nn.BatchNorm1d(6, affine=False, track_running_stats=False)

@@ -157,6 +157,20 @@ def misuse(W: ModuleType, world_size: int) -> dict[str, str]:
             for n, v in whole.items()
         )
     )
+    # an evaluation forward leaves FSDP's root unit gathered: the call reshards it first, so
+    # its sums are still this rank's rows, laid out like the parameters
+    with torch.no_grad():
+        W.losses_of(model)(batch)
+    after_eval, state = grad_fn(batch, state=state, reduce_scatter=True)
+    out["after_eval"] = str(
+        all(
+            hasattr(v, "to_local") and v.to_local().shape == whole[n].to_local().shape
+            for n, v in after_eval.items()
+        )
+    )
+    opt.zero_grad()
+    opt.accumulate(after_eval)
+    opt.step()
     return out
 
 

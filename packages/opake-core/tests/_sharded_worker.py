@@ -7,11 +7,12 @@ A tiny Llama-like causal LM from a config, its blocks and root ``fully_shard``-e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,24 +116,41 @@ def shard(model: torch.nn.Module, world_size: int) -> None:
 
 
 class Counts:
-    """FSDP's own all-gathers and reduce-scatters, and the optimizer's reduce-scatters."""
+    """FSDP's own all-gathers and reduce-scatters (those of the per-example check's backward
+    through the module apart), and the optimizer's reduce-scatters."""
 
     def __init__(self) -> None:
         import torch.distributed.fsdp._fully_shard._fsdp_param_group as group
 
-        self.gathers = self.fsdp_reduces = self.opt_reduces = 0
-        gather, reduce = group.foreach_all_gather, group.foreach_reduce
+        import opake.dpsgd.distributed.sharded._autograd as check
+
+        self.gathers = self.fsdp_reduces = self.check_reduces = self.opt_reduces = 0
+        gather, reduce, fsdp_sum = group.foreach_all_gather, group.foreach_reduce, check.fsdp_sum
+        checking: list[bool] = []
 
         def counted_gather(*args: Any, **kwargs: Any) -> Any:
             self.gathers += 1
             return gather(*args, **kwargs)
 
         def counted_reduce(*args: Any, **kwargs: Any) -> Any:
-            self.fsdp_reduces += 1
+            if checking:
+                self.check_reduces += 1
+            else:
+                self.fsdp_reduces += 1
             return reduce(*args, **kwargs)
+
+        @contextlib.contextmanager
+        def in_check(model: torch.nn.Module) -> Iterator[None]:
+            checking.append(True)
+            try:
+                with fsdp_sum(model):
+                    yield
+            finally:
+                checking.pop()
 
         group.foreach_all_gather = counted_gather
         group.foreach_reduce = counted_reduce
+        check.fsdp_sum = in_check
 
 
 def _halves(idx: list[int]) -> list[list[int]]:
@@ -242,6 +260,7 @@ def train(rank: int, world_size: int, counts: Counts) -> dict[str, Any]:
     record["noise_full"] = {n: t - trained[n] for n, t in gather_full_params(model).items()}
     record["params"] = trained
     record["fsdp_reduces"] = counts.fsdp_reduces
+    record["check_reduces"] = counts.check_reduces
     return record
 
 

@@ -239,7 +239,7 @@ def test_four_ranks_equal_single_process_bookkeeping(
         torch.testing.assert_close(runs[0]["params"][name], value, atol=2e-6, rtol=1e-5)
     for run in runs:
         assert run["reduces"] == [run["n_params"]] * W.STEPS
-        assert run["fsdp_reduces"] == 0
+        assert (run["fsdp_reduces"], run["check_reduces"]) == (0, CHECK_REDUCES)
     rows = [run["noise_rows"] for run in runs]
     for pair in ((0, 1), (1, 2), (2, 3)):
         problems = noise_problems([rows[i] for i in pair], runs[0]["noise_full"], expected)
@@ -262,13 +262,20 @@ def test_the_noise_check_catches_a_shared_stream() -> None:
     assert noise_problems(sliced, expected, expected) == []
 
 
+#: FSDP's reductions in the training run: the per-example check's one backward through the
+#: module (on the first chunk, once: it agreed), one reduce-scatter per unit (2 blocks, the
+#: head, the root)
+CHECK_REDUCES = 4
+
+
 def test_reduction_is_one_sum_per_logical_step(basic: list[dict[str, Any]]) -> None:
     """(d) Two physical batches per rank, one reduce-scatter per parameter per logical step,
-    and FSDP itself never reduces (its gradient sync is off; the backward makes none)."""
+    and FSDP itself never reduces the training gradients (its gradient sync is off; the
+    backward makes none) — only the gradient of the per-example check's one example."""
     for result in basic:
         run = result["train"]
         assert run["reduces"] == [run["n_params"]] * W.STEPS
-        assert run["fsdp_reduces"] == 0
+        assert (run["fsdp_reduces"], run["check_reduces"]) == (0, CHECK_REDUCES)
 
 
 def test_reduce_scatter_in_the_call(
@@ -300,7 +307,7 @@ def test_reduce_scatter_is_the_steps_only_physical_batch(basic: list[dict[str, A
         assert got["after_full"].startswith("OperationError: ShardedDPOptimizer.accumulate()")
         assert got["after_scattered"].startswith("OperationError: ShardedDPOptimizer.accumulate")
         assert got["pending"] == "1"
-        assert got["empty"] == got["halved"] == "True"
+        assert got["empty"] == got["halved"] == got["after_eval"] == "True"
 
 
 def test_a_layer_without_a_rule_raises_and_gathers_nothing(basic: list[dict[str, Any]]) -> None:
@@ -316,18 +323,25 @@ def test_a_layer_without_a_rule_raises_and_gathers_nothing(basic: list[dict[str,
 def test_what_mixes_examples_or_misaligns_the_ranks_is_refused_on_every_rank(
     basic: list[dict[str, Any]],
 ) -> None:
-    """The per-example check (one secret row alone vs. in its batch, agreed by all-reduce)
+    """The per-example check (secret rows alone vs. in their batch, agreed by all-gather)
     refuses a batch mean, a Linear with the batch dimension moved and F.batch_norm, then every
-    later call; a _BatchNorm with batch statistics is refused at construction and at each call
-    (also after a first call in eval mode); calls that do not line up raise, never hang; a
-    rank that steps while another runs one more physical batch makes both raise (the step's
-    line-up meets the extra call's), and after zero_grad() the ranks step together again."""
+    later call; its comparison with plain autograd through the sharded module refuses an
+    output head that reads the embedding's weight outside its layer (F.linear: its share of
+    the gradient would be lost), and accepts the head tied as a module (after an evaluation
+    that left the root unit gathered); a _BatchNorm with batch statistics is refused at
+    construction and at each call (also after a first call in eval mode); calls that do not
+    line up raise, never hang; a rank that steps while another runs one more physical batch
+    makes both raise (the step's line-up meets the extra call's), and after zero_grad() the
+    ranks step together again."""
     want = {
         "mix": ("BookkeepingMismatchError", "the loss mixes examples"),
         "mix_again": ("BookkeepingMismatchError", "the loss mixes examples"),
         "functional_bn": ("BookkeepingMismatchError", "alone fails: ValueError"),
         "functional_bn_again": ("BookkeepingMismatchError", "the loss mixes examples"),
         "moved": ("BookkeepingMismatchError", "moves the batch dimension"),
+        "tied_functional": ("BookkeepingMismatchError", "'embed.weight': book-keeping norm"),
+        "tied_functional_again": ("BookkeepingMismatchError", "tie such a head as a module"),
+        "tied_module": ("accepted", ""),
         "bn_no_stats": ("ConfigurationError", "normalises with batch statistics"),
         "bn_eval": ("accepted", ""),
         "bn_train": ("ConfigurationError", "normalises with batch statistics"),

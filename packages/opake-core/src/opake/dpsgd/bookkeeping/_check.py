@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import OperationError
@@ -33,6 +33,9 @@ __all__ = [
     "BookkeepingMismatchError",
     "BookkeepingUnsupportedError",
     "check_examples",
+    "compare_norms",
+    "low_precision",
+    "row_norms",
     "verify",
 ]
 
@@ -95,8 +98,6 @@ def verify(
     the batch dimension, a parameter read outside its layer. Returns the mismatch, ``None``
     if every leaf agrees, or ``"inconclusive"`` when autograd's norm is not finite.
     """
-    import torch
-
     diff = args[runner.argnums]
     total: list[torch.Tensor | None] = [None] * len(diff)
     scale = 0.0
@@ -114,24 +115,59 @@ def verify(
     want = [0.0 if g is None else float(g.square().sum()) for g in total]
     if rows is None:
         scale = math.sqrt(sum(want))
+    have, bounds, rounding = row_norms(chunk, index)
+    what = f"{'example' if rows is None else 'unit'} {index}"
+    low = low_precision(runner, diff)
+    return compare_norms(diff, want, have, bounds, rounding, scale=scale, low=low, what=what)
+
+
+def row_norms(chunk: BookkeepingChunk, index: int) -> tuple[list[float], list[float], list[float]]:
+    """Example ``index``'s per-leaf figures in ``chunk``: the computed squared norms, the
+    certified squared bounds, and the bounds' fp32 rounding allowance (zeros when none)."""
     have = [float(v) for v in chunk.leaf_sq[index].detach().double().cpu()]
     clip = chunk.leaf_sq if chunk.clip_sq is None else chunk.clip_sq
     bounds = [float(v) for v in clip[index].detach().double().cpu()]
-    if not all(math.isfinite(v) for v in want + have + bounds):
+    rounding = [0.0] * len(have)
+    if chunk.rounding is not None:
+        rounding = [float(v) for v in chunk.rounding[index].detach().double().cpu()]
+    return have, bounds, rounding
+
+
+def low_precision(runner: BookkeepingRunner, diff: Mapping[str, torch.Tensor]) -> bool:
+    """Whether the last run computed in half precision (then the comparison's tolerance is
+    a half-precision one)."""
+    import torch
+
+    return runner._half or any(v.dtype not in (torch.float32, torch.float64) for v in diff.values())
+
+
+def compare_norms(
+    names: Iterable[str],
+    want: Sequence[float],
+    have: Sequence[float],
+    bounds: Sequence[float],
+    rounding: Sequence[float],
+    *,
+    scale: float,
+    low: bool,
+    what: str,
+) -> str | None:
+    """The comparison of :func:`verify`, per leaf: plain autograd's squared norms ``want``
+    against the engine's computed ``have`` and certified ``bounds`` (squared) with their
+    ``rounding``; the tolerance of two fp32 (``low``: half-precision) computations scales with
+    ``scale``. ``None``: every leaf agrees; ``"inconclusive"``: a figure is not finite or both
+    sides are zero; else the mismatch, ``what`` (the example) and the leaf named."""
+    if not all(math.isfinite(v) for v in [*want, *have, *bounds]):
         return INCONCLUSIVE
     if not (sum(want) > 0.0 or sum(have) > 0.0):  # zero on both sides proves nothing
         return INCONCLUSIVE
-    low = runner._half or any(v.dtype not in (torch.float32, torch.float64) for v in diff.values())
     tol = (5e-2 if low else 1e-4) * max(scale, 1e-12)
-    zero = [0.0] * len(want)
-    rounding = zero if chunk.rounding is None else chunk.rounding[index].cpu().tolist()
-    for name, w, h, b, r in zip(diff, want, have, bounds, rounding, strict=True):
+    for name, w, h, b, r in zip(names, want, have, bounds, rounding, strict=True):
         got_norm, norm, bound = math.sqrt(w), math.sqrt(h), math.sqrt(b)
         margin = tol + (r if math.isfinite(r) else 0.0)  # autograd's own fp32 rounding
         if got_norm > bound + margin or got_norm < norm - (bound - norm) - margin:
-            what = "example" if rows is None else "unit"
             return (
-                f"{what} {index}, {name!r}: book-keeping norm {norm:.6g} (certified "
+                f"{what}, {name!r}: book-keeping norm {norm:.6g} (certified "
                 f"bound {bound:.6g}), per-example autograd norm {got_norm:.6g}"
             )
     return None

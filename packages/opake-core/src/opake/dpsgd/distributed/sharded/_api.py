@@ -12,6 +12,7 @@ from opake.dpsgd.bookkeeping._loss import BatchedLoss
 from opake.dpsgd.bookkeeping._trust import trusted_names
 from opake.dpsgd.clipping._api import _as_state, _check_settings, _checked_positions
 from opake.dpsgd.clipping._base import ClipState
+from opake.dpsgd.distributed.sharded._autograd import set_fsdp_reduction
 from opake.dpsgd.distributed.sharded._grad_fn import ShardedClippedGradFn, _Engine
 from opake.dpsgd.distributed.sharded._plan import mesh_group, sharded_plan, trainable
 from opake.dpsgd.distributed.sharded._runner import ShardedRunner
@@ -44,15 +45,6 @@ def _positions(batch_argnums: object) -> tuple[int, ...]:
         ) from None
 
 
-def _disable_fsdp_reduction(model: torch.nn.Module) -> None:
-    """FSDP reduces nothing itself: Opake reduce-scatters the clipped sums, once per step."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(False, recurse=False)
-
-
 def sharded_clipped_grad(
     loss_fn: Callable[..., Any],
     model: torch.nn.Module,
@@ -78,7 +70,11 @@ def sharded_clipped_grad(
     plugin's): otherwise :class:`~opake.core.errors.ConfigurationError`, here and at every call.
     FSDP's own gradient reduction is switched off on the module
     (``set_requires_gradient_sync(False)``): the clipped sums are reduce-scattered by
-    :class:`~opake.dpsgd.distributed.ShardedDPOptimizer`, once per logical step.
+    :class:`~opake.dpsgd.distributed.ShardedDPOptimizer`, once per logical step. Only the
+    per-example check's one backward through the module (on the first chunk and every
+    ``RECHECK_EVERY`` chunks: plain autograd of one example) lets FSDP reduce, as a plain SUM
+    (its gradient divide factor is set to 1, with SUM reductions forced), then switches it off
+    again and puts the parameters' ``.grad`` back.
 
     Returns ``(grad_fn, state)``; see :class:`ShardedClippedGradFn`.
 
@@ -148,7 +144,7 @@ def sharded_clipped_grad(
         bookkeeping=runner,
         model=model,
     )
-    _disable_fsdp_reduction(model)
+    set_fsdp_reduction(model, False)  # Opake reduce-scatters the clipped sums, once per step
     return ShardedClippedGradFn(engine, model, group, trusted), state
 
 

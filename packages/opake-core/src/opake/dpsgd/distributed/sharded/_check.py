@@ -1,8 +1,8 @@
-"""Level 2's per-example check: secret rows again, each alone, through the same runner.
+"""Level 2's per-example check: secret rows again, each alone, and one against plain autograd.
 
 The unsharded engine compares its norms with per-example autograd on one example
 (:mod:`opake.dpsgd.bookkeeping._check`); through a ``fully_shard``-ed module that would run
-collectives on some ranks only and make FSDP reduce parameter gradients. Here every rank
+collectives on some ranks only and let FSDP reduce one rank's gradient alone. Here every rank
 re-runs the loss on a batch of ONE row, for each of ``ROWS`` of its rows — drawn with the
 operating system's secret randomness among its real rows (padding rows when it has too few)
 — through the same runner, so every rank runs the same FSDP collectives and the backward is
@@ -10,23 +10,31 @@ w.r.t. the runner's sink. A row's pieces depend on the other rows exactly when s
 mixes examples (a batch mean, batch statistics, a layer run with the batch dimension moved),
 so its per-leaf norms alone must match its norms in the batch within the certified bounds
 and the tolerance of two fp32 computations; a row whose loss fails alone (the batch ran)
-mismatches too. The ranks then agree (one all-reduce MAX): a mismatch anywhere raises
+mismatches too. The ranks then agree (one all-gather of each rank's verdict, the row it
+offers and a secret number): a mismatch anywhere raises
 :class:`~opake.dpsgd.bookkeeping._check.BookkeepingMismatchError` on every rank, before the
 call returns its sums, and refuses every later call.
 
+What both runs miss alike — a parameter read outside the layer that holds it, whose use no
+rule records — is compared next, on one offered row chosen by the secret numbers, with plain
+autograd of that row's loss through the sharded module (:mod:`._autograd`, every rank running
+the same collectives); a mismatch raises and refuses the same way, saying to read each
+parameter inside its own layer.
+
 Due on the first chunk, then every ``RECHECK_EVERY`` chunks — a count identical on every rank
 (every rank runs the same chunks, :mod:`._batch`). A check that compared nothing anywhere (no
-row with a finite, non-zero gradient) stays due.
+row with a finite, non-zero gradient on some rank, or no autograd comparison) stays due.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from opake.dpsgd.bookkeeping._check import INCONCLUSIVE as INCONCLUSIVE_CHECK
 from opake.dpsgd.bookkeeping._check import RECHECK_EVERY, BookkeepingMismatchError
-from opake.dpsgd.distributed._replicas import _comm_device
+from opake.dpsgd.distributed.sharded._autograd import DRAW_RANGE, autograd_check
 
 if TYPE_CHECKING:
     import torch
@@ -66,42 +74,88 @@ class RowCheck:
         is_real: torch.Tensor | None,
     ) -> None:
         """Check ``chunk`` (the run of ``args``) when due; raises on every rank on a mismatch."""
-        import torch
         import torch.distributed as dist
 
         self._chunks += 1
         if self._checked is not None and self._chunks - self._checked < RECHECK_EVERY:
             return
-        found: dict[int, str] = {}
-        for row, usable in _draw(chunk, is_real, min(ROWS, int(chunk.leaf_sq.shape[0]))):
-            try:
-                alone = runner.run(_row_of(runner, args, row), 1)
-            except Exception as err:  # the batch ran: alone, it depends on the others
-                found[MISMATCH] = f"example {row} alone fails: {type(err).__name__}: {err}"
-                break  # the same shapes on every rank: raised everywhere
-            if usable:
-                result, what = _compare(runner, args, chunk, alone, row)
-                found.setdefault(result, what)
-        code = min(found, key=(MISMATCH, AGREE, INCONCLUSIVE).index, default=INCONCLUSIVE)
-        detail = found.get(MISMATCH, "")
-        flag = torch.tensor([code], dtype=torch.int64, device=_comm_device(self._group))
-        if dist.is_initialized() and dist.get_world_size(self._group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        agreed = int(flag.item())
-        if agreed == AGREE:
+        drawn = _draw(chunk, is_real, min(ROWS, int(chunk.leaf_sq.shape[0])))
+        code, detail = _rows_alone(runner, args, chunk, drawn)
+        first, usable = drawn[0]
+        offer = first if usable and (is_real is None or bool(is_real[first])) else -1
+        everyone = self._agree(code, offer)
+        codes = [c for c, _, _ in everyone]
+        if MISMATCH in codes:
+            self._refuse(_ROWS_MISMATCH.format(where=detail or "on another rank"))
+        rank = dist.get_rank(self._group) if len(everyone) > 1 else 0
+        offers = [(row, draw) for _, row, draw in everyone]
+        alone = _row_of(runner, args, first)
+        found, _ = autograd_check(runner, alone, chunk, offers, rank=rank, group=self._group)
+        if found is not None and found != INCONCLUSIVE_CHECK:
+            self._refuse(_AUTOGRAD_MISMATCH.format(where=found))
+        if max(codes) == AGREE and found is None:
             self._checked = self._chunks
-        if agreed != MISMATCH:
-            return
-        where = detail if code == MISMATCH else "on another rank"
-        self.refused = (
-            "sharded book-keeping: a row's per-example norms from a batch of one disagree "
-            f"with the same row's in its batch ({where}): the loss mixes examples, the model "
-            "moves the batch dimension, or it normalises with batch statistics (a batch norm "
-            "in training mode, F.batch_norm(training=True)); per-example clipping would not "
-            "bound one example's influence. Example i's loss must depend on example i alone "
-            "(and be deterministic: dropout in training mode is not supported here)"
-        )
-        raise BookkeepingMismatchError(self.refused)
+
+    def _agree(self, code: int, offer: int) -> list[tuple[int, int, int]]:
+        """Every rank's (row check's code, row offered to the autograd check or -1, secret
+        number), by rank: one all-gather."""
+        import torch
+        import torch.distributed as dist
+
+        from opake.dpsgd.distributed._replicas import _gather_rows
+
+        mine = (code, offer, secrets.randbelow(DRAW_RANGE))
+        if not (dist.is_initialized() and dist.get_world_size(self._group) > 1):
+            return [mine]
+        row = torch.tensor(mine, dtype=torch.float64)
+        rows = _gather_rows(row, group=self._group, world_size=dist.get_world_size(self._group))
+        return [(int(c), int(r), int(d)) for c, r, d in rows.tolist()]
+
+    def _refuse(self, message: str) -> NoReturn:
+        """Refuse this call and every later one (on every rank: each raises alike)."""
+        self.refused = message
+        raise BookkeepingMismatchError(message)
+
+
+_ROWS_MISMATCH = (
+    "sharded book-keeping: a row's per-example norms from a batch of one disagree with the "
+    "same row's in its batch ({where}): the loss mixes examples, the model moves the batch "
+    "dimension, or it normalises with batch statistics (a batch norm in training mode, "
+    "F.batch_norm(training=True)); per-example clipping would not bound one example's "
+    "influence. Example i's loss must depend on example i alone (and be deterministic: "
+    "dropout in training mode is not supported here)"
+)
+_AUTOGRAD_MISMATCH = (
+    "sharded book-keeping and plain autograd through the fully_shard-ed module disagree on "
+    "{where}: a parameter is used where no layer's book-keeping rule records it, read "
+    "outside the layer that holds it (e.g. an output head computed as "
+    "F.linear(h, self.embed.weight)), so its share of the gradient would be missing from the "
+    "clipped sums. Read each parameter only inside its own layer: tie such a head as a "
+    "module (head = nn.Linear(d, vocab, bias=False); head.weight = embed.weight), which the "
+    "engine records"
+)
+
+
+def _rows_alone(
+    runner: BookkeepingRunner,
+    args: tuple[Any, ...],
+    chunk: BookkeepingChunk,
+    drawn: list[tuple[int, bool]],
+) -> tuple[int, str]:
+    """This rank's verdict on its ``drawn`` rows, each run alone and compared with the batch
+    run (:data:`MISMATCH` first, then :data:`AGREE`), and a mismatch's description."""
+    found: dict[int, str] = {}
+    for row, usable in drawn:
+        try:
+            alone = runner.run(_row_of(runner, args, row), 1)
+        except Exception as err:  # the batch ran: alone, it depends on the others
+            found[MISMATCH] = f"example {row} alone fails: {type(err).__name__}: {err}"
+            break  # the same shapes on every rank: raised everywhere
+        if usable:
+            result, what = _compare(runner, args, chunk, alone, row)
+            found.setdefault(result, what)
+    code = min(found, key=(MISMATCH, AGREE, INCONCLUSIVE).index, default=INCONCLUSIVE)
+    return code, found.get(MISMATCH, "")
 
 
 def _draw(

@@ -7,12 +7,14 @@ FSDP gathers one unit at a time, the hooks record each layer's inputs ``a_i`` an
 gradients ``δ_i``, the norms come from those records, and each layer's clipped sum
 ``Σ_i c_i a_iᵀ δ_i`` is formed from them once the norms are known — no weight is read.
 
-The engine's check against per-example autograd does not run here: it would run one example
-through the sharded module on some ranks only (unmatched collectives) and differentiate FSDP's
-parameters (FSDP would then reduce-scatter their gradients itself). Level 2 runs its own
-cross-rank check instead (:mod:`._check`): on the first chunk and every ``RECHECK_EVERY``
-chunks, one secret row per rank again, alone, through the same runner; a row whose norms
-depend on the other rows (something mixes examples) refuses the call on every rank. Each
+The engine's own check against per-example autograd does not run here: it would run one
+example through the sharded module on some ranks only (unmatched collectives) and let FSDP
+reduce-scatter that rank's gradient alone. Level 2 runs its own cross-rank check instead
+(:mod:`._check`): on the first chunk and every ``RECHECK_EVERY`` chunks, secret rows of every
+rank again, each alone, through the same runner (a row whose norms depend on the other rows —
+something mixes examples — refuses the call on every rank), then one secretly chosen example
+against plain autograd through the sharded module, every rank running the same collectives
+(:mod:`._autograd`: a parameter read outside its layer refuses the call on every rank). Each
 example's contribution is bounded by certified norms of the very pieces that are summed; the
 rules are validated against per-example autograd by the conformance harness.
 

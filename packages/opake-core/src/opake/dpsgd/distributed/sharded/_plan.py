@@ -23,6 +23,7 @@ __all__ = [
     "FALLBACK_RULE",
     "mesh_group",
     "refuse_batch_statistics",
+    "reshard_units",
     "sharded_plan",
     "trainable",
 ]
@@ -58,8 +59,20 @@ def mesh_group(model: object) -> Any:  # Any: a ProcessGroup
     return mesh.get_group()
 
 
+def reshard_units(model: torch.nn.Module) -> None:
+    """Reshard every FSDP unit of ``model``: a forward without backward (an evaluation) leaves
+    the root unit gathered, its gathered tensors registered as the parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
 def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's trainable parameters by name (sharded ones as their ``DTensor``)."""
+    """The module's trainable parameters by name (sharded ones as their ``DTensor``), every
+    FSDP unit resharded first (:func:`reshard_units`)."""
+    reshard_units(model)
     params: dict[str, torch.Tensor] = {
         name: p for name, p in model.named_parameters() if p.requires_grad
     }
