@@ -2,9 +2,9 @@
 
 What mixes examples (a batch mean, a Linear run with the batch dimension moved, batch
 statistics), a parameter read outside its layer (an output head on the embedding's weight),
-ranks whose calls do not line up and a rank that steps while another runs one more physical
-batch: each case records, per rank, the error it raised (``"TypeName: message"``) or
-``"accepted"``; every rank must raise the same type.
+ranks whose calls do not line up, a rank that steps while another runs one more physical
+batch, and a parameter trainable on one rank only: each case records, per rank, the error it
+raised (``"TypeName: message"``) or ``"accepted"``; every rank must raise the same type.
 """
 
 from __future__ import annotations
@@ -148,4 +148,12 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     out["out_of_step"] = _outcome(step, 1 + rank)
     opt.zero_grad()  # the step is dropped on every rank; the ranks are in line again
     out["in_step_again"] = _outcome(step, 2)
+    # the optimizer's own logical_step runs the level-2 grad_fn without params
+    out["logical_step"] = _outcome(
+        lambda: opt.logical_step(grad_fn, None, [(x, y), (x[:2], y[:2])], state=state)
+    )
+    # a parameter trainable on one rank only: the ranks would reduce different sums
+    net, grad_fn, state = build(Net())
+    net.head.bias.requires_grad_(rank == 0)
+    out["names_differ"] = _outcome(grad_fn, x, y, state=state)
     return out

@@ -58,6 +58,10 @@ def build(world_size: int, **options: Any) -> tuple[torch.nn.Module, Any]:
     return model, training
 
 
+def _parts(ids: torch.Tensor, idx: list[int]) -> list[torch.Tensor]:
+    return [ids[torch.tensor(part, dtype=torch.long)] for part in W._halves(idx)]
+
+
 def run(training: Any, steps: int) -> list[int]:
     """``steps`` logical steps, each from 2 physical batches (every rank: 2 calls)."""
     ids = W.data()
@@ -92,13 +96,25 @@ def whole_steps(world_size: int, steps: int) -> dict[str, Any]:
         ids = W.data()
         for _, idx in zip(range(steps), whole.batches(), strict=False):
             whole.step(ids[torch.tensor(idx, dtype=torch.long)])
+        end = len(received)
+        # one DPTraining, every way of ending a step: step() after logical_step() and after a
+        # dropped accumulate() still reduce-scatters in the call (a new step each time)
+        _, mixed = build(world_size)
+        indices = mixed.batches()
+        mixed.logical_step([(part,) for part in _parts(ids, next(indices))])
+        mixed.step(ids[torch.tensor(next(indices), dtype=torch.long)])
+        mixed.accumulate(ids[torch.tensor(next(indices), dtype=torch.long)])
+        mixed.zero_grad()
+        mixed.step(ids[torch.tensor(next(indices), dtype=torch.long)])
     finally:
         ShardedDPOptimizer.accumulate = inner  # type: ignore[method-assign]
     return {
+        "mixed_steps": mixed.steps,
         "halves": full(halves_model),
         "whole": full(whole_model),
         "received_halves": received[:split],
-        "received_whole": received[split:],
+        "received_whole": received[split:end],
+        "received_mixed": received[end:],
     }
 
 

@@ -332,7 +332,8 @@ def test_what_mixes_examples_or_misaligns_the_ranks_is_refused_on_every_rank(
     construction and at each call (also after a first call in eval mode); calls that do not
     line up raise, never hang; a rank that steps while another runs one more physical batch
     makes both raise (the step's line-up meets the extra call's), and after zero_grad() the
-    ranks step together again."""
+    ranks step together again; the optimizer's logical_step runs the level-2 grad_fn; a
+    parameter trainable on one rank only is refused on every rank."""
     want = {
         "mix": ("BookkeepingMismatchError", "the loss mixes examples"),
         "mix_again": ("BookkeepingMismatchError", "the loss mixes examples"),
@@ -350,6 +351,8 @@ def test_what_mixes_examples_or_misaligns_the_ranks_is_refused_on_every_rank(
         "plain": ("accepted", ""),
         "out_of_step": ("OperationError", "the ranks are out of step: rank(s) [0] called"),
         "in_step_again": ("accepted", ""),
+        "logical_step": ("accepted", ""),
+        "names_differ": ("ConfigurationError", "the ranks' trainable parameters differ"),
     }
     for result in basic:
         got = result["refusals"]

@@ -192,6 +192,15 @@ def test_a_one_batch_step_reduce_scatters_each_sum_in_grad_fn(
         assert len(got["received_halves"]) == 4
         for name, value in got["halves"].items():
             torch.testing.assert_close(got["whole"][name], value, atol=2e-6, rtol=1e-5)
+        # one training: step() after logical_step() and after a dropped accumulate()
+        assert got["received_mixed"] == [
+            "ClippedGrads",
+            "ClippedGrads",
+            "ScatteredGrads",
+            "ClippedGrads",
+            "ScatteredGrads",
+        ]
+        assert got["mixed_steps"] == 3
 
 
 @pytest.mark.slow

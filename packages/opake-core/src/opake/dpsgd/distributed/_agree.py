@@ -22,7 +22,7 @@ from typing import Any
 #: what a rank is doing when it lines up: a level-2 ``grad_fn`` call, or the optimizer's step
 CALL, STEP = 1, 2
 #: the fields of a line-up row, in order (an absent field is 0)
-LINEUP_FIELDS = ("kind", "batch", "index", "end_step", "microbatch", "scatter", "pending")
+LINEUP_FIELDS = ("kind", "batch", "index", "end_step", "microbatch", "scatter", "pending", "names")
 
 _AGREE_HINTS = {
     "structure": "the model (parameter names, shapes, dtypes)",

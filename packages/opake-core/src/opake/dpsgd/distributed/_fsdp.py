@@ -33,7 +33,7 @@ reductions and the noise rows are :mod:`._rows`.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, overload
 
@@ -335,6 +335,27 @@ class ShardedDPOptimizer(DistributedDPOptimizer):
             self._clear()
             raise
         return replace(report, physical_batches=physical)
+
+    def logical_step(
+        self,
+        grad_fn: Callable[..., Any],
+        params: Any,
+        batches: Iterable[tuple[Any, ...] | Mapping[str, Any]],
+        *,
+        state: Any,
+    ) -> tuple[StepReport, Any]:
+        """:meth:`DistributedDPOptimizer.logical_step`; a level-2 ``grad_fn``
+        (:func:`~opake.dpsgd.distributed.sharded_clipped_grad`, which runs the sharded module
+        itself) is called without ``params`` (ignored: pass ``None``)."""
+        from opake.dpsgd.distributed.sharded._grad_fn import ShardedClippedGradFn
+
+        if isinstance(grad_fn, ShardedClippedGradFn):
+            sharded = grad_fn
+
+            def grad_fn(_params: Any, *batch: Any, **kwargs: Any) -> Any:
+                return sharded(*batch, **kwargs)
+
+        return super().logical_step(grad_fn, params, batches, state=state)
 
     def _line_up(self) -> None:
         """The step-start agreement (:func:`~._agree.line_up`, one small all-gather): raise on

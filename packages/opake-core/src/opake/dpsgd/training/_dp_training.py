@@ -389,6 +389,7 @@ class DPTraining(TrainingState):
         result = _result(report, self._pending_aux)
         self._pending_aux, self._step_state = [], None
         self._units.reset()
+        self._new_step()
         for hook in list(self._hooks):
             hook(result)
         return result
@@ -433,6 +434,12 @@ class DPTraining(TrainingState):
         self._pending_aux, self._step_state = [], None
         self._units.reset()
         self._optimizer.zero_grad()
+        self._new_step()
+
+    def _new_step(self) -> None:
+        """Tell a sharded step function that the next call starts a logical step."""
+        if isinstance(self._grad_fn, ShardedStep):
+            self._grad_fn.new_step()
 
     def set_params(
         self, params: Mapping[str, torch.Tensor], *, args: tuple[Any, ...] | None = None

@@ -171,6 +171,11 @@ class ShardedStep:
         finally:
             self._whole = False
 
+    def new_step(self) -> None:
+        """A logical step ended or was dropped: the next call starts one (every rank alike)."""
+        self._whole = False
+        self._inner.new_step()
+
     def __call__(self, params: object, *batch: Any, **kwargs: Any) -> tuple[Any, ClipState]:
         if self._whole:  # a fixed clipping state (adaptive is refused): end_step only counts
             self._whole = False

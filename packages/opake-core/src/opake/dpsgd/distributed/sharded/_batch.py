@@ -40,14 +40,16 @@ def agreed_batch(
     group: Any,
     device: torch.device,
     calls: tuple[int, int, int, int] = (1, 1, 0, 0),
+    names: int = 0,
 ) -> tuple[tuple[Any, ...], torch.Tensor | None, int]:
     """``(args, mask, local)``: the batched arguments padded to the ranks' largest batch.
 
     ``positions`` are the batched arguments; ``mask`` the user's ``example_mask`` (checked);
     ``calls``: (this call's place in its logical step, ``end_step``, ``microbatch_size`` or 0,
-    ``reduce_scatter``), which every rank must pass alike. The returned mask marks the padding
-    rows ``False`` (``None``: no padding, no user mask); ``local`` is this rank's own batch
-    size.
+    ``reduce_scatter``), which every rank must pass alike, as ``names`` (a fingerprint of the
+    trainable parameters' names: the ranks reduce the same sums in the same order). The
+    returned mask marks the padding rows ``False`` (``None``: no padding, no user mask);
+    ``local`` is this rank's own batch size.
     """
     import torch
     import torch.distributed as dist
@@ -62,6 +64,7 @@ def agreed_batch(
         "end_step": end_step,
         "microbatch": microbatch,
         "scatter": scatter,
+        "names": names,
     }
     rows = [{"kind": CALL, **fields}]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -69,6 +72,13 @@ def agreed_batch(
     problem = out_of_step(rows)
     if problem is not None:
         raise OperationError(f"{problem} (this is rank {dist.get_rank(group)})")
+    if len({row["names"] for row in rows}) > 1:
+        raise ConfigurationError(
+            "sharded grad_fn: the ranks' trainable parameters differ (requires_grad set on "
+            "some ranks only): every rank must train the same parameters, or their clipped "
+            "sums would be reduced against different parameters; set requires_grad alike on "
+            "every rank before training"
+        )
     agreed = ("index", "end_step", "microbatch", "scatter")
     low = [min(row[k] for row in rows) for k in agreed]
     high = [max(row[k] for row in rows) for k in agreed]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+import zlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -333,7 +334,13 @@ class ShardedClippedGradFn:
         index = self._in_step + 1  # this call's place in its logical step
         flags = (int(end_step), self._engine.microbatch_size or 0, int(reduce_scatter))
         call, mask, local = agreed_batch(
-            args, positions, example_mask, group=self._group, device=device, calls=(index, *flags)
+            args,
+            positions,
+            example_mask,
+            group=self._group,
+            device=device,
+            calls=(index, *flags),
+            names=zlib.crc32("\n".join(params).encode()),
         )
         if reduce_scatter:  # the ranks agree on index and end_step: all raise alike
             self._check_scatter(index, end_step)
@@ -357,6 +364,12 @@ class ShardedClippedGradFn:
         if aux is None:
             return grads, new_state
         return (grads, aux if call is args else _trim(aux, local)), new_state
+
+    def new_step(self) -> None:
+        """The next call starts a logical step, as after ``end_step=True``: what
+        ``DPTraining(shard=True)`` calls when a step ends or is dropped (its calls pass
+        ``end_step=False``). Every rank calls it alike."""
+        self._in_step = 0
 
     def _check_scatter(self, index: int, end_step: bool) -> None:
         """``reduce_scatter=True`` is the step's only physical batch: its first and last call."""
