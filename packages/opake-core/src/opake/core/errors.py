@@ -13,6 +13,10 @@ Example:
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
 __all__ = [
     "ConfigurationError",
     "InputTypeError",
@@ -20,6 +24,8 @@ __all__ = [
     "OpakePluginWarning",
     "OpakePrivacyWarning",
     "OperationError",
+    "suggest",
+    "unknown_keyword",
 ]
 
 
@@ -45,3 +51,34 @@ class OpakePluginWarning(UserWarning):
 
 class OpakePrivacyWarning(UserWarning):
     """Something weakens or does not match the stated privacy guarantee."""
+
+
+def suggest(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``known`` to ``name``, or ``""``.
+
+    >>> suggest("clipping_nrom", ["clipping_norm", "microbatch_size"])
+    " (did you mean 'clipping_norm'?)"
+    """
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_keyword(where: str, unknown: Mapping[str, Any], accepted: Iterable[str]) -> None:
+    """Raise :class:`ConfigurationError` naming the first of ``unknown`` (keyword arguments a
+    function received but does not take: ``**unknown``), the closest ``accepted`` one and the
+    whole list; nothing when ``unknown`` is empty.
+
+    >>> try:
+    ...     unknown_keyword("f()", {"nrom": 1.0}, ["norm", "seed"])
+    ... except ConfigurationError as err:
+    ...     print(err)
+    f() got an unknown keyword argument 'nrom' (did you mean 'norm'?); accepted: norm, seed
+    """
+    if not unknown:
+        return
+    options = list(accepted)
+    name = next(iter(unknown))
+    raise ConfigurationError(
+        f"{where} got an unknown keyword argument {name!r}{suggest(name, options)}; accepted: "
+        f"{', '.join(options)}"
+    )

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
-from opake.core.errors import ConfigurationError, InputTypeError
+from opake.core.errors import ConfigurationError, InputTypeError, suggest
 
 if TYPE_CHECKING:
     from typing import Literal
@@ -16,11 +15,6 @@ if TYPE_CHECKING:
 __all__ = ["FunctionalModel", "make_functional"]
 
 ParamDicts = Mapping[str, "torch.Tensor"] | Sequence[Mapping[str, "torch.Tensor"]]
-
-
-def _suggest(name: str, known: Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(known), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class FunctionalModel:
@@ -89,7 +83,7 @@ class FunctionalModel:
                 if name not in known and name not in self._buffer_names:
                     raise ConfigurationError(
                         f"fmodel(params, ...): {name!r} is not a parameter or buffer of "
-                        f"{type(self._module).__name__}{_suggest(name, known)}; pass the names "
+                        f"{type(self._module).__name__}{suggest(name, known)}; pass the names "
                         "returned by make_functional"
                     )
         return merged

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from opake.core.errors import ConfigurationError, InputTypeError
+from opake.core.errors import ConfigurationError, InputTypeError, unknown_keyword
 from opake.dpsgd.bookkeeping._loss import BatchedLoss
 from opake.dpsgd.bookkeeping._trust import trusted_names
 from opake.dpsgd.clipping._base import ClipState, GroupSpec
@@ -250,15 +249,7 @@ def clipped_grad(
         >>> grads.max_norm
         1.0
     """
-    if unknown:
-        name = next(iter(unknown))
-        options = _options()
-        close = difflib.get_close_matches(name, options, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigurationError(
-            f"clipped_grad() got an unknown keyword argument {name!r}{hint}; accepted: "
-            f"{', '.join(options)}"
-        )
+    unknown_keyword("clipped_grad()", unknown, _options())
     if not callable(loss_fn):
         raise InputTypeError(
             f"clipped_grad(loss_fn={loss_fn!r}): expected a callable computing one example's loss"

@@ -8,14 +8,13 @@ and computes its own per-example factors (:meth:`ClipState.factors`); see ``READ
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from opake.core.errors import ConfigurationError, InputTypeError
+from opake.core.errors import ConfigurationError, InputTypeError, suggest
 from opake.dpsgd.clipping import _base
 from opake.dpsgd.clipping._adaptive import (
     AdaptiveClipping,
@@ -263,11 +262,10 @@ def assign_groups(
             unassigned.append(name)
             continue
         if group not in index:
-            close = difflib.get_close_matches(str(group), group_names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigurationError(
                 f"group clipping: parameter {name!r} is assigned to group {group!r}, which "
-                f"has no bound in clipping_norm (groups: {list(group_names)}){hint}"
+                f"has no bound in clipping_norm (groups: {list(group_names)})"
+                f"{suggest(str(group), group_names)}"
             )
         assigned.append(index[group])
     if unassigned:

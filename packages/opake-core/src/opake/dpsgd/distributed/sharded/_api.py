@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from opake.core.errors import ConfigurationError, InputTypeError
+from opake.core.errors import ConfigurationError, InputTypeError, unknown_keyword
 from opake.dpsgd.bookkeeping._loss import BatchedLoss
 from opake.dpsgd.bookkeeping._trust import trusted_names
 from opake.dpsgd.clipping._api import _as_state, _check_settings, _checked_positions
@@ -86,15 +85,7 @@ def sharded_clipped_grad(
     ...
     opake.core.errors.ConfigurationError: sharded_clipped_grad: the module has no DTensor ...
     """
-    if unknown:
-        name = next(iter(unknown))
-        options = _options()
-        close = difflib.get_close_matches(name, options, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigurationError(
-            f"sharded_clipped_grad() got an unknown keyword argument {name!r}{hint}; accepted: "
-            f"{', '.join(options)}"
-        )
+    unknown_keyword("sharded_clipped_grad()", unknown, _options())
     if not callable(loss_fn):
         raise InputTypeError(
             f"sharded_clipped_grad(loss_fn={loss_fn!r}): expected a callable returning "
