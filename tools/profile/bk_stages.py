@@ -2,6 +2,7 @@
 
     python tools/profile/bk_stages.py                     # documented path, 1 thread, 3 steps
     python tools/profile/bk_stages.py --method opake-bk --threads 2 --steps 5
+    python tools/profile/bk_stages.py --model smollm2 --batch 8 --seq 128 --threads 2
 
 Builds the model and the step of ``tools/bench/dpsgd_step.py`` (``opake-user``: patched model,
 loss-only head, ``BatchedLoss``, ``engine="auto"``; or ``opake-bk``: the stock model with its
@@ -94,21 +95,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=["full", "lora"], default="full")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--model", default=None, help="smollm2, a .gguf file or an HF directory")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None)
     args = parser.parse_args(argv)
 
     import torch
     from _dpsgd_methods import nonprivate_step, opake_step, opake_user_step
-    from _dpsgd_workload import BENCH, build
+    from _dpsgd_workload import build, workload
 
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.threads == 1 else time.perf_counter
     options = argparse.Namespace(microbatch_size=None)
-    model, ids = build(args.mode)
+    name = args.model or "benchmark Llama"
+    if args.model is not None:
+        from _pretrained import resolve_model
+
+        args.model = resolve_model(args.model)
+    work = workload(args)
+    model, ids = build(args.mode, work)
     if args.method == "opake-user":
-        step, _ = opake_user_step(model, ids, options, BENCH, "auto")
+        step, _ = opake_user_step(model, ids, options, work, "auto")
     else:
-        step, _ = opake_step(model, ids, options, BENCH, engine="bookkeeping")
-    stock, stock_ids = build(args.mode)
+        step, _ = opake_step(model, ids, options, work, engine="bookkeeping")
+    stock, stock_ids = build(args.mode, work)
     plain, _ = nonprivate_step(stock, stock_ids)
     for _ in range(2):
         step()
@@ -128,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                 for stage, value in acc.items():
                     stages[stage].append(value)
     unit = "CPU" if args.threads == 1 else "wall"
-    print(f"{args.method} {args.mode}, {args.threads} thread(s), median of {args.steps} ({unit})")
+    what = f"{name}, batch {work.batch} × {work.seq}"
+    median = f"{args.threads} thread(s), median of {args.steps} ({unit})"
+    print(f"{args.method} {args.mode}, {what}, {median}")
     order = [*totals, *ORDER, *(k for k in stages if k not in ORDER)]
     for label in order:
         values = totals.get(label) or stages.get(label)
