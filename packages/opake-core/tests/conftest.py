@@ -6,6 +6,11 @@ distributions reuse them; these fixtures only pick sizes that keep the suite fas
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 import torch
 
@@ -56,3 +61,16 @@ def flush_denormal():
         yield
     finally:
         torch.set_flush_denormal(False)
+
+
+@pytest.fixture(scope="session")
+def ranks_launcher() -> ModuleType:
+    """:mod:`_ranks` beside this file: start test workers as torchrun would."""
+    spec = importlib.util.spec_from_file_location(
+        "opake_test_ranks", Path(__file__).with_name("_ranks.py")
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    return module

@@ -13,8 +13,6 @@ SGD) on the global batches.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -131,49 +129,11 @@ def oracle() -> dict[str, torch.Tensor]:
     return params
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def test_two_ranks_with_bookkeeping_equal_the_per_example_oracle(tmp_path):
+def test_two_ranks_with_bookkeeping_equal_the_per_example_oracle(tmp_path, ranks_launcher):
     if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
         pytest.skip("this PyTorch build has no gloo backend")
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            PYTHONWARNINGS="ignore",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, str(tmp_path)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    errors = []
-    try:
-        for rank, proc in enumerate(procs):
-            _, stderr = proc.communicate(timeout=180)
-            if proc.returncode:
-                errors.append(f"rank {rank} exited {proc.returncode}:\n{stderr[-3000:]}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert not errors, "\n".join(errors)
+    R = ranks_launcher
+    R.require_success(R.launch([sys.executable, __file__, str(tmp_path)]))
     runs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert runs[0]["engines"] == runs[1]["engines"] == ["bookkeeping"]
     assert all(sum(a) > 0 for a in zip(*(r["sizes"] for r in runs), strict=True))

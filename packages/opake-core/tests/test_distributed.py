@@ -9,12 +9,9 @@ same seed, divide by q·N, SGD) and the single-process ``DPOptimizer`` on the gl
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -29,46 +26,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _load_worker() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("opake_test_ddp_worker", WORKER)
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass looks its module up
     spec.loader.exec_module(module)
     return module
 
 
-W = _load_worker()
-
-
-@dataclass
-class Rank:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _env(rank: int, world_size: int, port: int, extra: dict[str, str] | None) -> dict[str, str]:
-    env = dict(os.environ)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-    )
-    env.update(extra or {})
-    return env
+W = _load("opake_test_ddp_worker", WORKER)
+R = _load("opake_test_ranks", WORKER.with_name("_ranks.py"))  # start workers as torchrun would
 
 
 def launch(
@@ -78,38 +47,14 @@ def launch(
     world_size: int = 2,
     timeout: float = 240.0,
     env: dict[str, str] | None = None,
-) -> list[Rank]:
+) -> list[Any]:
     """Start ``world_size`` worker processes (the environment torchrun would set); wait."""
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(out)],
-            env=_env(rank, world_size, port, env),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    deadline = time.monotonic() + timeout
-    ranks = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            ranks.append(Rank(proc.returncode, stdout, stderr))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return ranks
+    command = [sys.executable, str(WORKER), scenario, str(out)]
+    return list(R.launch(command, world_size=world_size, timeout=timeout, env=env))
 
 
-def _require_success(ranks: list[Rank]) -> None:
-    failed = [(r, rank) for r, rank in enumerate(ranks) if rank.returncode != 0]
-    assert not failed, "\n".join(
-        f"--- rank {r} exited {rank.returncode}:\n{rank.stderr[-4000:]}" for r, rank in failed
-    )
+def _require_success(ranks: list[Any]) -> None:
+    R.require_success(ranks)
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +319,7 @@ def _no_temp_files(directory: Path) -> list[str]:
 
 
 def _assert_fail_fast(
-    out: Path, ranks: list[Rank], finished_at: float, failing: int, message: str
+    out: Path, ranks: list[Any], finished_at: float, failing: int, message: str
 ) -> None:
     other = 1 - failing
     assert ranks[failing].returncode != 0
@@ -430,8 +375,8 @@ def test_stuck_rank_times_out_and_is_aborted(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_launch_matches_the_oracle(tmp_path, oracle):
-    env = _env(0, 1, 0, None)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    env = R.rank_env(0, 1, 0)
+    for name in R.LAUNCHER_VARS:
         env.pop(name)
     proc = subprocess.run(
         [
@@ -441,7 +386,7 @@ def test_torchrun_launch_matches_the_oracle(tmp_path, oracle):
             "--nnodes=1",
             "--nproc-per-node=2",
             "--master-addr=127.0.0.1",
-            f"--master-port={_free_port()}",
+            f"--master-port={R.free_port()}",
             str(WORKER),
             "small",
             str(tmp_path),

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -35,8 +32,8 @@ pytestmark = [
 ]
 
 
-def _load_worker() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("opake_test_sharded_worker", WORKER)
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -45,56 +42,14 @@ def _load_worker() -> ModuleType:
     return module
 
 
-W = _load_worker()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+W = _load("opake_test_sharded_worker", WORKER)
+R = _load("opake_test_ranks", WORKER.with_name("_ranks.py"))  # start workers as torchrun would
 
 
 def launch(scenario: str, out: Path, *, world_size: int = 2, timeout: float = 180.0) -> None:
     """Start the ranks (the environment torchrun would set), wait, fail with their stderr."""
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-        }
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            PYTHONWARNINGS="ignore",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(out)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    deadline = time.monotonic() + timeout
-    errors = []
-    try:
-        for rank, proc in enumerate(procs):
-            _, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if proc.returncode:
-                errors.append(f"--- rank {rank} exited {proc.returncode}:\n{stderr[-4000:]}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert not errors, "\n".join(errors)
+    command = [sys.executable, str(WORKER), scenario, str(out)]
+    R.require_success(R.launch(command, world_size=world_size, timeout=timeout))
 
 
 @pytest.fixture(scope="module")

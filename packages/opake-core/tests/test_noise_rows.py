@@ -5,11 +5,9 @@ own rows (2 gloo processes; a wrong row offset fails here)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -173,27 +171,15 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
     reason="this PyTorch build has no gloo backend",
 )
-def test_each_rank_adds_exactly_its_rows_of_the_full_draw(tmp_path: Path) -> None:
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-c", WORKER, str(tmp_path)]
-        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err[-3000:]
+def test_each_rank_adds_exactly_its_rows_of_the_full_draw(
+    tmp_path: Path, ranks_launcher: Any
+) -> None:
+    R = ranks_launcher
+    R.require_success(R.launch([sys.executable, "-c", WORKER, str(tmp_path)], timeout=120))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for report in ranks:
         assert report["equal"]

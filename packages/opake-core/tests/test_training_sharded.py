@@ -11,11 +11,7 @@ that need no process group run in this process.
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -39,6 +35,7 @@ def _load(name: str, file: str) -> ModuleType:
 
 
 W = _load("opake_test_training_sharded_worker", "_training_sharded_worker.py")
+R = _load("opake_test_ranks", "_ranks.py")  # start workers as torchrun would
 M = W.W  # the model of _sharded_worker.py
 
 
@@ -103,43 +100,12 @@ def test_shard_must_be_a_bool() -> None:
         _training(shard="yes")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def launch(out: Path, *, world_size: int = 2, timeout: float = 180.0) -> None:
     """Start the ranks (the environment torchrun would set), wait, fail with their stderr."""
-    port, procs, errors = _free_port(), [], []
-    for rank in range(world_size):
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            PYTHONWARNINGS="ignore",
-        )
-        command = [sys.executable, str(HERE / "_training_sharded_worker.py"), str(out)]
-        procs.append(
-            subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        )
-    deadline = time.monotonic() + timeout
-    try:
-        for rank, proc in enumerate(procs):
-            _, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if proc.returncode:
-                text = stderr.decode(errors="replace")[-4000:]
-                errors.append(f"--- rank {rank} exited {proc.returncode}:\n{text}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert not errors, "\n".join(errors)
+    worker = str(HERE / "_training_sharded_worker.py")
+    R.require_success(
+        R.launch([sys.executable, worker, str(out)], world_size=world_size, timeout=timeout)
+    )
 
 
 @pytest.fixture(scope="module")
