@@ -284,7 +284,8 @@ def adapters(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def one_example(rank: int, world_size: int) -> dict[str, float]:
-    """‖S(D) − S(D')‖ for D' = D without one example of rank 1 (masked, or dropped)."""
+    """‖S(D) − S(D')‖ for D' = D without one example of rank 1 (masked, or dropped), with the
+    sums reduced by the caller and reduce-scattered inside the call (``reduce_scatter=True``)."""
     import torch.distributed as dist
 
     from opake.dpsgd.distributed import sharded_clipped_grad
@@ -304,9 +305,22 @@ def one_example(rank: int, world_size: int) -> dict[str, float]:
         dist.all_reduce(flat)
         return flat
 
+    def scattered(batch: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """This rank's rows of the global sum, reduce-scattered inside the call."""
+        grads, _ = grad_fn(batch, state=state, example_mask=mask, reduce_scatter=True)
+        return torch.cat([g.to_local().reshape(-1) for g in grads.values()]).double()
+
+    def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+        sq = (a - b).square().sum()
+        dist.all_reduce(sq)
+        return float(sq.sqrt())
+
     full = global_sum(mine, None)
     masked = global_sum(mine, keep)
     dropped = global_sum(mine[keep], None)
+    in_call = scattered(mine, None)
+    in_call_masked = distance(in_call, scattered(mine, keep))
+    in_call_dropped = distance(in_call, scattered(mine[keep], None))
     with_aux, state = sharded_clipped_grad(
         losses_of(model), model, clipping_norm=0.1, return_aux=True
     )
@@ -317,6 +331,8 @@ def one_example(rank: int, world_size: int) -> dict[str, float]:
     return {
         "masked": float((full - masked).norm()),
         "dropped": float((full - dropped).norm()),
+        "in_call_masked": in_call_masked,
+        "in_call_dropped": in_call_dropped,
         "aux_rows": [len(aux.loss_values), len(aux.grad_norms), int(aux.batch_size)],
         "empty_sum": empty_sum,
     }

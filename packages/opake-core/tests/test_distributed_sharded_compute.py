@@ -145,12 +145,16 @@ def test_one_example_moves_the_global_clipped_sum_by_at_most_c(
     basic: list[dict[str, Any]],
 ) -> None:
     """(b) Removing one example (masked out, or dropped from its rank's batch) moves the sum of
-    every rank's clipped sums by at most C — and by nearly C: the example is clipped."""
+    every rank's clipped sums by at most C — and by nearly C: the example is clipped; also
+    through grad_fn(reduce_scatter=True)."""
     clip = 0.1
     for result in basic:
         moved = result["one_example"]
         assert 0.99 * clip <= moved["masked"] <= clip * (1 + 1e-6), moved
         assert 0.99 * clip <= moved["dropped"] <= clip * (1 + 1e-5), moved
+        # the same bound when each sum is reduce-scattered as it is formed
+        assert 0.99 * clip <= moved["in_call_masked"] <= clip * (1 + 1e-6), moved
+        assert 0.99 * clip <= moved["in_call_dropped"] <= clip * (1 + 1e-5), moved
 
 
 def test_aux_holds_this_ranks_rows_and_an_empty_shard_adds_zero(
