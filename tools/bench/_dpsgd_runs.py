@@ -27,7 +27,7 @@ Runs = dict[tuple[str, str], list[dict[str, Any]]]
 def worker_cmd(python: str, mode: str, method: str, args: argparse.Namespace) -> list[str]:
     """The command line of one worker: ``dpsgd_step.py --worker MODE METHOD`` and the options."""
     cmd = [python, str(SCRIPT), "--worker", mode, method, "--threads", str(args.threads)]
-    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
     if args.check:
         cmd += ["--check"]
     if args.microbatch_size:
@@ -102,12 +102,25 @@ def summary(runs: list[dict[str, Any]], ref: list[dict[str, Any]] | None) -> dic
     out["cpu_s"] = statistics.median(r["cpu_s"] for r in runs)
     out["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs)
     out["rounds"] = len(runs)
+    if "peak_cuda_mib" in out:
+        out["peak_cuda_mib"] = max(r["peak_cuda_mib"] for r in runs)
+        if ref and "peak_cuda_mib" in ref[0]:
+            out["ratio_cuda"] = out["peak_cuda_mib"] / max(r["peak_cuda_mib"] for r in ref)
     if ref:
         pairs = list(zip(runs, ref, strict=False))
         out["ratio_wall"] = statistics.median(a["wall_s"] / b["wall_s"] for a, b in pairs)
         out["ratio_cpu"] = statistics.median(a["cpu_s"] / b["cpu_s"] for a, b in pairs)
         out["ratio_rss"] = out["peak_rss_mib"] / max(r["peak_rss_mib"] for r in ref)
     return out
+
+
+def cuda_cells(result: dict[str, Any]) -> str:
+    """The table's two CUDA cells of one summary: peak MiB and the ratio to non-private."""
+    peak = result.get("peak_cuda_mib")
+    ratio = result.get("ratio_cuda")
+    peak_cell = "–" if peak is None else f"{peak:.0f}"
+    ratio_cell = "–" if ratio is None else f"{ratio:.2f}"
+    return f" {peak_cell} | {ratio_cell} |"
 
 
 def header(args: argparse.Namespace) -> None:
@@ -120,7 +133,7 @@ def header(args: argparse.Namespace) -> None:
     if not args.check:
         work = workload(args)
         model = args.model_label or f"Llama {CONFIG}"
-        print(f"model: {model}, batch {work.batch} × sequence {work.seq}")
+        print(f"model: {model}, batch {work.batch} × sequence {work.seq}, device {args.device}")
     print()
 
 

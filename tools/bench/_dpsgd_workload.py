@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import resource
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 MODES = ("full", "lora")
@@ -67,15 +68,25 @@ def llama(config: dict[str, int], seq: int) -> Any:
     return LlamaForCausalLM(LlamaConfig(**options))
 
 
+def has_weights(directory: str) -> bool:
+    """Whether a model directory holds weights (else :func:`build` makes random ones)."""
+    names = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+    return any((Path(directory) / name).is_file() for name in names)
+
+
 def build(mode: str, work: Workload = BENCH) -> tuple[Any, Any]:
     """The model of *work* (``mode="lora"``: with LoRA adapters on q/v), in training mode, and
     a batch of random token ids of its vocabulary (seeded: every process builds the same)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     model: Any
-    if work.model is not None:  # pretrained weights, fp32, the same attention as the config
+    if work.model is not None and not has_weights(work.model):  # a shape: random weights
+        config = AutoConfig.from_pretrained(work.model, attn_implementation="eager")
+        # transformers leaves from_config untyped
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    elif work.model is not None:  # pretrained weights, fp32, the same attention as the config
         model = AutoModelForCausalLM.from_pretrained(
             work.model, dtype=torch.float32, attn_implementation="eager"
         )

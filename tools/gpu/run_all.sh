@@ -40,6 +40,10 @@ step bk-loss-only 150 python3 tools/bench/bk_loss_only.py --device cuda --hidden
 step checkpoint-memory 120 python3 tools/bench/checkpoint_memory.py --device cuda --offload --json "$OUT/ckpt_cuda.json"
 step compile 200 python3 tools/bench/compile_step.py --device cuda --steps 5 --warmup 2 \
   --json "$OUT/compile.json"
+# the real model's DP step (SmolLM2-135M's architecture, random weights: no download) vs non-private
+step smollm2-step 240 python3 tools/bench/dpsgd_step.py --device cuda --model smollm2-shape \
+  --batch 16 --seq 256 --modes full lora --methods nonprivate opake-user --rounds 2 --steps 5 \
+  --warmup 2 --threads 4 --json "$OUT/smollm2_step.json"
 step gpu-tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="--import-mode=importlib" \
   packages/opake-core/tests packages/opake-patches/tests packages/opake-kernels/tests packages/opake-profiling/tests
 exit $rc
