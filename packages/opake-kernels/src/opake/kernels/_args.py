@@ -8,6 +8,7 @@ inspected: nothing here reads tensor data (safe inside ``vmap`` and under ``torc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -308,8 +309,9 @@ def check_rope_tensors(x: object, cos: object, sin: object) -> None:
             f"cos has shape {tuple(cos.shape)} but sin has {tuple(sin.shape)}; they must match."
         )
     try:
-        # torch leaves broadcast_shapes unannotated
-        shape = torch.broadcast_shapes(x.shape, cos.shape)  # type: ignore[no-untyped-call]
+        # torch leaves broadcast_shapes unannotated: its signature, stated
+        broadcast_shapes: Callable[..., torch.Size] = torch.broadcast_shapes
+        shape = broadcast_shapes(x.shape, cos.shape)
     except RuntimeError as err:
         raise ConfigurationError(
             f"cos/sin of shape {tuple(cos.shape)} do not broadcast to x of shape "

@@ -249,7 +249,8 @@ def _hf_collects_router_logits() -> bool:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:  # pragma: no cover - other transformers layouts
         return False
-    collected = _active_collector.get()  # type: ignore[no-untyped-call]  # unannotated there
+    get: Callable[[], object] = _active_collector.get  # unannotated there: its type, stated
+    collected = get()
     return isinstance(collected, dict) and "router_logits" in collected
 
 

@@ -75,7 +75,7 @@ class DPArguments:
     )
 
     def __post_init__(self) -> None:
-        super().__post_init__()  # type: ignore[misc]
+        super().__post_init__()  # type: ignore[misc]  # a mixin: TrainingArguments has it
         combined: Any = self  # the TrainingArguments side of the combined class
         combined.ignore_data_skip = True
         self.check_dp()

@@ -41,7 +41,7 @@ def _safe(check: Callable[..., Any]) -> Callable[..., Any]:
     outside = outside_transforms(check)
 
     @functools.wraps(outside)
-    def skipped_when_traced(*args: Any, **kwargs: Any) -> Any:
+    def skipped_when_traced(*args: Any, **kwargs: Any) -> object:
         import torch
 
         if torch.compiler.is_compiling():  # a constant to Dynamo: nothing else is traced

@@ -15,7 +15,7 @@ __all__ = ["TASKS", "base_model", "detect_task", "has_dropout", "per_example_los
 TASKS = ("causal_lm", "sequence_classification")
 
 
-def base_model(model: Any) -> Any:
+def base_model(model: Any) -> Any:  # Any: a transformers model, read by attribute
     """The underlying transformers model of a PEFT (or plain) model."""
     get = getattr(model, "get_base_model", None)
     return get() if callable(get) else model

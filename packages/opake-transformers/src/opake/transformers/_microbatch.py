@@ -45,6 +45,8 @@ from opake.profiling import (
 if TYPE_CHECKING:
     import torch
 
+    from opake.dpsgd.clipping import ClippedGradFn, ClipState
+
 __all__ = [
     "LIMIT_FRACTION",
     "MicrobatchChoice",
@@ -248,7 +250,7 @@ def trainer_microbatch(
         logical = largest_poisson_batch(logical_expected, logical_expected / n, n)
         largest = -(-logical // chunks)
 
-    def make_grad_fn(m: int) -> Any:
+    def make_grad_fn(m: int) -> tuple[ClippedGradFn, ClipState]:
         clip: Any = a.per_sample_max_grad_norm
         if a.clipping == "automatic":
             clip = AutoSClipping(clipping_norm=a.per_sample_max_grad_norm)

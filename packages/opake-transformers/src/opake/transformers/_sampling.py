@@ -128,7 +128,7 @@ def without_column(collate: Callable[[list[Any]], Any], column: str) -> Callable
     [{'x': 1}]
     """
 
-    def collate_records(rows: list[Any]) -> Any:
+    def collate_records(rows: list[Any]) -> Any:  # Any: what *collate* returns
         return collate(
             [
                 {k: v for k, v in r.items() if k != column} if isinstance(r, dict) else r

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, overload
 
 import torch
 from transformers import TrainerCallback
@@ -16,6 +16,8 @@ from transformers import TrainerCallback
 from opake.core.errors import ConfigurationError
 
 if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
     from opake.transformers._dp_mixin import DPTrainerMixin
 
 __all__ = ["DPStep", "PrivacyBudget", "log_setup"]
@@ -37,7 +39,13 @@ class DPStep(torch.optim.Optimizer):
         self.inner = inner
         self._trainer = trainer
 
-    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> NoReturn: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         if closure is not None:
             raise ConfigurationError("DPTrainer's optimizer step takes no closure")
         self._trainer._finish_step()
@@ -80,12 +88,24 @@ class PrivacyBudget(TrainerCallback):
     def __init__(self, trainer: DPTrainerMixin) -> None:
         self._trainer = trainer
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> TrainerControl:
         self._trainer._check_train_loader(kwargs.get("train_dataloader"))
         self._trainer._bind_params()
         return control
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> TrainerControl:
         state.epoch = state.global_step / self._trainer._steps_per_epoch()
         dp = self._trainer._dp
         if dp is not None and dp.exhausted and state.global_step < state.max_steps:

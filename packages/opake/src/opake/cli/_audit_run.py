@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from opake.core.errors import ConfigurationError, OpakePrivacyWarning
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from opake.auditing import AuditResult
@@ -73,7 +74,7 @@ class _Canaried:
         return {} if self.run is None else dict(self.run.params)
 
 
-def _canary_losses(model: Any, examples: Any, device: Any) -> Any:
+def _canary_losses(model: Any, examples: Any, device: Any) -> torch.Tensor:
     """Per-example mean next-token loss of each row (fp32, CPU)."""
     import torch
 
@@ -280,15 +281,18 @@ def _train(
     bar.close()
 
 
-def _scores(plan: RunPlan, model: Any, canaried: _Canaried) -> Any:
+def _scores(
+    plan: RunPlan, model: Any, canaried: _Canaried
+) -> dict[str, np.ndarray] | dict[str, torch.Tensor]:
     """Gradient canaries: the noisy sums along each direction (every attack); input canaries:
     the loss reduction from the initial model."""
     if canaried.run is not None:
-        return canaried.run.scores(
+        scores: dict[str, np.ndarray] = canaried.run.scores(  # a GradientCanaries run's
             _replay(canaried.total, plan, _max_batch(plan, canaried.total)),
             noise_multiplier=plan.noise_multiplier,
             sample_rate=plan.sample_rate,
         )
+        return scores
     after = _canary_losses(model, canaried.examples, plan.device)
     reduction = canaried.before - after
     if canaried.units is not None:  # a canary unit: the mean over its blocks

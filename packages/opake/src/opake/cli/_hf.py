@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 __all__ = ["quiet_transformers"]
 
 
@@ -9,4 +11,5 @@ def quiet_transformers() -> None:
     """Turn ``transformers``' progress bars off: the CLI's errors stay one line on stderr."""
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated there
+    disable_progress_bar: Callable[[], None] = hf_logging.disable_progress_bar  # unannotated there
+    disable_progress_bar()

@@ -13,6 +13,7 @@ Hugging Face directory (or an ``opake train`` output), a GGUF file (de-quantised
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -155,10 +156,10 @@ def load_model(
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            # _from_config (unannotated in transformers) also applies attn_implementation
-            model = LlamaForCausalLM._from_config(  # type: ignore[no-untyped-call]
-                config, attn_implementation="eager"
-            )
+            # _from_config (unannotated in transformers: its result, stated) also applies
+            # attn_implementation
+            from_config: Callable[..., LlamaForCausalLM] = LlamaForCausalLM._from_config
+            model = from_config(config, attn_implementation="eager")
     model.config.use_cache = False
     if lora_r is not None:
         from peft import LoraConfig, get_peft_model

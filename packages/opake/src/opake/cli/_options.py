@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "Option",
@@ -76,8 +76,12 @@ class Option:
     locked: bool = False
 
 
+#: a field's value type (what ``dataclasses.field(default=...)`` returns)
+_T = TypeVar("_T")
+
+
 def option(
-    default: Any,
+    default: _T,
     *,
     group: str,
     help: str | None = None,  # argparse's name
@@ -87,13 +91,13 @@ def option(
     exclusive: str | None = None,
     fallback: Any = None,
     locked: bool = False,
-) -> Any:
+) -> _T:
     """A dataclass field with *default* and its command-line :class:`Option`."""
     meta = Option(group, help, type, choices, metavar, exclusive, fallback, locked)
     return dataclasses.field(default=default, metadata={KEY: meta})
 
 
-def internal(default: Any) -> Any:
+def internal(default: _T) -> _T:
     """A dataclass field with *default* and no command-line option."""
     return dataclasses.field(default=default, metadata={KEY: None})
 

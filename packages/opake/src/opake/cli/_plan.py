@@ -456,7 +456,7 @@ def _check_resumed_settings(saved: Any, current: TrainSettings) -> None:
         )
 
 
-def _read_settings(path: Path) -> Any:
+def _read_settings(path: Path) -> object:  # any JSON value: the caller checks it
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

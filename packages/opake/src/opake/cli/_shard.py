@@ -14,6 +14,7 @@ processes.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError
@@ -115,7 +116,9 @@ def shard_model(plan: RunPlan, model: torch.nn.Module, ctx: Any) -> str:
     )
 
 
-def sharded_loss(model: Any, forward_kwargs: dict[str, Any], autocast: Any) -> Any:
+def sharded_loss(
+    model: Any, forward_kwargs: dict[str, Any], autocast: Any
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """``loss(ids)``: the per-example causal-LM losses ``[B]`` of the sharded model."""
     from opake.dpsgd.bookkeeping import causal_lm_losses
 
@@ -127,7 +130,7 @@ def sharded_loss(model: Any, forward_kwargs: dict[str, Any], autocast: Any) -> A
     return loss
 
 
-def full_model(plan: RunPlan, model: torch.nn.Module, is_main: bool) -> Any:
+def full_model(plan: RunPlan, model: torch.nn.Module, is_main: bool) -> torch.nn.Module | None:
     """The trained model, unsharded, on rank 0 (``None`` elsewhere): every rank gathers."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -139,6 +142,7 @@ def full_model(plan: RunPlan, model: torch.nn.Module, is_main: bool) -> Any:
         return None
     import torch
 
+    copy: torch.nn.Module  # the model _build_model builds: a transformers (or PEFT) module
     _, copy, _ = _build_model(plan, torch.device("cpu"))
     copy.load_state_dict(state)
     return copy

@@ -33,10 +33,15 @@ import shutil
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from opake.core.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["ModelSource", "gguf_cache_dir", "locate_model", "looks_like_hub_id", "model_help"]
 
@@ -197,9 +202,9 @@ def _convert_gguf(path: Path, target: Path, spec: str) -> Path:
             config = quantized.config
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
-            plain = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-                config, dtype=torch.float32
-            )
+            # transformers leaves from_config unannotated: its result, stated
+            from_config: Callable[..., PreTrainedModel] = AutoModelForCausalLM.from_config
+            plain = from_config(config, dtype=torch.float32)
             plain.load_state_dict(quantized.state_dict())
             del quantized
             plain.save_pretrained(scratch)

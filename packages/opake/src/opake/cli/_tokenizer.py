@@ -19,6 +19,7 @@ library by :meth:`ByteTokenizer.to_transformers`), so ``AutoTokenizer.from_pretr
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -95,7 +96,9 @@ class ByteTokenizer:
         backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         backend.decoder = decoders.ByteLevel()
-        return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # unannotated there
+        # transformers leaves the constructor unannotated (*args, **kwargs): its result, stated
+        fast: Callable[..., PreTrainedTokenizerFast] = PreTrainedTokenizerFast
+        return fast(
             tokenizer_object=backend,
             eos_token=EOS_TOKEN,
             model_max_length=10**9,

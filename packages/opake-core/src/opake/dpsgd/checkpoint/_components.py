@@ -182,9 +182,9 @@ def cuda_rng_states() -> list[torch.Tensor] | None:
     """Every CUDA device's RNG state; ``None`` while CUDA is not initialised (nothing to keep)."""
     import torch
 
-    # the one call of torch.cuda.is_initialized, which torch leaves unannotated
-    initialized: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    return torch.cuda.get_rng_state_all() if initialized else None
+    # torch leaves torch.cuda.is_initialized unannotated: its signature, stated
+    is_initialized: Callable[[], bool] = torch.cuda.is_initialized
+    return torch.cuda.get_rng_state_all() if is_initialized() else None
 
 
 def _rng_state() -> dict[str, Any]:

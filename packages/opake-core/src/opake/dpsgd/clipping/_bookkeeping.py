@@ -49,6 +49,7 @@ class BookkeepingEngine:
         self.check = check
         # hooks, a ContextVar of taps and host-side checks do not trace: a torch.compile that
         # falls back to eager (no fullgraph) must not compile these frames one by one either
+        # (mypy refuses assigning to a method: these instance attributes shadow the methods)
         disable: Callable[[Callable[..., Any]], Any] = torch.compiler.disable
         self.chunk = disable(self.chunk)  # type: ignore[method-assign]
         self.accumulate = disable(self.accumulate)  # type: ignore[method-assign]

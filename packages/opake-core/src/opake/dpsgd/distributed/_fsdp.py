@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 
     import torch
 
+    from opake.dpsgd.clipping import ClipState
+
 __all__ = ["ShardedDPOptimizer", "compute_template", "gather_full_params"]
 
 
@@ -352,7 +354,7 @@ class ShardedDPOptimizer(DistributedDPOptimizer):
         if isinstance(grad_fn, ShardedClippedGradFn):
             sharded = grad_fn
 
-            def grad_fn(_params: Any, *batch: Any, **kwargs: Any) -> Any:
+            def grad_fn(_params: Any, *batch: Any, **kwargs: Any) -> tuple[Any, ClipState]:
                 return sharded(*batch, **kwargs)
 
         return super().logical_step(grad_fn, params, batches, state=state)

@@ -161,10 +161,11 @@ class CompiledStep:
         assert total is not None  # at least one chunk, an empty batch's included
         return total, _merged(chunks, size), state
 
-    def _call(self, *args: Any, **kwargs: Any) -> Any:
+    def _call(self, *args: Any, **kwargs: Any) -> tuple[tuple[ClippedGrads, ClipAux], ClipState]:
         start = time.perf_counter()
         try:
-            out = self._compiled(*args, **kwargs)
+            # grad_fn's ((grads, aux), state): return_aux=True, a flat dict of params
+            out: tuple[tuple[ClippedGrads, ClipAux], ClipState] = self._compiled(*args, **kwargs)
         except Exception as err:
             failure = _compile_failure(err)
             if failure is None:
@@ -255,7 +256,7 @@ def _padded(
 
     pad = rows - (stop - start)
 
-    def cut(t: Any) -> Any:
+    def cut(t: object) -> object:
         if not isinstance(t, torch.Tensor):
             return t
         part = t[start:stop]
@@ -279,7 +280,7 @@ def _merged(chunks: list[tuple[ClipAux, torch.Tensor]], size: int) -> ClipAux:
     if len(auxes) == 1 and int(auxes[0].loss_values.shape[0]) == size:
         return auxes[0]
 
-    def rows(values: list[Any]) -> Any:
+    def rows(values: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(values)[:size]
 
     real = torch.stack([a.batch_size for a in auxes])

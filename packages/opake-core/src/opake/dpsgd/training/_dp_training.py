@@ -236,6 +236,7 @@ class DPTraining(TrainingState):
 
         microbatch_size, randomness, compile = how
         if self._shard is not None:
+            # a ShardedStep is called like the ClippedGradFn that TrainingViews declares
             self._grad_fn, self._clip_state = sharded_step(  # type: ignore[assignment]
                 loss_fn, self._shard, clipping_norm, microbatch_size, self._batch_args
             )

@@ -19,6 +19,7 @@ from opake.dpsgd.training._views import TrainingViews
 if TYPE_CHECKING:
     import os
 
+    from opake.dpsgd.checkpoint import Checkpoint
     from opake.dpsgd.clipping import ClipState
 
 _STATE_VERSION = 1
@@ -208,7 +209,7 @@ def save_sharded(
 
 def load_sharded(
     parts: Parts, path: str | os.PathLike[str], *, model: Any, rng: bool, collective: bool
-) -> Any:
+) -> Checkpoint:
     """``load()`` of a sharded training (``load_sharded_checkpoint``); returns the checkpoint."""
     from opake.dpsgd.distributed import load_sharded_checkpoint
 

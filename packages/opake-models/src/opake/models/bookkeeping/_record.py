@@ -201,8 +201,9 @@ def experts_forward(
         h = h + p[f"{first}_bias"][slots.expert]
     caught: dict[str, torch.Tensor] = {}
     if h.requires_grad:  # the backward computes δh anyway: keep it (else build recomputes it)
-        # torch leaves Tensor.register_hook unannotated
-        h.register_hook(lambda grad: caught.__setitem__("dh", grad.detach()))  # type: ignore[no-untyped-call]
+        # torch leaves Tensor.register_hook unannotated: its signature, stated
+        register_hook: Callable[[Callable[[torch.Tensor], None]], object] = h.register_hook
+        register_hook(lambda grad: caught.__setitem__("dh", grad.detach()))
     z = _gate(module)(h)
     down = _weight(module, p, "down_proj")
     y = _per_expert(z, down, slots.counts, transposed)

@@ -14,6 +14,7 @@ classes). Two ways in:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from opake.core.plugins import BookkeepingRule
@@ -117,8 +118,9 @@ def example() -> tuple[RuleExample, ...]:
     mixtral, gpt_oss = MixtralConfig(**sizes), GptOssConfig(**sizes)
     for config in (mixtral, gpt_oss):
         config._experts_implementation = "eager"  # fp64 references run the same code
-    # transformers leaves these two constructors unannotated
-    modules = (MixtralExperts(mixtral), GptOssExperts(gpt_oss))  # type: ignore[no-untyped-call]
+    # transformers leaves GptOssExperts' constructor unannotated: its signature, stated
+    gpt_oss_experts: Callable[[GptOssConfig], torch.nn.Module] = GptOssExperts
+    modules = (MixtralExperts(mixtral), gpt_oss_experts(gpt_oss))
     return tuple(
         RuleExample(_routed(module, 8, seed), width=8) for seed, module in enumerate(modules)
     )

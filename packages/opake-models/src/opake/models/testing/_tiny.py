@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from opake.models._registry import family_spec
@@ -38,8 +39,7 @@ def tiny_model(
     config = AutoConfig.for_model(spec.model_types[0], **kwargs)
     auto = AutoModelForCausalLM if spec.task == "causal_lm" else AutoModelForSequenceClassification
     torch.manual_seed(seed)
-    # transformers leaves the auto classes' from_config unannotated
-    model: torch.nn.Module = auto.from_config(  # type: ignore[no-untyped-call]
-        config, attn_implementation=attn_implementation
-    )
+    # transformers leaves the auto classes' from_config unannotated: its result, stated
+    from_config: Callable[..., torch.nn.Module] = auto.from_config
+    model = from_config(config, attn_implementation=attn_implementation)
     return model.eval()

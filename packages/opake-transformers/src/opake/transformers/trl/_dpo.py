@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from trl.trainer.dpo_trainer import DPOTrainer
@@ -37,6 +37,13 @@ from opake.transformers.losses import (
 from opake.transformers.trl._config import DPDPOConfig
 from opake.transformers.trl._refusals import check_built, check_dpo_config
 from opake.transformers.trl._truncation import Truncation, count_dpo, report, with_counts
+
+if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
+
+    #: TRL's ``compute_ref_log_probs(model, inputs)`` (the model as TRL holds it): the chosen
+    #: and rejected log-probabilities
+    _RefLogProbs = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
 
 __all__ = ["DPDPOTrainer", "PreferenceRows"]
 
@@ -147,7 +154,9 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
     def _send_telemetry(self) -> None:
         """Opake's DP trainers send nothing anywhere."""
 
-    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, name: str) -> Any:
+    def _prepare_dataset(
+        self, dataset: Any, processing_class: Any, args: Any, name: str
+    ) -> Dataset | IterableDataset:
         """TRL's preparation without its ``max_length`` filter, counted, then filtered as TRL
         does (a record whose prompt alone fills ``max_length`` is dropped, ``keep_start``)."""
         import datasets
@@ -265,7 +274,9 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
         # TRL's function runs the model it is given (the adapters disabled when there is no
         # reference model and the policy is a PEFT model): the reference, never the policy
         reference = self.ref_model if self.ref_model is not None else self.model
-        chosen, rejected = self.compute_ref_log_probs(reference, inputs)  # type: ignore[no-untyped-call]
+        # TRL leaves compute_ref_log_probs unannotated: its signature, stated
+        compute: _RefLogProbs = self.compute_ref_log_probs
+        chosen, rejected = compute(reference, inputs)
         return chosen.detach().float(), rejected.detach().float()
 
     def _record(self, margins: torch.Tensor, mask: torch.Tensor | None) -> None:
@@ -290,9 +301,9 @@ def _needs_reference_copy(model: Any, config: DPDPOConfig, kwargs: Mapping[str, 
     return not peft
 
 
-def _frozen_copy(model: Any) -> Any:
+def _frozen_copy(model: Any) -> torch.nn.Module:
     """The reference model: a copy of the initial policy, frozen and in eval mode."""
-    reference = copy.deepcopy(model)
+    reference: torch.nn.Module = copy.deepcopy(model)  # the policy: a transformers/PEFT module
     reference.requires_grad_(False)
     return reference.eval()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from trl.trainer.sft_trainer import SFTTrainer
@@ -27,6 +27,9 @@ from opake.transformers.losses import completion_losses, loss_only_available
 from opake.transformers.trl._config import DPSFTConfig
 from opake.transformers.trl._refusals import check_built, check_sft_config
 from opake.transformers.trl._truncation import Truncation, count_sft, report, with_counts
+
+if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
 
 __all__ = ["DPSFTTrainer"]
 
@@ -104,7 +107,7 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
         packing: bool,
         formatting_func: Callable[[dict[str, Any]], str] | None,
         dataset_name: str,
-    ) -> Any:
+    ) -> Dataset | IterableDataset:
         """TRL's preparation, in two passes to count truncation: tokenise and label without
         ``max_length``, count, then let TRL truncate (its preparation skips the done steps)."""
         import datasets

@@ -3,6 +3,7 @@ rule, ``Σ_t x_t ⊗ g_t``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from opake.core.plugins import BookkeepingRule
@@ -42,8 +43,9 @@ def example() -> RuleExample:
     """A ``Conv1D(6, 8)`` (8 inputs, 6 outputs) over 5 tokens."""
     from transformers.pytorch_utils import Conv1D
 
-    # transformers leaves Conv1D's constructor unannotated
-    return RuleExample(Conv1D(6, 8), width=8)  # type: ignore[no-untyped-call]
+    # transformers leaves Conv1D's constructor unannotated: Conv1D(nf, nx), stated
+    conv1d: Callable[[int, int], torch.nn.Module] = Conv1D
+    return RuleExample(conv1d(6, 8), width=8)
 
 
 RULE = BookkeepingRule(

@@ -211,6 +211,7 @@ class _CheckedEngine(BookkeepingEngine):
             super().accumulate(out, factors, sums)
             return
         view = _ScatteringSums(sums, self.scatter)
+        # a read-only Mapping, not the declared dict: the engine only looks sums up (adds in place)
         super().accumulate(out, factors, view)  # type: ignore[arg-type]
         view.flush()
 

@@ -10,7 +10,7 @@ gather of everything.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from opake.core.errors import ConfigurationError, InputTypeError
 from opake.dpsgd.bookkeeping._plan import BookkeepingPlan, bookkeeping_plan
@@ -18,6 +18,7 @@ from opake.dpsgd.distributed._rows import _is_sharded
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "FALLBACK_RULE",
@@ -32,7 +33,7 @@ __all__ = [
 FALLBACK_RULE = "per_layer"
 
 
-def mesh_group(model: object) -> Any:  # Any: a ProcessGroup
+def mesh_group(model: object) -> ProcessGroup:
     """The process group of the module's one 1-D device mesh; raises when it is not sharded."""
     import torch
 
