@@ -55,4 +55,6 @@ def test_the_output_generates_with_a_pipeline(run_dir):
         out = generate("def f", max_new_tokens=4, do_sample=False)
     text = out[0]["generated_text"]
     assert text.startswith("def f")
-    assert len(text.encode("utf-8")) <= len("def f") + 4 + 3  # four byte tokens at most
+    # four byte tokens at most: each decodes to at most one character (a lone byte that is not
+    # valid UTF-8 becomes U+FFFD, three bytes in UTF-8: which bytes come depends on the run's noise)
+    assert len(text) <= len("def f") + 4
