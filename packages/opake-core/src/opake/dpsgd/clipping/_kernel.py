@@ -41,12 +41,15 @@ _reported: set[str] = set()
 def torch_clip_accumulate(
     grads: Sequence[torch.Tensor], factors: torch.Tensor, sums: Sequence[torch.Tensor]
 ) -> str:
-    """The torch path: ``sums[j] += factors[:, j] @ nan_to_num(fp32(grads[j]))`` per leaf."""
+    """The torch path: ``sums[j] += factors[:, j] @ nan_to_num(fp32(grads[j]))`` per leaf (fp64
+    gradients: scaled and summed in fp64, then rounded to fp32 once)."""
     import torch
 
     for j, (g, total) in enumerate(zip(grads, sums, strict=True)):
-        flat = g.reshape(g.shape[0], -1).to(torch.float32).nan_to_num(0.0, 0.0, 0.0)
-        total.add_((factors[:, j].to(flat) @ flat).reshape(total.shape))
+        wide = torch.float64 if g.dtype == torch.float64 else torch.float32
+        flat = g.reshape(g.shape[0], -1).to(wide).nan_to_num(0.0, 0.0, 0.0)
+        contrib = (factors[:, j].to(flat) @ flat).to(torch.float32)
+        total.add_(contrib.reshape(total.shape))
     return _REFERENCE
 
 

@@ -269,8 +269,10 @@ class VmapEngine:
         names = self.names
         if compiling():  # products and sums, no matrix product (see ._compiled)
             for j, name in enumerate(names):
-                g = grads[name].reshape(leaf_factor.shape[0], -1).to(torch.float32)
-                contrib = (leaf_factor[:, j, None] * g.nan_to_num(0.0, 0.0, 0.0)).sum(dim=0)
+                g = grads[name].reshape(leaf_factor.shape[0], -1)
+                wide = torch.float64 if g.dtype == torch.float64 else torch.float32
+                g = g.to(wide).nan_to_num(0.0, 0.0, 0.0)
+                contrib = (leaf_factor[:, j, None].to(wide) * g).sum(dim=0).to(torch.float32)
                 sums[name] = sums[name] + contrib.reshape(sums[name].shape)
             return
         if not self.differentiable and names and kernel_runs_on(leaf_factor.device):
@@ -279,14 +281,19 @@ class VmapEngine:
             return
         m = leaf_factor.shape[0]
         for j, name in enumerate(names):
-            g = grads[name].reshape(m, -1).to(torch.float32)
+            # fp64 gradients are scaled in fp64 and rounded to fp32 once, after the factor: a
+            # conversion first would let the factor (> 1 for AUTO-S) multiply its absolute
+            # error in fp32's subnormal range, or meet an infinity (proof, section 2)
+            raw = grads[name].reshape(m, -1)
+            wide = torch.float64 if raw.dtype == torch.float64 else torch.float32
+            g = raw.to(wide)
             # a non-finite example has factor 0, but 0·NaN = NaN: zero its entries first
             # (in place when that is safe: a contiguous tensor this call owns)
             if self.differentiable or not g.is_contiguous():
                 g = g.nan_to_num(0.0, 0.0, 0.0)
             else:
                 g.nan_to_num_(0.0, 0.0, 0.0)
-            contrib = (leaf_factor[:, j] @ g).reshape(sums[name].shape)
+            contrib = (leaf_factor[:, j].to(wide) @ g).to(torch.float32).reshape(sums[name].shape)
             if self.differentiable:
                 sums[name] = sums[name] + contrib
             else:

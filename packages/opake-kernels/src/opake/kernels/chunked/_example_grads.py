@@ -328,16 +328,19 @@ class LinearCEExampleGrads:
             tg = tg * w[:, None]
             vocab, hsize = self.shape
             dev = hidden.device
-            gw = torch.zeros(vocab, hsize, dtype=_F32, device=dev)
+            # fp64 hidden states: contracted in fp64 and rounded to fp32 once (an fp32 copy of
+            # them could overflow, or carry a subnormal-range error the scaled side multiplies)
+            wide = torch.float64 if hidden.dtype == torch.float64 else _F32
+            gw = torch.zeros(vocab, hsize, dtype=wide, device=dev)
             gb = None if self.bias is None else torch.zeros(vocab, dtype=_F32, device=dev)
             for e0, e1 in self._groups():
-                hf = hidden[e0:e1].reshape(-1, hsize).to(_F32)
+                hf = hidden[e0:e1].reshape(-1, hsize).to(wide)
                 for v0, v1, d in self._dlogit_tiles(e0, e1, tg, hidden, lse):
                     d2 = d.reshape(-1, v1 - v0)
-                    gw[v0:v1].addmm_(d2.t(), hf)
+                    gw[v0:v1].addmm_(d2.t().to(wide), hf)
                     if gb is not None:
                         gb[v0:v1] += d2.sum(0)
-        return gw, gb
+        return gw.to(_F32), gb
 
     # ------------------------------------------------------------------ cross terms
     def project(self, other: Tensor) -> Tensor:

@@ -39,6 +39,7 @@ __all__ = [
     "kept_hidden_grad",
     "kept_norms",
     "kept_weighted_sum",
+    "wide_contraction",
 ]
 
 Tensor = torch.Tensor
@@ -231,18 +232,21 @@ def gram_form_weighted_sum(
     rows = None if keep is None else keep.repeat_interleave(steps)
     if rows is not None:
         scale = torch.where(rows, scale, 0.0)
-    gw = torch.zeros(vocab, hsize, dtype=_F32, device=hidden.device)
+    # fp64 hidden states: scaled and contracted in fp64, rounded to fp32 once (see
+    # wide_contraction)
+    wide = torch.float64 if hidden.dtype == torch.float64 else _F32
+    gw = torch.zeros(vocab, hsize, dtype=wide, device=hidden.device)
     tt = kept.tile
     buf = torch.empty(min(tt, n), vocab, dtype=_F32, device=hidden.device)
     for t0, t1, z, _out, _tok, _lse in _unit_grad_tiles(
         h2, weight, labels.reshape(-1), spec, bias=None, tile=tt, into=buf
     ):
-        hs = h2[t0:t1].to(_F32)
+        hs = h2[t0:t1].to(wide)
         if rows is not None:  # a dropped example's hidden states or u may be NaN/Inf
             z.masked_fill_(~rows[t0:t1].unsqueeze(1), 0.0)
             hs = torch.where(rows[t0:t1].unsqueeze(1), hs, 0.0)
-        gw.addmm_(z.t(), hs * scale[t0:t1].unsqueeze(1))
-    return gw
+        gw.addmm_(z.t().to(wide), hs * scale[t0:t1].to(wide).unsqueeze(1))
+    return gw.to(_F32)
 
 
 def kept_hidden_grad(kept: KeptLogitGrads, weight: Tensor, token_grads: Tensor) -> Tensor:
@@ -336,7 +340,28 @@ def kept_weighted_sum(
     if keep is not None and not bool(keep.all()):
         rows = keep.repeat_interleave(steps).nonzero().squeeze(1)
         u, h2, scale = u.index_select(0, rows), h2.index_select(0, rows), scale[rows]
-    hs = h2.to(_F32) * scale.unsqueeze(1)
-    gw = u.t() @ hs
     gb = u.t() @ scale if bias else None
-    return gw, gb
+    if h2.dtype == torch.float64:  # scaled and contracted in fp64, rounded to fp32 once
+        return wide_contraction(u, h2 * scale.double().unsqueeze(1)), gb
+    hs = h2.to(_F32) * scale.unsqueeze(1)
+    return u.t() @ hs, gb
+
+
+def wide_contraction(d: Tensor, hs: Tensor, tile: int = 4096) -> Tensor:
+    """``fp32(dᵀ hs)`` for fp32 ``d [N, V]`` and fp64 ``hs [N, H]``: the product in fp64 (tiles
+    of ``tile`` rows of ``d`` converted at a time), rounded to fp32 once.
+
+    An fp64 side converted to fp32 *before* it is scaled would carry an absolute error (fp32's
+    subnormal range) that the clip factor and the upstream gradient then multiply, or overflow
+    to an infinity: the clipping proof (section 7) counts the scaled side as within three
+    roundings of ``w·b_t``, which holds only when the scaling comes first.
+
+    >>> import torch
+    >>> d, hs = torch.ones(3, 2), torch.full((3, 1), 1e39, dtype=torch.float64)
+    >>> wide_contraction(d, hs * 1e-39).tolist()
+    [[3.0], [3.0]]
+    """
+    out = torch.zeros(d.shape[1], hs.shape[1], dtype=torch.float64, device=hs.device)
+    for t0 in range(0, d.shape[0], tile):
+        out.addmm_(d[t0 : t0 + tile].t().double(), hs[t0 : t0 + tile])
+    return out.to(_F32)

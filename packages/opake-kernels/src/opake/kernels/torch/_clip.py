@@ -84,6 +84,10 @@ def clip_accumulate(
     check_clip_args(grads, factors, sums)
     table = factors.to(torch.float32)
     for j, (g, total) in enumerate(zip(grads, sums, strict=True)):
-        flat = g.reshape(g.shape[0], -1).to(torch.float32).nan_to_num(0.0, 0.0, 0.0)
-        total.add_((table[:, j].to(flat.device) @ flat).reshape(total.shape))
+        # fp64 gradients: scaled and summed in fp64, rounded to fp32 once (a conversion before
+        # the factor would let a factor above 1 multiply its subnormal-range error)
+        wide = torch.float64 if g.dtype == torch.float64 else torch.float32
+        flat = g.reshape(g.shape[0], -1).to(wide).nan_to_num(0.0, 0.0, 0.0)
+        contrib = (table[:, j].to(device=flat.device, dtype=wide) @ flat).to(torch.float32)
+        total.add_(contrib.reshape(total.shape))
     return "torch"
