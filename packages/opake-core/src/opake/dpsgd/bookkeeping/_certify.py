@@ -281,7 +281,10 @@ def _inner_dense_outer(
         inner = (mb * v.a.double()).sum(dim=(1, 2))
     n_m, (s, pa, pb) = cm.norm_up, cv.sums
     root = math.sqrt(rows * cols)
-    err = gamma64(rows + cols + cv.steps + 2) * n_m * s
+    # each term passes through the einsum's sum over ``cols`` and the final sum over the
+    # ``steps·rows`` products (``steps`` gathered ones for indexed pieces): at most
+    # ``cols + steps·rows`` roundings, plus the product's and the conversion's
+    err = gamma64(cols + cv.steps * rows + 2) * n_m * s
     err = err + ETA * (root * s + n_m * (math.sqrt(cols) * pa + math.sqrt(rows) * pb))
     err = err + cv.steps * ETA * ETA * root * n_m
     return inner, err * (1.0 + SAFE)
