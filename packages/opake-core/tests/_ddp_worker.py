@@ -247,8 +247,10 @@ def fsdp_two_models(rank: int, world_size: int) -> dict[str, Any]:
     return {"mesh_objects": objects, "error": error}
 
 
-def train_adaptive(rank: int, world_size: int) -> dict[str, Any]:
-    """Adaptive clipping through logical_step: the bound follows the count of all ranks."""
+def train_adaptive(rank: int, world_size: int, *, secure: bool = False) -> dict[str, Any]:
+    """Adaptive clipping through logical_step: the bound follows the count of all ranks
+    (``secure``: secure noise and a state without a seed, whose count noise rank 0 draws
+    from its secure source and broadcasts)."""
     from opake.dpsgd.clipping import AdaptiveClipping, clipped_grad
     from opake.dpsgd.sampling import PoissonSampler
     from opake.functional import make_functional
@@ -261,11 +263,15 @@ def train_adaptive(rank: int, world_size: int) -> dict[str, Any]:
         model,
         sampler=sampler,
         noise_multiplier=SIGMA,
-        seed=NOISE_SEED,
+        seed=None if secure else NOISE_SEED,
     )
     fmodel, params = make_functional(model)
     start = AdaptiveClipping(
-        0.5, count_noise_multiplier=1.0, expected_batch_size=N * Q, learning_rate=0.5, seed=5
+        0.5,
+        count_noise_multiplier=1.0,
+        expected_batch_size=N * Q,
+        learning_rate=0.5,
+        seed=None if secure else 5,
     )
     grad_fn, state = clipped_grad(mlp_loss(fmodel), clipping_norm=start, batch_argnums=(1, 2))
     bounds = []
@@ -496,6 +502,9 @@ def scenario_train(rank: int, world_size: int, out: Path) -> None:
         )
     )
     results["adaptive"] = timed("adaptive", lambda: train_adaptive(rank, world_size))
+    results["adaptive_secure"] = timed(
+        "adaptive_secure", lambda: train_adaptive(rank, world_size, secure=True)
+    )
     results["fsdp"] = timed("fsdp", lambda: train_fsdp(rank, world_size))
     results["fsdp_adam"] = timed("fsdp_adam", lambda: train_fsdp(rank, world_size, optim="adam"))
     results["fsdp_secure"] = timed(

@@ -175,6 +175,14 @@ def test_adaptive_clipping_bound_uses_the_count_of_all_ranks(train):
     _close(train[0]["adaptive"]["params"], single["params"], atol=2e-6)
 
 
+def test_adaptive_clipping_without_a_seed_shares_rank_0s_secure_count_noise(train):
+    # secure noise (broadcast from rank 0) and an unseeded state: one count noise per step,
+    # drawn by rank 0 and broadcast, so every rank keeps the same bound
+    bounds = [train[r]["adaptive_secure"]["bounds"] for r in range(2)]
+    assert bounds[0] == bounds[1]
+    assert len(set(bounds[0])) == W.STEPS
+
+
 def test_fsdp2_sharded_parameters_equal_the_oracle(train, oracle):
     # FSDP2 (fully_shard) on gloo: parameters and optimizer state sharded at rest, gathered
     # for the per-example step, sums reduce-scattered, each rank adds its rows of one draw

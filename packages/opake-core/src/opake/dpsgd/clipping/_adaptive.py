@@ -50,8 +50,13 @@ class AdaptiveClipping(ClipState):
     count_noise_multiplier=σ_b)`` (see :meth:`noise_split`); Andrew et al. suggest
     ``σ_b = expected_batch_size / 20``.
 
-    ``seed=None`` draws the count noise from the OS entropy pool (``random.SystemRandom``);
-    an integer seed makes it reproducible (derived from ``(seed, step)``). ``step`` counts
+    The count noise is the ``unit_noise`` :meth:`end_step` is given, times σ_b: ``DPTraining``
+    and the optimizers' ``logical_step`` pass ``DPOptimizer.count_noise(step)``, drawn from the
+    run's random source (secure unless the run is seeded; with several ranks drawn once and
+    shared). Without it, the OS entropy pool (``random.SystemRandom``). An integer ``seed``
+    makes it reproducible and **not private** (derived from ``(seed, step)``: whoever knows
+    the seed recovers each step's exact count from the clipping norms), so a run with secure
+    noise refuses it. ``step`` counts
     completed logical steps; ``pending_count`` is the centred count accumulated in the current
     step (a tensor between physical batches, a float after :meth:`to_dict`).
 
@@ -145,13 +150,17 @@ class AdaptiveClipping(ClipState):
         return replace(self, pending_count=self.pending_count + centred_count)
 
     def end_step(
-        self, *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self,
+        *,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        unit_noise: float | None = None,
     ) -> AdaptiveClipping:
         """Close a logical step: noise the pending count once and update C geometrically.
 
         ``reduce`` (e.g. an all-reduce sum across data-parallel ranks) is applied to the pending
-        count first; every rank must then draw the same noise, so give the state an integer
-        ``seed`` shared by all ranks in distributed training. Costs one host sync.
+        count first; every rank must then add the same noise: pass ``unit_noise``, one
+        standard normal value every rank holds (``opt.count_noise(state.step)`` of a
+        distributed optimizer: drawn once, broadcast). Costs one host sync.
         """
         import torch
 
@@ -160,11 +169,18 @@ class AdaptiveClipping(ClipState):
             count = torch.tensor(float(count), dtype=torch.float64)
         if reduce is not None:
             count = reduce(count)
-        if self.seed is None:
-            rng: random.Random = random.SystemRandom()
-        else:
+        if self.seed is not None:  # explicit and reproducible: not private
+            if unit_noise is not None:
+                raise ConfigurationError(
+                    f"AdaptiveClipping(seed={self.seed}).end_step(unit_noise=...): the count "
+                    "noise comes from the seed; pass one or the other"
+                )
             rng = random.Random(f"opake.adaptive-clipping:{self.seed}:{self.step}")
-        noise = rng.gauss(0.0, self.count_noise_multiplier)
+            noise = rng.gauss(0.0, self.count_noise_multiplier)
+        elif unit_noise is not None:
+            noise = float(unit_noise) * self.count_noise_multiplier
+        else:
+            noise = random.SystemRandom().gauss(0.0, self.count_noise_multiplier)
         fraction = (float(count.item()) + noise) / self.expected_batch_size + 0.5
         new_norm = self.clipping_norm * math.exp(
             -self.learning_rate * (fraction - self.target_quantile)

@@ -218,10 +218,14 @@ class ClipState(abc.ABC):
         return self
 
     def end_step(
-        self, *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self,
+        *,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        unit_noise: float | None = None,
     ) -> ClipState:
-        """End a logical step (``reduce``: e.g. an all-reduce of a pending count across ranks);
-        a method without step-to-step state returns ``self``."""
+        """End a logical step (``reduce``: e.g. an all-reduce of a pending count across ranks;
+        ``unit_noise``: a standard normal value drawn by the caller for a step's own noise, see
+        ``DPOptimizer.count_noise``); a method without step-to-step state returns ``self``."""
         return self
 
     @abc.abstractmethod

@@ -292,8 +292,9 @@ class DistributedDPOptimizer(DPOptimizer):
 
         The ``reduce=`` hook of ``AdaptiveClipping.end_step``: with adaptive clipping and
         manual :meth:`accumulate`/:meth:`step`, call ``grad_fn(..., end_step=False)`` for every
-        physical batch and then ``state = state.end_step(reduce=opt.all_reduce_sum)`` on every
-        rank (:meth:`logical_step` does this for you).
+        physical batch and then ``state = state.end_step(reduce=opt.all_reduce_sum,
+        unit_noise=opt.count_noise(state.step))`` on every rank (:meth:`logical_step` does this
+        for you).
         """
         import torch
         import torch.distributed as dist
@@ -394,23 +395,42 @@ class DistributedDPOptimizer(DPOptimizer):
         """:meth:`DPOptimizer.logical_step` on this rank's physical batches, then reduce.
 
         With :class:`~opake.dpsgd.clipping.AdaptiveClipping` the clipping bound is updated
-        once, from the count summed over all ranks (``end_step(reduce=self.all_reduce_sum)``),
-        so every rank keeps the same bound; the state needs an integer ``seed`` shared by all
-        ranks (its count noise is then identical everywhere).
+        once, from the count summed over all ranks, with one count noise drawn by rank 0 from
+        its noise source and broadcast (``end_step(reduce=self.all_reduce_sum,
+        unit_noise=self.count_noise(state.step))``), so every rank keeps the same bound. A
+        state with an integer ``seed`` (public count noise) is refused when the noise is
+        secure.
         """
         from opake.dpsgd.clipping import AdaptiveClipping
 
         if self._world_size == 1 or not isinstance(state, AdaptiveClipping):
             return super().logical_step(grad_fn, params, batches, state=state)
-        if state.seed is None:
+        if state.seed is not None and bool(getattr(self.noise, "secure", False)):
             raise ConfigurationError(
-                "AdaptiveClipping(seed=None) with several ranks: each rank would draw different "
-                "count noise and their clipping bounds would drift apart; give the state an "
-                "integer seed shared by all ranks"
+                f"AdaptiveClipping(seed={state.seed}) with secure noise: its count noise would "
+                "come from that public seed, so whoever holds it recovers each step's exact "
+                "count from the clipping norms and the reported ε does not hold; drop seed= "
+                "(the ranks then share one count noise drawn by rank 0)"
             )
 
         def local_grad_fn(*args: Any, end_step: bool = True, **kwargs: Any) -> object:
             return grad_fn(*args, end_step=False, **kwargs)
 
         report, state = super().logical_step(local_grad_fn, params, batches, state=state)
-        return report, state.end_step(reduce=self.all_reduce_sum)
+        unit = None if state.seed is not None else self.count_noise(state.step)
+        return report, state.end_step(reduce=self.all_reduce_sum, unit_noise=unit)
+
+    def count_noise(self, step: int) -> float:
+        """Adaptive clipping's count noise for ``step``, identical on every rank: rank 0 draws
+        it from its noise source (the OS entropy pool if that has none) and broadcasts it."""
+        import random
+
+        import torch
+
+        value = super().count_noise(step) if self._rank == 0 else 0.0
+        if value is None:
+            value = random.SystemRandom().gauss(0.0, 1.0)
+        shared = torch.tensor([value], dtype=torch.float64, device=self._comm)
+        if self._world_size > 1:
+            broadcast_tensors([shared], src=0, group=self._group, device=self._comm)
+        return float(shared[0])

@@ -23,6 +23,8 @@ from opake.dpsgd.optimizer._options import (
     _positive_float,
     _resolve_noise,
     _sample_rate,
+    check_sampler_rate,
+    count_noise,
 )
 from opake.dpsgd.optimizer._physical import (
     _accepts_keyword,
@@ -141,6 +143,8 @@ class DPOptimizer:
         self._expected_batch_size, self._sample_rate = _divisor_and_rate(
             expected_batch_size, sample_rate, accountant
         )
+        # the rate the sampler draws every batch at: the only one the accountant may record
+        self._sampler_rate = self._sample_rate if sampler is not None else None
         self.accountant = accountant
         self.delta = _check_delta(delta, accountant)
         self._accounting = _accounting_options(
@@ -190,12 +194,18 @@ class DPOptimizer:
 
     @sample_rate.setter
     def sample_rate(self, value: float) -> None:
-        self._sample_rate = _sample_rate(value)
+        rate = _sample_rate(value)
+        check_sampler_rate(self._sampler_rate, rate, "sample_rate")
+        self._sample_rate = rate
 
     @property
     def steps(self) -> int:
         """Logical steps taken so far."""
         return self._steps
+
+    def count_noise(self, step: int) -> float | None:
+        """Adaptive clipping's count noise for ``step`` (:func:`._options.count_noise`)."""
+        return count_noise(self.noise, step)
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -455,6 +465,7 @@ class DPOptimizer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (validated first; nothing changes on error)."""
         saved = _checked_state(state, list(self._params), self.noise)
+        check_sampler_rate(self._sampler_rate, saved.sample_rate, "the checkpoint's sample_rate")
         self.optimizer.load_state_dict(state["optimizer"])
         if saved.noise is not None:
             self.noise.load_state_dict(saved.noise)

@@ -39,6 +39,43 @@ def _sample_rate(value: object) -> float:
     return rate
 
 
+def check_sampler_rate(bound: float | None, rate: float | None, what: str) -> None:
+    """Refuse a rate other than ``bound``, the rate of the sampler a ``DPOptimizer`` was built
+    from (``None``: no sampler): the accountant would record a q the batches are not drawn at
+    and report a wrong ε.
+
+    >>> check_sampler_rate(0.1, 0.1, "sample_rate")
+    >>> check_sampler_rate(None, 0.5, "sample_rate")
+    """
+    if bound is None or (rate is not None and math.isclose(rate, bound, rel_tol=1e-12)):
+        return
+    raise ConfigurationError(
+        f"{what}={rate!r}, but this DPOptimizer was built from a sampler that draws every batch "
+        f"at q = {bound!r}: the accountant must record the rate the batches are drawn at. "
+        "Build a new sampler (and optimizer) with the new rate, or build the optimizer without "
+        "sampler= and account the rate yourself"
+    )
+
+
+def count_noise(noise: Any, step: int) -> float | None:
+    """One standard normal value for adaptive clipping's count at logical step ``step``, from
+    ``noise``'s random source (its stream ``"count"``: secure when the noise is), or ``None``
+    when the noise object has no :class:`~opake.dpsgd.randomness.Randomness`.
+
+    >>> from opake.dpsgd.noise import GaussianNoise
+    >>> count_noise(GaussianNoise(1.0, seed=0), 3) == count_noise(GaussianNoise(2.0, seed=0), 3)
+    True
+    """
+    import torch
+
+    from opake.dpsgd.randomness import Randomness
+
+    source = getattr(noise, "randomness", None)
+    if not isinstance(source, Randomness):
+        return None
+    return float(source.normal("count", step, 1, dtype=torch.float64)[0])
+
+
 def _name_parameters(
     optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor] | torch.nn.Module
 ) -> dict[str, torch.Tensor]:

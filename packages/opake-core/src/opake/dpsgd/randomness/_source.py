@@ -50,6 +50,7 @@ STREAMS = {
     "truncate": 0x5472756E,
     "shuffle": 0x53687566,
     "cap": 0x43617073,
+    "count": 0x436F756E,
 }
 _SEED_LABEL = b"opake.randomness.seeded.v1:"
 _FINGERPRINT_LABEL = b"opake.randomness.fingerprint.v1:"

@@ -27,6 +27,8 @@ from opake.dpsgd.training._options import (
     _physical_batch,
     _positive,
     _rate,
+    check_count_seed,
+    step_count_noise,
 )
 from opake.dpsgd.training._persist import TrainingState
 from opake.dpsgd.training._result import PrivacyBudgetExhausted, StepResult, _result
@@ -211,6 +213,7 @@ class DPTraining(TrainingState):
             how=(microbatch_size, randomness, compile),
             units=units,
         )
+        check_count_seed(self._clip_state, self._secure)
         parts = (self._sampler, self._accountant, self._clip_state)
         how = (group, sigma, seed, offload_state, unused_params)
         target = module if module is not None else params
@@ -386,7 +389,10 @@ class DPTraining(TrainingState):
         except BaseException:
             self.zero_grad()
             raise
-        self._clip_state = self._clip_state.end_step(reduce=self._optimizer.all_reduce_sum)
+        unit = step_count_noise(self._clip_state, self._optimizer)
+        self._clip_state = self._clip_state.end_step(
+            reduce=self._optimizer.all_reduce_sum, unit_noise=unit
+        )
         result = _result(report, self._pending_aux)
         self._pending_aux, self._step_state = [], None
         self._units.reset()

@@ -384,3 +384,30 @@ def _physical_batch(item: object) -> tuple[tuple[Any, ...], Any, Any, Any]:
     raise InputTypeError(
         f"physical batch {type(item).__name__}: expected a tuple of batched arguments"
     )
+
+
+def check_count_seed(clip_state: object, secure: bool) -> None:
+    """Refuse adaptive clipping with a public count-noise seed in a run with secure noise."""
+    seed = getattr(clip_state, "seed", None)
+    if (
+        secure
+        and getattr(clip_state, "count_noise_multiplier", None) is not None
+        and seed is not None
+    ):
+        raise ConfigurationError(
+            f"AdaptiveClipping(seed={seed}) in a run with secure noise: its count noise would "
+            "come from that public seed, so whoever holds it (it is in every checkpoint) "
+            "recovers each step's exact count from the clipping norms and the reported ε does "
+            "not hold; drop seed= (the count noise then comes from the run's secure source), or "
+            "seed the whole run (DPTraining(seed=...): reproducible, not private)"
+        )
+
+
+def step_count_noise(clip_state: object, optimizer: Any) -> float | None:
+    """The ``unit_noise`` of an adaptive state's ``end_step`` (``None``: none needed)."""
+    if getattr(clip_state, "count_noise_multiplier", None) is None:
+        return None
+    if getattr(clip_state, "seed", None) is not None:
+        return None  # a seeded state (a seeded run) draws its own
+    noise: float | None = optimizer.count_noise(int(getattr(clip_state, "step", 0)))
+    return noise
