@@ -18,7 +18,7 @@ Names are imported on first use (``import opake.transformers`` does not import t
 
 >>> import opake.transformers as ot
 >>> sorted(ot.__all__)
-['DPDataCollator', 'DPTrainer', 'DPTrainingArguments', 'DP_STATE_FILE']
+['DPDataCollator', 'DPTrainer', 'DPTrainingArguments', 'DP_STATE_FILE', 'length_dependent_rope']
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from opake.transformers._args import DPTrainingArguments
     from opake.transformers._collate import DPDataCollator
+    from opake.transformers._positions import length_dependent_rope
     from opake.transformers._trainer import DP_STATE_FILE, DPTrainer
 
 _LAZY = {
@@ -35,6 +36,7 @@ _LAZY = {
     "DP_STATE_FILE": "_trainer",
     "DPTrainingArguments": "_args",
     "DPDataCollator": "_collate",
+    "length_dependent_rope": "_positions",
 }
 
 
@@ -49,4 +51,10 @@ def __getattr__(name: str) -> object:
     return value
 
 
-__all__ = ["DP_STATE_FILE", "DPDataCollator", "DPTrainer", "DPTrainingArguments"]
+__all__ = [
+    "DP_STATE_FILE",
+    "DPDataCollator",
+    "DPTrainer",
+    "DPTrainingArguments",
+    "length_dependent_rope",
+]

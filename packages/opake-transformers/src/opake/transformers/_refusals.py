@@ -96,9 +96,13 @@ def refused_settings() -> tuple[str, ...]:
 
 def check_model(model: Any) -> None:
     """Trainable float16 weights: their per-example gradients would need a loss scale that the
-    DP step does not apply (underflow to zero, overflow to inf), so they are refused."""
+    DP step does not apply (underflow to zero, overflow to inf), so they are refused; so is a
+    rotary embedding that depends on the batch's sequence length (:mod:`._positions`)."""
     import torch
 
+    from opake.transformers._positions import check_positions
+
+    check_positions(model, "DPTrainer")
     for name, param in model.named_parameters():
         if param.requires_grad and param.dtype == torch.float16:
             raise ConfigurationError(

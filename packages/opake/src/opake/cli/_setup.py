@@ -80,6 +80,7 @@ def _build_model(plan: RunPlan, device: torch.device) -> tuple[Any, Any, Any]:
             seed=s.seed,
         )
     model = loaded.model.to(device)
+    _check_positions(model, s.model)
     report = None
     if plan.patch:
         from opake.patches import apply_model_patches
@@ -267,3 +268,19 @@ def inner_optimizer(plan: RunPlan, model: Any) -> torch.optim.Optimizer:
     if s.optimizer == "adam":
         return torch.optim.Adam(params, lr=s.lr, weight_decay=s.weight_decay)
     return torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
+
+
+def _check_positions(model: Any, name: object) -> None:
+    """Refuse a rotary embedding that depends on the batch's sequence length: rows are padded
+    to the longest record, so one record would change every other record's gradient."""
+    from opake.core.errors import ConfigurationError
+    from opake.transformers import length_dependent_rope
+
+    rope_type = length_dependent_rope(model)
+    if rope_type is not None:
+        raise ConfigurationError(
+            f"--model {name}: its rotary embedding has rope_type={rope_type!r}, whose "
+            "frequencies depend on the longest row of each batch, so one long record would "
+            "change every other record's gradient (no clipping bounds that) and ε would not "
+            "hold; use a model with a fixed rotary embedding"
+        )
