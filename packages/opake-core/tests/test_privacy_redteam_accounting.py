@@ -107,3 +107,52 @@ def test_the_count_noise_comes_from_the_runs_own_source():
     assert _bounds(seed=3) != _bounds(seed=4)
     # secure run: a fresh key per run, so two runs differ
     assert _bounds(seed=None) != _bounds(seed=None)
+
+
+def test_a_live_secure_noise_source_is_never_rewound():
+    """3. Loading an earlier state into a live secure ``GaussianNoise`` kept its key and set the
+    call index back: the next draws were noise already released (two outputs with the same
+    noise cancel it). Refused now; a new object (a fresh key) loads any state."""
+    from opake.dpsgd.noise import GaussianNoise
+
+    noise = GaussianNoise(1.0)
+    before = noise.state_dict()
+    noise.add({"w": torch.zeros(4)}, 1.0)
+    with pytest.raises(ConfigurationError, match="already released"):
+        noise.load_state_dict(before)
+    fresh = GaussianNoise(1.0)
+    fresh.load_state_dict(before)
+    ahead = GaussianNoise(1.0)
+    ahead.load_state_dict(noise.state_dict())  # forward, or equal: continues the count
+    assert ahead.calls == 1
+    seeded = GaussianNoise(1.0, seed=0)
+    state = seeded.state_dict()
+    first = seeded.add({"w": torch.zeros(4)}, 1.0)["w"]
+    seeded.load_state_dict(state)  # a seeded (not private) source replays on purpose
+    assert torch.equal(seeded.add({"w": torch.zeros(4)}, 1.0)["w"], first)
+
+
+def test_an_optimizer_whose_secure_noise_already_drew_refuses_an_earlier_state_untouched():
+    from opake.accounting import make_accountant
+
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = DPOptimizer(
+        torch.optim.SGD([w], lr=0.1),
+        {"w": w},
+        noise_multiplier=1.0,
+        expected_batch_size=4.0,
+        sample_rate=0.1,
+        accountant=make_accountant("rdp"),
+        delta=1e-5,
+    )
+    from opake.dpsgd.clipping import clipped_grad
+
+    grad_fn, clip = clipped_grad(lambda p, x: (p["w"] * x).sum(), clipping_norm=1.0)
+    before = opt.state_dict()
+    grads, _ = grad_fn({"w": w.detach()}, torch.ones(2, 3), state=clip)
+    opt.accumulate(grads)
+    opt.step()
+    after = opt.state_dict()
+    with pytest.raises(ConfigurationError, match="released"):
+        opt.load_state_dict(before)
+    assert opt.state_dict()["steps"] == after["steps"]  # nothing was restored

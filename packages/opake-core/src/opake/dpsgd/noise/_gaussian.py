@@ -400,7 +400,8 @@ class GaussianNoise:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output: a seeded source continues exactly where it
         stopped (the next draw equals the uninterrupted run's); a secure one keeps its own key
-        and continues the call count."""
+        and continues the call count — never backwards (that would draw released noise again:
+        refused, load into a new object)."""
         if not isinstance(state, Mapping):
             raise InputTypeError(f"state={type(state).__name__}: expected a mapping")
         missing = {"version", "noise_multiplier", "secure", "seed", "calls"} - set(state)
@@ -424,6 +425,14 @@ class GaussianNoise:
         if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
             raise ConfigurationError(f"noise state calls={calls!r}: expected an int ≥ 0")
         sigma = check_noise_multiplier(state["noise_multiplier"])
+        if self.secure and calls < self._calls:
+            raise ConfigurationError(
+                f"noise state calls={calls} into a secure GaussianNoise that has already drawn "
+                f"{self._calls} times: it keeps its key, so it would draw the noise of calls "
+                f"{calls}..{self._calls - 1} again — noise already released, which two outputs "
+                "would cancel. Load the state into a new GaussianNoise (a new optimizer or "
+                "DPTraining): it draws a fresh secure key"
+            )
         if not self.secure:
             self._source = Randomness.seeded(check_seed(state["seed"]))
         self._noise_multiplier = sigma
