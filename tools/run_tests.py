@@ -4,6 +4,7 @@
     python tools/run_tests.py --package opake-core   # one distribution's tests only
     python tools/run_tests.py --only pytest   # just the pytest stage
     python tools/run_tests.py --only typecheck  # mypy --strict: every src/ and tools/bench/
+    python tools/run_tests.py --workers 0     # pytest in this one process (no pytest-xdist)
 
 Stages fail loudly: any failing stage makes the exit code non-zero, and pytest's exit code 5
 ("no tests collected") counts as a failure, never a silent pass.
@@ -11,6 +12,10 @@ Stages fail loudly: any failing stage makes the exit code non-zero, and pytest's
 Hypothesis runs its derandomized ``ci`` profile (``tests/hypothesis_profiles.py``, loaded by
 pytest's ``addopts``): every run draws the same examples. ``OPAKE_HYPOTHESIS_PROFILE=explore``
 makes the pytest stage an exploratory search instead (fresh random examples, more of them).
+
+pytest runs on one worker process per CPU this process may use (``pytest-xdist``, each test
+file on one worker, so module fixtures are built once): ``--workers N`` or
+``OPAKE_TEST_WORKERS=N`` chooses another count, ``0`` runs every test in one process.
 """
 
 from __future__ import annotations
@@ -65,6 +70,25 @@ def typecheck_env() -> dict[str, str]:
     return {"MYPYPATH": os.pathsep.join(p for p in paths if p)}
 
 
+def workers_arguments(workers: str | None) -> list[str]:
+    """pytest-xdist's arguments for *workers* (default ``OPAKE_TEST_WORKERS``, else one per
+    usable CPU): ``-n N --dist loadfile`` (a test file stays on one worker), none for 0 or 1.
+
+    >>> workers_arguments("3")
+    ['-n', '3', '--dist', 'loadfile']
+    >>> workers_arguments("0")
+    []
+    """
+    value = workers if workers is not None else os.environ.get("OPAKE_TEST_WORKERS")
+    if value is None:
+        count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        value = str(count or 1)
+    if not value.isdigit():
+        raise SystemExit(f"--workers / OPAKE_TEST_WORKERS must be a whole number, got {value!r}")
+    n = int(value)
+    return ["-n", str(n), "--dist", "loadfile"] if n > 1 else []
+
+
 def _run(cmd: list[str], stage: str, extra_env: dict[str, str] | None = None) -> int:
     print(f"\n=== {stage}: {' '.join(cmd)}", flush=True)
     rc = subprocess.call(cmd, cwd=ROOT, env=_env() | (extra_env or {}))
@@ -79,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--package", action="append", choices=[*PACKAGES, "integration"])
     parser.add_argument("--only", action="append", choices=STAGES)
+    parser.add_argument(
+        "--workers", help="pytest worker processes (default: one per usable CPU; 0: none)"
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra arguments for pytest")
     args = parser.parse_args(argv)
     stages = args.only or list(STAGES)
@@ -101,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 paths += [f"packages/{name}/tests", f"packages/{name}/src"]
         paths = [p for p in paths if (ROOT / p).exists()]
-        cmd = [py, "-m", "pytest", "--doctest-modules", "--durations=30", *paths, *args.pytest_args]
+        cmd = [py, "-m", "pytest", "--doctest-modules", "--durations=30"]
+        cmd += [*workers_arguments(args.workers), *paths, *args.pytest_args]
         if _run(cmd, "pytest") != 0:
             failures.append("pytest")
     docs_cmd = [py, "-m", "mkdocs", "build", "--strict", "--site-dir", "build/site"]
