@@ -17,8 +17,9 @@ SFT and DPO losses, for ``clipped_grad`` / ``DPTraining``). See ``docs/guide/pos
 Names are imported on first use (``import opake.transformers`` does not import transformers).
 
 >>> import opake.transformers as ot
->>> sorted(ot.__all__)
-['DPDataCollator', 'DPTrainer', 'DPTrainingArguments', 'DP_STATE_FILE', 'length_dependent_rope']
+>>> sorted(ot.__all__)  # doctest: +NORMALIZE_WHITESPACE
+['DPDataCollator', 'DPTrainer', 'DPTrainingArguments', 'DP_STATE_FILE', 'check_positions',
+ 'length_dependent_rope']
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from opake.transformers._args import DPTrainingArguments
     from opake.transformers._collate import DPDataCollator
-    from opake.transformers._positions import length_dependent_rope
+    from opake.transformers._positions import check_positions, length_dependent_rope
     from opake.transformers._trainer import DP_STATE_FILE, DPTrainer
 
 _LAZY = {
@@ -36,6 +37,7 @@ _LAZY = {
     "DP_STATE_FILE": "_trainer",
     "DPTrainingArguments": "_args",
     "DPDataCollator": "_collate",
+    "check_positions": "_positions",
     "length_dependent_rope": "_positions",
 }
 
@@ -56,5 +58,6 @@ __all__ = [
     "DPDataCollator",
     "DPTrainer",
     "DPTrainingArguments",
+    "check_positions",
     "length_dependent_rope",
 ]

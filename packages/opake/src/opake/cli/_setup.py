@@ -273,14 +273,6 @@ def inner_optimizer(plan: RunPlan, model: Any) -> torch.optim.Optimizer:
 def _check_positions(model: Any, name: object) -> None:
     """Refuse a rotary embedding that depends on the batch's sequence length: rows are padded
     to the longest record, so one record would change every other record's gradient."""
-    from opake.core.errors import ConfigurationError
-    from opake.transformers import length_dependent_rope
+    from opake.transformers import check_positions
 
-    rope_type = length_dependent_rope(model)
-    if rope_type is not None:
-        raise ConfigurationError(
-            f"--model {name}: its rotary embedding has rope_type={rope_type!r}, whose "
-            "frequencies depend on the longest row of each batch, so one long record would "
-            "change every other record's gradient (no clipping bounds that) and ε would not "
-            "hold; use a model with a fixed rotary embedding"
-        )
+    check_positions(model, f"--model {name}")

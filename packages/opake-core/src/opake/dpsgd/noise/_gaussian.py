@@ -397,11 +397,19 @@ class GaussianNoise:
             "calls": self._calls,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output: a seeded source continues exactly where it
-        stopped (the next draw equals the uninterrupted run's); a secure one keeps its own key
-        and continues the call count — never backwards (that would draw released noise again:
-        refused, load into a new object)."""
+    def check_state(self, state: Mapping[str, Any]) -> tuple[float, int]:
+        """Validate *state* for :meth:`load_state_dict` without changing anything; return its
+        ``(noise_multiplier, calls)``.
+
+        Refused: a malformed or foreign state, a seeded state into a secure source (or the
+        reverse), and — for a secure source that has already drawn — a state from an earlier
+        call: the source keeps its key, so it would draw released noise again. A caller that
+        restores several objects checks them all first (nothing half-applied).
+
+        >>> noise = GaussianNoise(1.0, seed=0)
+        >>> noise.check_state(GaussianNoise(2.0, seed=0).state_dict())
+        (2.0, 0)
+        """
         if not isinstance(state, Mapping):
             raise InputTypeError(f"state={type(state).__name__}: expected a mapping")
         missing = {"version", "noise_multiplier", "secure", "seed", "calls"} - set(state)
@@ -433,6 +441,16 @@ class GaussianNoise:
                 "would cancel. Load the state into a new GaussianNoise (a new optimizer or "
                 "DPTraining): it draws a fresh secure key"
             )
+        if not self.secure:
+            check_seed(state["seed"])
+        return sigma, calls
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output: a seeded source continues exactly where it
+        stopped (the next draw equals the uninterrupted run's); a secure one keeps its own key
+        and continues the call count — never backwards (that would draw released noise again:
+        refused, load into a new object). The checks are :meth:`check_state`'s."""
+        sigma, calls = self.check_state(state)
         if not self.secure:
             self._source = Randomness.seeded(check_seed(state["seed"]))
         self._noise_multiplier = sigma

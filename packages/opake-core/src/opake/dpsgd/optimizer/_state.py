@@ -77,14 +77,11 @@ def _checked_state(state: Any, param_names: Sequence[str], noise: Any) -> _Saved
             "DPOptimizer state and this optimizer's noise object disagree on whether the "
             "noise generator has a state; use the same kind of noise object"
         )
-    calls = noise_state.get("calls") if isinstance(noise_state, Mapping) else None
-    drawn = getattr(noise, "calls", 0)
-    if getattr(noise, "secure", False) and isinstance(calls, int) and calls < drawn:
-        raise ConfigurationError(
-            f"DPOptimizer state from noise call {calls}, but this optimizer's secure noise has "
-            f"already drawn {drawn} times under its key: restoring it would draw released "
-            "noise again. Load the state into a new optimizer (a fresh secure key)"
-        )
+    check_noise = getattr(noise, "check_state", None)
+    if noise_state is not None and callable(check_noise):
+        # before anything is restored: a malformed noise state, or one that would rewind a live
+        # secure source (released noise drawn again), leaves the optimizer as it was
+        check_noise(noise_state)
     expected_batch_size = _positive_float("expected_batch_size", state["expected_batch_size"])
     sample_rate = None if state["sample_rate"] is None else _sample_rate(state["sample_rate"])
     sigma = _positive_float("noise_multiplier", state["noise_multiplier"])

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.dpsgd.training._budget import Budget, Spending
-from opake.dpsgd.training._compile import CompiledStep, check_compile
+from opake.dpsgd.training._clipping import build_clipping, clipped_sum
 from opake.dpsgd.training._options import (
     _accounting_of,
     _calibrated_sigma,
@@ -32,7 +32,7 @@ from opake.dpsgd.training._options import (
 )
 from opake.dpsgd.training._persist import TrainingState
 from opake.dpsgd.training._result import PrivacyBudgetExhausted, StepResult, _result
-from opake.dpsgd.training._sharded import ShardedStep, check_shard, dp_optimizer, sharded_step
+from opake.dpsgd.training._sharded import ShardedStep, check_shard, dp_optimizer
 from opake.dpsgd.training._units import StepUnits
 
 if TYPE_CHECKING:
@@ -206,12 +206,13 @@ class DPTraining(TrainingState):
             sampler, n, q, extra, self._context, how=(steps_per_epoch, seed, units)
         )
         self._args, self._params = args, params
-        self._build_clipping(
+        self._grad_fn, self._clip_state, self._compiled = build_clipping(
             loss_fn,
             clipping_norm,
             engine=engine,
             how=(microbatch_size, randomness, compile),
             units=units,
+            layout=(self._shard, len(args), self._batch_args, self._sampler),
         )
         check_count_seed(self._clip_state, self._secure)
         parts = (self._sampler, self._accountant, self._clip_state)
@@ -223,49 +224,6 @@ class DPTraining(TrainingState):
         self._hooks, self._units = [], StepUnits(self._sampler if units is not None else None)
         self._after_load()  # no step pending, no budget or ε computed yet
         self._check_budget()
-
-    def _build_clipping(
-        self,
-        loss_fn: Callable[..., Any],
-        clipping_norm: float | Mapping[str, float] | ClipState,
-        *,
-        engine: str,
-        how: tuple[int | None, str, bool],
-        units: object,
-    ) -> None:
-        """The clipped-gradient function and clip state (``how``: microbatch size,
-        randomness, compile), compiled for one chunk shape with ``compile=True``."""
-        from opake.dpsgd.clipping import clipped_grad
-
-        microbatch_size, randomness, compile = how
-        if self._shard is not None:
-            # a ShardedStep is called like the ClippedGradFn that TrainingViews declares
-            self._grad_fn, self._clip_state = sharded_step(  # type: ignore[assignment]
-                loss_fn, self._shard, clipping_norm, microbatch_size, self._batch_args
-            )
-            self._compiled = None
-            return
-        engine, rows, fullgraph = check_compile(
-            compile,
-            engine=engine,
-            clipping_norm=clipping_norm,
-            units=units,
-            microbatch_size=microbatch_size,
-            fixed_rows=getattr(self._sampler, "max_batch_size", None),
-        )
-        first = 1 + len(self._args)
-        self._grad_fn, self._clip_state = clipped_grad(
-            loss_fn,
-            argnums=0,
-            clipping_norm=clipping_norm,
-            batch_argnums=tuple(range(first, first + self._batch_args)),
-            microbatch_size=None if compile else microbatch_size,
-            return_aux=True,
-            randomness=randomness,
-            engine=engine,
-        )
-        step = CompiledStep(self._grad_fn, rows or 1, fullgraph=fullgraph) if compile else None
-        self._compiled = step
 
     # -- privacy -----------------------------------------------------------------------------
 
@@ -335,40 +293,23 @@ class DPTraining(TrainingState):
             # ``zero_grad()`` at the top of the step would release it
             self._optimizer.zero_grad()
         try:
-            grads, pending, aux = self._clipped_sum(batch, example_mask, units)
+            grads, aux, self._clip_state = clipped_sum(
+                (self._grad_fn, self._compiled),
+                self._params,
+                self._args,
+                batch,
+                state=self._clip_state,
+                example_mask=example_mask,
+                units=units,
+            )
             self._optimizer.accumulate(grads)
         except BaseException:
             self.zero_grad()
             raise
-        self._pending_aux.extend(pending)
+        self._pending_aux.append((aux, example_mask))
         self._units.commit(rows)
         out: ClipAux = aux
         return out
-
-    def _clipped_sum(
-        self, batch: tuple[Any, ...], example_mask: torch.Tensor | None, units: Any
-    ) -> tuple[Any, list[tuple[Any, Any]], ClipAux]:
-        """One physical batch's clipped sum, its ``(aux, mask)`` records and its aux."""
-        if self._compiled is not None:
-            if units is not None:  # the compiled chunks would cut a unit's rows apart
-                raise ConfigurationError(
-                    "accumulate(units=...) with compile=True: a unit's rows must be clipped as "
-                    "one, which the compiled chunks do not do; build DPTraining with "
-                    "compile=False to clip privacy units"
-                )
-            grads, aux, self._clip_state = self._compiled(
-                self._params, self._args, batch, state=self._clip_state, example_mask=example_mask
-            )
-            return grads, [(aux, example_mask)], aux
-        kwargs: dict[str, Any] = {"end_step": False}
-        if example_mask is not None:
-            kwargs["example_mask"] = example_mask
-        if units is not None:
-            kwargs["units"] = units
-        (grads, aux), self._clip_state = self._grad_fn(
-            self._params, *self._args, *batch, state=self._clip_state, **kwargs
-        )
-        return grads, [(aux, example_mask)], aux
 
     @property
     def compiled(self) -> bool:
