@@ -13,18 +13,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from opake.dpsgd.clipping._grads import ClippedGrads
 from opake.dpsgd.distributed._comm import broadcast_tensors
 from opake.dpsgd.distributed._optim import _NoiseProxy
+from opake.dpsgd.noise._checks import resolve_sensitivity
+from opake.dpsgd.noise._gaussian import noise_grid
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed.tensor import DTensor
 
     from opake.dpsgd.noise._rows import NoiseRows
+
 
 __all__ = ["ScatteredGrads", "reduce_rows"]
 
@@ -115,15 +119,34 @@ def _row_range(value: DTensor) -> tuple[int, int] | None:
     return start, start + int(shape[0])
 
 
-def _rows_of(draw: NoiseRows, name: str, value: torch.Tensor) -> torch.Tensor:
-    """The noise of ``value``'s elements on this rank, laid out like ``value``: only its own
-    rows are drawn (dim-0 shards), else the parameter's full noise, redistributed."""
+def _sum_copy(value: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous fp32 copy of ``value`` (this rank's part of it, for a ``DTensor``):
+    the buffer the noise is snapped into."""
+    import torch
+
+    return _local(value).detach().to(torch.float32, copy=True).contiguous()
+
+
+def _noised_rows(
+    value: torch.Tensor,
+    name: str,
+    noise_into: Callable[[torch.Tensor, int], torch.Tensor],
+) -> torch.Tensor:
+    """``value`` (this rank's rows of the global clipped sum) noised, laid out like it.
+
+    ``noise_into(dest, start)`` noises rows ``start...`` of entry ``name`` into ``dest`` in
+    place, snapped onto the lattice with the sum itself (one rounding of ``x + noise``, as
+    :meth:`GaussianNoise.add_ <opake.dpsgd.noise.GaussianNoise.add_>` does — never the noise
+    alone added afterwards, whose fp32 addition would keep the cancellation holes of
+    ``docs/guide/privacy-noise.md``). A dim-0 shard noises its own rows; a parameter FSDP
+    does not shard noises the whole sum; any other layout gathers the parameter's sum (a
+    collective), noises it whole and keeps this rank's part."""
     if _is_sharded(value):
         rows = _row_range(value)
-        if rows is not None:
-            from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor
 
-            local = draw.rows(name, *rows, device=value.to_local().device)
+        if rows is not None:
+            local = noise_into(_sum_copy(value), rows[0])
             return DTensor.from_local(
                 local,
                 value.device_mesh,
@@ -132,8 +155,23 @@ def _rows_of(draw: NoiseRows, name: str, value: torch.Tensor) -> torch.Tensor:
                 shape=value.shape,
                 stride=value.stride(),
             )
-    full = draw.rows(name, 0, value.shape[0] if value.ndim else 1, device=_local(value).device)
-    return _like(full, value)
+        full = value.full_tensor().detach().float().contiguous()
+        return _like(noise_into(full, 0), value)
+    return noise_into(_sum_copy(value), 0)
+
+
+def _rows_into(draw: NoiseRows, name: str, dest: torch.Tensor, start: int) -> torch.Tensor:
+    """``draw.add_rows_`` with the argument order :func:`_noised_rows` calls it with."""
+    return draw.add_rows_(name, start, dest)
+
+
+def _full_sum(value: torch.Tensor) -> torch.Tensor:
+    """The whole global sum of one parameter, fp32, on every rank (gathered from the rows of
+    a ``DTensor``: a collective)."""
+    import torch
+
+    whole = value.full_tensor() if _is_sharded(value) else value
+    return whole.detach().to(torch.float32, copy=True).contiguous()
 
 
 class _ShardedNoise(_NoiseProxy):
@@ -164,24 +202,37 @@ class _ShardedNoise(_NoiseProxy):
     def _broadcast_by_parameter(
         self, grads: Mapping[str, torch.Tensor], sensitivity: float | None
     ) -> dict[str, torch.Tensor]:
-        """Rank 0's draw, one parameter's full-size noise at a time, broadcast; rows kept."""
+        """Rank 0's draw, one parameter's full-size noise at a time, broadcast in lattice units
+        (fp64, before any rounding); each rank snaps its rows into its rows of the sum."""
         import torch
         import torch.distributed as dist
 
+        from opake.dpsgd.noise._gaussian import _snap_add_
+
         names = list(grads)
-        draw = None
-        if dist.get_rank(self._group) == 0:
-            draw = self._inner.draw_rows({n: grads[n].shape for n in names}, sensitivity)
+        shapes = {n: grads[n].shape for n in names}
+        draw = (
+            self._inner.draw_rows(shapes, sensitivity) if dist.get_rank(self._group) == 0 else None
+        )
+        std = float(self._inner.noise_multiplier) * resolve_sensitivity({}, sensitivity)
+        grid = noise_grid(std)  # NoiseRows.grid of rank 0's draw
         out: dict[str, torch.Tensor] = {}
         for name in names:
             value = grads[name]
             device = _local(value).device
+            length = value.shape[0] if value.ndim else 1
             if draw is not None:
-                noise = draw.rows(name, 0, value.shape[0] if value.ndim else 1, device=device)
+                units = draw.units(name, 0, length, device=device)
             else:
-                noise = torch.zeros(value.shape, dtype=torch.float32, device=device)
-            broadcast_tensors([noise], src=0, group=self._group, device=self._device)
-            out[name] = value.to(torch.float32) + _like(noise, value)
+                units = torch.empty(value.shape, dtype=torch.float64, device=device)
+            broadcast_tensors([units], src=0, group=self._group, device=self._device)
+
+            def into(dest: torch.Tensor, start: int, units: torch.Tensor = units) -> torch.Tensor:
+                rows = units[start : start + dest.shape[0]] if dest.ndim else units
+                _snap_add_(dest, rows.clone(), grid)
+                return dest
+
+            out[name] = _noised_rows(value, name, into)
         return out
 
     def add(
@@ -197,26 +248,23 @@ class _ShardedNoise(_NoiseProxy):
             if self._broadcast:
                 return self._broadcast_by_parameter(grads, sensitivity)
             draw = self._inner.draw_rows({n: grads[n].shape for n in names}, sensitivity)
-            # one parameter's rows at a time: no full-size noise, no full-size zeros
-            return {n: grads[n].to(torch.float32) + _rows_of(draw, n, grads[n]) for n in names}
-        zeros = {
-            n: torch.zeros(grads[n].shape, dtype=torch.float32, device=_local(grads[n]).device)
-            for n in names
-        }
+            # one parameter's rows at a time: no full-size noise, no full-size sum
+            return {n: _noised_rows(grads[n], n, partial(_rows_into, draw, n)) for n in names}
+        # another noise object adds its noise to the sums itself (however it rounds): the
+        # global sums are gathered whole, noised once (rank 0's draw broadcast, or the same
+        # draw on every rank), and each rank keeps its rows
+        full = {n: _full_sum(grads[n]) for n in names}
         if self._broadcast:
             if dist.get_rank(self._group) == 0:
-                out = self._inner.add(zeros, sensitivity=sensitivity)
-                noise = [out[n].to(torch.float32) for n in names]
+                out = self._inner.add(full, sensitivity=sensitivity)
+                noised = [out[n].detach().to(torch.float32).contiguous() for n in names]
             else:
-                noise = list(zeros.values())
-            broadcast_tensors(noise, src=0, group=self._group, device=self._device)
+                noised = list(full.values())
+            broadcast_tensors(noised, src=0, group=self._group, device=self._device)
         else:
-            out = self._inner.add(zeros, sensitivity=sensitivity)
-            noise = [out[n].to(torch.float32) for n in names]
-        return {
-            n: grads[n].to(torch.float32) + _like(z, grads[n])
-            for n, z in zip(names, noise, strict=True)
-        }
+            out = self._inner.add(full, sensitivity=sensitivity)
+            noised = [out[n].detach().to(torch.float32).contiguous() for n in names]
+        return {n: _like(v, grads[n]) for n, v in zip(names, noised, strict=True)}
 
     __call__ = add
 
