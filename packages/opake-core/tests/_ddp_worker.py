@@ -432,6 +432,83 @@ def misconfigurations(rank: int, world_size: int) -> dict[str, str | None]:
     return out
 
 
+def _drift_training(rank: int, world_size: int) -> tuple[Any, torch.nn.Module, torch.Tensor]:
+    """The red-team's probe of finding F3: example k's gradient is 5·e_k (clipped to e_k), so
+    coordinate k of the released sum counts how often example k is in one logical step."""
+    from opake.dpsgd.training import DPTraining
+    from opake.functional import make_functional
+
+    n = 16
+    model = torch.nn.Linear(n, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    fmodel, params = make_functional(model)
+
+    def loss_fn(p: Any, x: torch.Tensor) -> torch.Tensor:
+        return fmodel(p, x[None])[0, 0]
+
+    training = DPTraining(
+        loss_fn,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        params,
+        module=model,
+        dataset_size=n,
+        sample_rate=0.5,
+        noise_multiplier=1e-3,
+        delta=1e-5,
+        accountant="rdp",
+        clipping_norm=1.0,
+        seed=3,
+    )
+    return training, model, torch.eye(n) * 5.0
+
+
+def sampler_drift(rank: int, world_size: int) -> dict[str, Any]:
+    """Ranks whose loops consume different numbers of sampler batches (finding F3) must raise
+    on every rank before anything is noised or accounted; a look-ahead alike on every rank (a
+    prefetching loader) must not."""
+    from opake.dpsgd.sampling import PoissonSampler
+
+    out: dict[str, Any] = {}
+    training, model, x = _drift_training(rank, world_size)
+    batches = training.batches()
+    if rank == 1:
+        next(batches)  # e.g. `if len(idx) == 0: continue` on this rank only
+    out["training"] = _error(lambda: training.step(x[next(batches)]))
+    out["training_after"] = {
+        "steps": training.steps,
+        "accounted": training.accountant.steps,
+        "pending": training.pending_batches,
+        "weight_moved": bool(model.weight.detach().abs().max() > 0),
+    }
+
+    # a one-batch look-ahead on every rank (as a DataLoader's prefetch): positions stay equal
+    training, model, x = _drift_training(rank, world_size)
+    ahead = training.batches()
+    queued = [next(ahead)]
+    for _ in range(2):
+        queued.append(next(ahead))
+        training.step(x[queued.pop(0)])
+    out["lookahead_steps"] = training.steps
+
+    # DistributedDPOptimizer(sampler=) with the documented loop; rank 1 skips one batch
+    model = make_mlp()
+    sampler = PoissonSampler(N, Q, seed=SAMPLER_SEED, rank=rank, world_size=world_size)
+    opt = _optimizer_cls(world_size)(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        model,
+        sampler=sampler,
+        noise_multiplier=SIGMA,
+        seed=NOISE_SEED,
+    )
+    shards = iter(sampler)
+    if rank == 1:
+        next(shards)
+    next(shards)
+    out["optimizer"] = _error(lambda: train_step_zero(opt, model))  # the shard's sum: zeros
+    out["optimizer_after"] = {"steps": opt.steps, "pending": opt.pending_batches}
+    return out
+
+
 def _drop_live(result: dict[str, Any]) -> dict[str, Any]:
     return {
         k: v for k, v in result.items() if k not in {"model", "optimizer", "accountant", "sampler"}
@@ -514,6 +591,7 @@ def scenario_train(rank: int, world_size: int, out: Path) -> None:
     results["llama"] = timed("llama", lambda: train_llama(rank, world_size))
     results["errors"] = timed("errors", lambda: misconfigurations(rank, world_size))
     results["secure"] = timed("secure", lambda: secure_defaults(rank, world_size))
+    results["drift"] = timed("drift", lambda: sampler_drift(rank, world_size))
     results["guide"] = timed("guide", lambda: run_guide_script(out / "guide"))
 
     # checkpoint: rank 0 writes; every rank restores into fresh objects (own RNG state back)

@@ -261,6 +261,31 @@ def test_misconfiguration_raises_on_every_rank(train, case, kind, words):
     assert train[0]["errors"]["idle_pending_after"] == "0"
 
 
+def test_a_rank_that_skips_a_sampler_batch_raises_on_every_rank_before_the_noise(train):
+    # finding F3: rank 1's loop consumed one more batch of the sampler than rank 0's, so the
+    # step would sum shard_0(t) and shard_1(t + 1), independent draws (an example in both is
+    # counted twice: 2·C), accounted as one Poisson step at q. Every rank must refuse it.
+    for rank in train:
+        drift = rank["drift"]
+        for api in ("training", "optimizer"):
+            message = drift[api]
+            assert message is not None, f"{api}: the drifted step was taken"
+            assert message.startswith("OperationError:"), message
+            assert "sampler positions differ" in message, message
+            assert "rank 0: 1, rank 1: 2" in message, message
+            assert "empty ones included" in message, message
+        # nothing noised, applied or accounted, and the step was dropped
+        assert drift["training_after"] == {
+            "steps": 0,
+            "accounted": 0,
+            "pending": 0,
+            "weight_moved": False,
+        }
+        assert drift["optimizer_after"] == {"steps": 0, "pending": 0}
+        # the same look-ahead on every rank (a prefetching DataLoader) is not a drift
+        assert drift["lookahead_steps"] == 2
+
+
 def test_default_randomness_is_one_secure_key_shared_by_the_ranks(train):
     # noise: a secure key drawn on rank 0 and shared (replicated noise, no broadcast, no seed);
     # sampling: shared_randomness() gives every rank the same global batch

@@ -3,7 +3,10 @@ place in the sequence of level-2 collectives.
 
 Every rank describes its model structure, noise, sampler and divisor in one plain dict;
 one all-gather collects them and :func:`_config_problems` lists every difference, so that a
-misconfigured rank fails on every rank at construction, not silently mid-training.
+misconfigured rank fails on every rank at construction, not silently mid-training. Every step's
+agreement (``DistributedDPOptimizer._agree_on_pending``) carries each rank's
+:func:`sampler_position`, and :func:`drifted_samplers` refuses a step whose shards come from
+different steps of the sampler (one rank skipped or repeated a batch).
 
 Under per-layer sharded compute (level 2) every ``grad_fn`` call and every
 ``ShardedDPOptimizer.step`` starts with :func:`line_up`: one all-gather of a fixed-size row
@@ -112,6 +115,37 @@ def _config_problems(everyone: list[Any], world_size: int) -> list[str]:
         ):
             problems.append(f"{key} differs between ranks: {values}")
     return problems
+
+
+def sampler_position(sampler: Any) -> int:
+    """How many batches ``sampler`` has handed out (-1: no sampler, or one without a position):
+    a rank's entry in every step's agreement (:func:`drifted_samplers`)."""
+    position = getattr(sampler, "position", None)
+    if isinstance(position, bool) or not isinstance(position, int):
+        return -1
+    return position
+
+
+def drifted_samplers(positions: Sequence[int], steps: int) -> str | None:
+    """What the ranks' sampler positions at a step say (``None``: they agree). Equal positions
+    mean every rank's shard comes from the same global draw, a look-ahead alike on every rank
+    (a prefetching ``DataLoader``) included; otherwise the ranks' shards are independent
+    draws and an example in two of them would be clipped and summed twice. The same text on
+    every rank."""
+    if all(p == positions[0] for p in positions):
+        return None
+    listed = ", ".join(f"rank {r}: {p}" for r, p in enumerate(positions))
+    return (
+        f"the ranks' sampler positions differ (batches handed out — {listed} — for logical "
+        f"step {steps + 1}): their shards come from different steps of the sampler, independent "
+        "Poisson draws, so an example in two of them would be clipped and summed twice "
+        "(sensitivity 2·C) in a step accounted as one at q. Every rank must call "
+        "step()/accumulate() for every batch its sampler yields, empty ones included (an empty "
+        "shard goes through grad_fn, which returns zeros), never skip or repeat one, and iterate "
+        "the sampler alike (the same DataLoader settings); the step was dropped on every rank, "
+        "nothing noised or accounted: restart every rank's loop from the same position "
+        "(sampler.seek(<steps taken>))"
+    )
 
 
 def _fresh_key() -> bytes:

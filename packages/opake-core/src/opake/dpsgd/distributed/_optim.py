@@ -15,7 +15,12 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
-from opake.dpsgd.distributed._agree import _config_problems, _local_config
+from opake.dpsgd.distributed._agree import (
+    _config_problems,
+    _local_config,
+    drifted_samplers,
+    sampler_position,
+)
 from opake.dpsgd.distributed._comm import all_reduce_tensors, broadcast_tensors
 from opake.dpsgd.distributed._env import _world
 from opake.dpsgd.distributed._replicas import (
@@ -111,7 +116,10 @@ class DistributedDPOptimizer(DPOptimizer):
     as usual. :meth:`step` then
 
     1. checks, in one small all-gather, that every rank accumulated at least one (possibly
-       empty) physical batch and that all clipped to the same sensitivity;
+       empty) physical batch, that all clipped to the same sensitivity and that every rank's
+       ``sampler=`` has handed out as many batches (their shards are one global draw: a rank
+       that skipped or repeated a batch raises :class:`~opake.core.errors.OperationError` on
+       every rank, nothing noised or accounted);
     2. SUM-all-reduces the fp32 sums (bucketed) — a rank with an empty shard contributes
        zeros, so no rank ever waits on a collective the others skip;
     3. adds Gaussian noise **once** to the global sum — every rank draws the *same* noise
@@ -195,6 +203,8 @@ class DistributedDPOptimizer(DPOptimizer):
         named = _replica_tensors(params)
         self._structure = _structure_hash(named)
         self._replicas = params
+        # read at every step: which sampler batch this rank's shard came from
+        self._sampler = options.get("sampler")
         mode = self._resolve_noise_sync(noise_sync, options)
         if world_size > 1:
             self._agree(options, mode)
@@ -344,27 +354,36 @@ class DistributedDPOptimizer(DPOptimizer):
     def _agree_on_pending(
         self, physical: int, sensitivity: float | None, names_present: set[str]
     ) -> tuple[list[str], float, int]:
-        """One all-gather of (batches, sensitivity, structure, presence) from every rank.
+        """One all-gather of (batches, sensitivity, structure, sampler position, presence)
+        from every rank.
 
         Returns the parameters with a gradient on any rank (optimizer order), the common
-        sensitivity and the total number of physical batches; raises on every rank when a rank
-        accumulated nothing, the sensitivities differ or the parameter structures differ.
+        sensitivity and the total number of physical batches; raises on every rank when the
+        parameter structures differ, the samplers handed out different numbers of batches
+        (the shards are not one global draw), a rank accumulated nothing or the
+        sensitivities differ.
         """
         import torch
 
         names = list(self.param_names)
         world = self._world_size
-        row = torch.zeros(3 + len(names), dtype=torch.float64)
+        row = torch.zeros(4 + len(names), dtype=torch.float64)
         row[0] = float(physical)
         row[1] = float("nan") if sensitivity is None else float(sensitivity)
         row[2] = float(self._structure)
+        row[3] = float(sampler_position(self._sampler))
         for k, name in enumerate(names):
-            row[3 + k] = 1.0 if name in names_present else 0.0
+            row[4 + k] = 1.0 if name in names_present else 0.0
         rows = _gather_rows(row, group=self._group, world_size=world)
         if bool((rows[:, 2] != rows[0, 2]).any()):
             raise ConfigurationError(
                 "the ranks' parameters differ in names, shapes or dtypes; every rank must build "
                 "the same model and optimizer"
+            )
+        drift = drifted_samplers([int(p) for p in rows[:, 3].tolist()], self.steps)
+        if drift is not None:
+            raise OperationError(
+                f"{type(self).__name__}.step(): {drift} (this is rank {self._rank})"
             )
         idle = [r for r in range(world) if rows[r, 0] == 0]
         if idle:
@@ -381,7 +400,7 @@ class DistributedDPOptimizer(DPOptimizer):
                 "one bound, so every rank must use the same clipping_norm (and, with adaptive "
                 "clipping, the same state seed and the reduce= hook)"
             )
-        present = [name for k, name in enumerate(names) if bool((rows[:, 3 + k] > 0).any())]
+        present = [name for k, name in enumerate(names) if bool((rows[:, 4 + k] > 0).any())]
         return present, float(sens[0]), int(rows[:, 0].sum())
 
     def logical_step(
