@@ -83,8 +83,14 @@ def choose(
         why = "an outer torch.func transform differentiates through grad_fn"
     elif units and runner.units_refused is not None:
         why = runner.units_refused
-    elif engine == "auto" and randomness != "error":
-        why = f"randomness={randomness!r} (random layers): the per-example check cannot run"
+    elif randomness != "error":
+        # the check that one example's book-keeping gradient equals its own autograd gradient
+        # is what keeps a loss that mixes examples out; random layers draw other masks in it
+        why = (
+            f"randomness={randomness!r} (random layers): the per-example check cannot run, "
+            "and without it a loss that mixes examples would go unnoticed (use engine='auto' "
+            "or 'vmap' for per-example random masks, or turn the random layers off)"
+        )
     else:
         plan = runner.plan(names)
         if not plan.supported:

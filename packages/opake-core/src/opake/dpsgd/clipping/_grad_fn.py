@@ -208,9 +208,8 @@ class ClippedGradFn:
         self, runner: BookkeepingRunner | None, tree: DiffTree, *, differentiable: bool, small: bool
     ) -> ChunkEngine:
         loss_fn = tree.wrap(self.loss_fn, self.argnums)
-        if runner is not None:
-            check = self.randomness == "error"
-            return BookkeepingEngine(runner, loss_fn, names=tree.names, check=check)
+        if runner is not None:  # chosen only with randomness="error": the check runs
+            return BookkeepingEngine(runner, loss_fn, names=tree.names, check=True)
         return vmap_engine.VmapEngine(
             loss_fn,
             argnums=self.argnums,
