@@ -202,7 +202,8 @@ def test_units_without_privacy_units_keep_the_per_record_bound():
     changes ``clip(g_u)`` to ``clip(g_u − g_r)``: up to 2·C apart (w = 0, x = e₁ for two rows of
     one unit, targets 10 and −30: the sum moves by 2.0000·C with the raw ``grad_fn``). Found as a
     violation; now DPTraining refuses a step whose units group drawn examples (each unit must be
-    the rows of exactly one drawn example — a DPO pair is fine), and the step is dropped."""
+    the rows of exactly one drawn example — a DPO pair is fine — checked against ``records=``,
+    each row's record: see test_privacy_units_rows.py), and the step is dropped."""
     training = _linear_training(privacy_units=None, expected_batch_size=12)
     assert training.privacy_unit == "example"
     indices = training.sampler.batch_at(0)
@@ -210,13 +211,15 @@ def test_units_without_privacy_units_keep_the_per_record_bound():
     x, y = _data()
     rows = torch.as_tensor(indices)
     grouped = torch.zeros(len(indices), dtype=torch.int64)  # every drawn record as one unit
-    with pytest.raises(ConfigurationError, match="arrived as"):
+    with pytest.raises(ConfigurationError, match="rows of several drawn examples"):
+        training.step(x[rows], y[rows], units=grouped, records=indices)
+    with pytest.raises(ConfigurationError, match="records="):  # and units= alone (finding F4)
         training.step(x[rows], y[rows], units=grouped)
     assert training.steps == 0
     assert training.pending_batches == 0
     assert training.accountant.steps == 0
     # one unit per drawn record (or per record's rows) is the example-level step
-    training.step(x[rows], y[rows], units=torch.arange(len(indices)))
+    training.step(x[rows], y[rows], units=torch.arange(len(indices)), records=indices)
     assert training.steps == 1
 
 

@@ -207,8 +207,12 @@ def test_units_per_call_are_refused_compiled(eager_backend):
     rows apart (sensitivity 2·C for a unit of two rows), so it is refused, nothing pending."""
     x, y = _data()
     _, training = _training(microbatch_size=4, compile=True)
+    first, second = training.sampler.batch_at(0)[:2]
+    records = [first, first, second, second]  # two drawn examples, two rows each
     with pytest.raises(ConfigurationError, match="compile=False"):
-        training.accumulate(x[:4], y[:4], units=torch.tensor([0, 0, 1, 1]))
+        training.accumulate(
+            x[records], y[records], units=torch.tensor([0, 0, 1, 1]), records=records
+        )
     assert training.pending_batches == 0
 
 

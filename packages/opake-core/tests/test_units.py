@@ -306,13 +306,14 @@ def _training(mlp, seed=0):
 
 
 def _pairs(training, step):
-    """Step ``step``'s drawn examples, each as two rows of one unit (as a DPO pair is)."""
+    """Step ``step``'s drawn examples, each as two rows of one unit (as a DPO pair is), and
+    each row's record (``records=``)."""
     gen = torch.Generator().manual_seed(5)
     x_all, y_all = torch.randn(100, 8, generator=gen), torch.randint(0, 4, (100,), generator=gen)
     idx = training.sampler.batch_at(step)
     rows = [r for i in idx for r in (i, i)]
     units = torch.tensor([u for u in range(len(idx)) for _ in range(2)])
-    return x_all[rows], y_all[rows], units
+    return x_all[rows], y_all[rows], units, rows
 
 
 def test_training_passes_units_through(mlp):
@@ -325,22 +326,22 @@ def test_training_passes_units_through(mlp):
         return grad_fn(*args, **kwargs)
 
     training._grad_fn = spy
-    x, y, units = _pairs(training, 0)
+    x, y, units, records = _pairs(training, 0)
     drawn = len(units) // 2
     assert drawn >= 2
-    result = training.step(x, y, units=units)
+    result = training.step(x, y, units=units, records=records)
     assert calls[0] is units
     assert result.units == drawn
     assert result.batch_size == 2 * drawn
     assert 0.0 <= result.clipping_rate <= 1.0
     assert len(result.aux[0].grad_norms) == drawn
     # logical_step's dict form carries units too (each example's two rows in one batch)
-    x, y, units = _pairs(training, 1)
+    x, y, units, records = _pairs(training, 1)
     half = 2 * (len(units) // 4)
     result = training.logical_step(
         [
-            {"args": (x[:half], y[:half]), "units": units[:half]},
-            {"args": (x[half:], y[half:]), "units": units[half:]},
+            {"args": (x[:half], y[:half]), "units": units[:half], "records": records[:half]},
+            {"args": (x[half:], y[half:]), "units": units[half:], "records": records[half:]},
         ]
     )
     assert result.units == len(units) // 2
@@ -348,13 +349,14 @@ def test_training_passes_units_through(mlp):
 
 def test_training_refuses_a_unit_in_two_physical_batches(mlp):
     training = _training(mlp)
-    x, y, units = _pairs(training, 0)
-    training.accumulate(x[:3], y[:3], units=units[:3])  # the second example's first row
+    x, y, units, records = _pairs(training, 0)
+    # the second example's first row
+    training.accumulate(x[:3], y[:3], units=units[:3], records=records[:3])
     with pytest.raises(ConfigurationError, match=r"unit\(s\) \[1\].*one physical batch"):
-        training.accumulate(x[3:], y[3:], units=units[3:])
+        training.accumulate(x[3:], y[3:], units=units[3:], records=records[3:])
     training.zero_grad()
-    training.accumulate(x[:4], y[:4], units=units[:4])
-    training.accumulate(x[4:], y[4:], units=units[4:])  # other units: fine
+    training.accumulate(x[:4], y[:4], units=units[:4], records=records[:4])
+    training.accumulate(x[4:], y[4:], units=units[4:], records=records[4:])  # other units
     training.finish_step()
 
 
@@ -362,14 +364,14 @@ def test_training_refuses_units_that_group_drawn_examples(mlp):
     """Without privacy_units a unit may only hold one drawn example's rows: grouping two
     clips them together (removing one could move the sum by 2·C)."""
     training = _training(mlp)
-    x, y, units = _pairs(training, 0)
+    x, y, units, records = _pairs(training, 0)
     merged = units.clone()
     merged[merged == 1] = 0  # examples 0 and 1 as one unit
-    with pytest.raises(ConfigurationError, match="arrived as"):
-        training.step(x, y, units=merged)
+    with pytest.raises(ConfigurationError, match="rows of several drawn examples"):
+        training.step(x, y, units=merged, records=records)
     assert training.steps == 0
     assert training.pending_batches == 0
-    training.step(x, y, units=units)  # one unit per drawn example: fine
+    training.step(x, y, units=units, records=records)  # one unit per drawn example: fine
     assert training.steps == 1
 
 

@@ -72,7 +72,7 @@ def _hand_written_steps(records, engine: str, steps: int) -> dict[str, torch.Ten
                 ref_rejected=ref[1:],
                 ids=torch.tensor([index]),
             )
-            training.accumulate(pairs.batch, units=pairs.units)
+            training.accumulate(pairs.batch, units=pairs.units, records=[index, index])
         training.finish_step()
     return T.params(model)
 

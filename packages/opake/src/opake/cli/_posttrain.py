@@ -9,8 +9,9 @@ clipping engines run them:
   tokens get no gradient);
 - DPO: :class:`~opake.transformers.losses.DPOLoss`, a record's chosen and rejected rows weighed
   by one forward without gradient (:meth:`~opake.transformers.losses.DPOLoss.prepare`), then
-  clipped **together** as one privacy unit (``accumulate(..., units=)``): one record moves the
-  clipped sum by at most C, and sampling and accounting count records.
+  clipped **together** as one privacy unit (``accumulate(..., units=, records=)``, each unit
+  checked to be one drawn record): one record moves the clipped sum by at most C, and sampling
+  and accounting count records.
 
 The DPO reference is the starting model: before the first step (and before a checkpoint is
 restored), each record's summed completion log-probabilities under it are computed once, from
@@ -153,6 +154,9 @@ class PostStep:
         ref = self.reference[0][index].to(self.device)
         rows = self._pairs(ids, labels)
         rows_mask = None if mask is None else torch.cat([mask] * self.rows)
+        # each row's record (padding slots: -1, masked out): the step checks each unit
+        # against it (one unit per drawn record)
+        records = [int(i) for i in indices] * self.rows
         if weighs_in_forward(training):  # weighed by the clipped forward itself
             done = accumulate_pairs(
                 self.dpo,
@@ -161,6 +165,7 @@ class PostStep:
                 ref_chosen=ref[:, 0],
                 ref_rejected=ref[:, 1],
                 example_mask=rows_mask,
+                records=records,
             )
             if done is not None:
                 return done[0], dpo_losses_from_margins(done[1])
@@ -169,7 +174,9 @@ class PostStep:
         prepared = self.dpo.prepare(
             *self.params, rows, ref_chosen=ref[:, 0], ref_rejected=ref[:, 1]
         )
-        aux = training.accumulate(prepared.batch, example_mask=rows_mask, units=prepared.units)
+        aux = training.accumulate(
+            prepared.batch, example_mask=rows_mask, units=prepared.units, records=records
+        )
         return aux, prepared.losses
 
     def evaluate(self) -> float:

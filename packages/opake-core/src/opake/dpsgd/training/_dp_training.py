@@ -271,9 +271,13 @@ class DPTraining(TrainingState):
         ``units``: each row's privacy unit (int ``[B]`` on the batch's device), clipped as a
         whole (``grad_fn(..., units=)``); a unit's rows must all be in one physical batch of
         the step (a unit seen again raises ``ConfigurationError``), and one process (refused
-        under ``torch.distributed``). ``records``: with ``privacy_units=``, required instead of
-        ``units`` — the record index of each row (from :meth:`batches`); the units come from
-        the unit sampler. Returns the batch's ``ClipAux`` (**not private**).
+        under ``torch.distributed``). Without ``privacy_units``, ``units`` needs ``records``:
+        each row's record index (from :meth:`batches`, a record's rows repeating it: DPO's
+        chosen-then-rejected rows take ``records=indices * 2``); each unit must be the rows of
+        one drawn record and each drawn record's rows one unit, every record of the step's
+        drawn batch once (checked over the step, padding rows masked out). ``records``: with
+        ``privacy_units=``, required instead of ``units`` — the units come from the unit
+        sampler. Returns the batch's ``ClipAux`` (**not private**).
         """
         if len(batch) != self._batch_args:
             raise ConfigurationError(
@@ -281,7 +285,13 @@ class DPTraining(TrainingState):
                 f"with batch_args={self._batch_args}"
             )
         units, rows = self._units.check(
-            units, records, batch, example_mask, step=self.steps, world_size=self.world_size
+            units,
+            records,
+            batch,
+            example_mask,
+            step=self.steps,
+            world_size=self.world_size,
+            sampler=self._sampler,
         )
         if self._step_state is None:  # a new logical step
             self._check_budget()  # refuse before touching the data of a step we may not take
@@ -351,7 +361,8 @@ class DPTraining(TrainingState):
     ) -> StepResult:
         """One logical step from one physical batch: :meth:`accumulate` then :meth:`finish_step`
         (with ``shard=True`` on a new step, each parameter's sum is reduce-scattered as it is
-        formed: one full-size sum alive per rank)."""
+        formed: one full-size sum alive per rank). ``units`` comes with ``records`` (each row's
+        record index) unless the training has ``privacy_units`` (then ``records`` alone)."""
         grad_fn: object = self._grad_fn
         whole = self._step_state is None and isinstance(grad_fn, ShardedStep)
         with grad_fn.whole_step() if isinstance(grad_fn, ShardedStep) and whole else _nothing():

@@ -5,19 +5,21 @@ it checks here is what ``grad_fn`` cannot see: a unit must not reach the step in
 batches (its two parts would be clipped separately: a sensitivity of 2C), nor on two ranks —
 which nothing shards by unit yet, so ``units=`` is refused under ``torch.distributed``.
 With ``DPTraining(privacy_units=...)`` the caller names each row's record instead
-(``records=``) and :class:`RecordUnits` derives the units from the unit sampler.
+(``records=``) and :class:`RecordUnits` derives the units from the unit sampler. Without it,
+``units=`` comes with ``records=`` and :class:`ExampleUnits` checks that the step's units and
+its drawn records correspond one to one (a unit is the rows of one drawn example).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from opake.core.errors import ConfigurationError, InputTypeError
+from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["RecordUnits", "StepUnits"]
+__all__ = ["ExampleUnits", "RecordUnits", "StepUnits"]
 
 
 def _tensor(units: object) -> torch.Tensor:
@@ -35,20 +37,47 @@ def _batch_leaf(batch: tuple[Any, ...]) -> torch.Tensor | None:
     return leaves[0] if leaves else None
 
 
+def _record_list(records: object, rows: int | None) -> list[int]:
+    """``records=`` as one int per row (a list, an array or a tensor), ``rows`` of them."""
+    import numpy as np
+    import torch
+
+    if isinstance(records, torch.Tensor):
+        records = records.detach().cpu().tolist()
+    try:
+        index = np.asarray(records, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError):
+        raise InputTypeError(
+            f"records={type(records).__name__}: expected the batch's record indices (the "
+            "list training.batches() yielded, or the part of it this physical batch holds)"
+        ) from None
+    if rows is not None and index.size != rows:
+        raise ConfigurationError(
+            f"records= names {index.size} record(s) for a batch of {rows} rows: pass the "
+            "index of every row, in row order"
+        )
+    listed: list[int] = index.tolist()
+    return listed
+
+
 class StepUnits:
     """The units of the logical step in progress (each in one physical batch only).
 
     Given a unit sampler (``DPTraining(privacy_units=...)``), the rows' units come from it
     through ``records=`` (:class:`RecordUnits`) and ``units=`` is refused; otherwise ``units=``
-    is the caller's and ``records=`` is refused.
+    is the caller's and comes with ``records=`` (:class:`ExampleUnits`: each unit the rows of
+    one drawn example, checked against ``sampler``, the training's).
 
     >>> import torch
+    >>> from opake.dpsgd.sampling import PoissonSampler
+    >>> sampler = PoissonSampler(10, 1.0, seed=0)  # every example drawn
     >>> units = StepUnits()
-    >>> ids, rows = units.check(torch.tensor([4, 4, 7]), None, (torch.zeros(3, 2),), None,
-    ...                         step=0, world_size=1)
+    >>> ids, rows = units.check(torch.tensor([4, 4, 7]), [0, 0, 1], (torch.zeros(3, 2),), None,
+    ...                         step=0, world_size=1, sampler=sampler)
     >>> units.commit(rows)
     >>> try:  # unit 7 again, in a second physical batch of the same step
-    ...     units.check(torch.tensor([7]), None, (torch.zeros(1, 2),), None, step=0, world_size=1)
+    ...     units.check(torch.tensor([7]), [2], (torch.zeros(1, 2),), None, step=0,
+    ...                 world_size=1, sampler=sampler)
     ... except ConfigurationError:
     ...     print("refused")
     refused
@@ -58,6 +87,7 @@ class StepUnits:
         self._seen: set[int] = set()
         self._used = False  # units= came with a physical batch of this step
         self._records = None if sampler is None else RecordUnits(sampler)
+        self._examples: ExampleUnits | None = None  # units= without privacy_units
 
     def check(
         self,
@@ -68,29 +98,62 @@ class StepUnits:
         *,
         step: int,
         world_size: int,
+        sampler: Any = None,
     ) -> tuple[torch.Tensor | None, tuple[set[int] | None, object]]:
         """The rows' units for one physical batch (given, or from the unit sampler), checked;
-        and what to :meth:`commit` once the batch is summed."""
+        and what to :meth:`commit` once the batch is summed. ``sampler``: the training's, the
+        draw that ``records=`` must match when ``units=`` is given without privacy units."""
         if self._records is None:
-            if records is not None:
-                raise ConfigurationError(
-                    "accumulate(records=...) without privacy_units: records name the rows of a "
-                    "unit-level batch; build DPTraining(privacy_units=...) for user-level DP"
-                )
-        elif units is not None:
+            return self._example_units(units, records, batch, mask, (step, world_size, sampler))
+        if units is not None:
             raise ConfigurationError(
                 "accumulate(units=...) with privacy_units: the units come from the unit "
                 "sampler; pass records=indices (the batch training.batches() yielded) instead"
             )
-        elif records is None:
+        if records is None:
             raise ConfigurationError(
                 "accumulate() without records=: with privacy_units, pass the record index of "
                 "each row (the batch training.batches() yielded) so each unit is clipped as one"
             )
-        else:
-            units = self._records.units_for(records, batch, step=step)
+        derived = self._records.units_for(records, batch, step=step)
+        ids = self._ids(derived, batch, mask, world_size=world_size)
+        return derived, (ids, records)
+
+    def _example_units(
+        self,
+        units: object,
+        records: object,
+        batch: tuple[Any, ...],
+        mask: torch.Tensor | None,
+        where: tuple[int, int, Any],
+    ) -> tuple[torch.Tensor | None, tuple[set[int] | None, object]]:
+        """:meth:`check` without privacy units: ``units=`` and ``records=`` together, or
+        neither; ``where``: ``(step, world_size, sampler)``."""
+        step, world_size, sampler = where
+        if units is None:
+            if records is not None:
+                raise ConfigurationError(
+                    "accumulate(records=...) without privacy_units and without units=: "
+                    "records= says which drawn example each unit's rows come from; pass units= "
+                    "(each row's unit) with it, or build DPTraining(privacy_units=...) for "
+                    "user-level DP"
+                )
+            return None, (None, None)
         ids = self._ids(units, batch, mask, world_size=world_size)
-        return units if units is None else _tensor(units), (ids, records)
+        if records is None:
+            raise ConfigurationError(
+                "accumulate(units=...) without records=: without privacy_units a unit must be "
+                "the rows of exactly one drawn example (a DPO pair's two rows), which the step "
+                "can only check knowing each row's record; pass records= (each row's index in "
+                "the batch training.batches() yielded, a record's rows repeating it: "
+                "records=indices * 2 for DPO's chosen-then-rejected rows)"
+            )
+        if self._examples is None:
+            if sampler is None:
+                raise OperationError("StepUnits.check(units=...) needs the training's sampler")
+            self._examples = ExampleUnits(sampler)
+        real = self._examples.check(_tensor(units), records, mask, step=step)
+        return _tensor(units), (ids, real)
 
     def _ids(
         self, units: object, batch: tuple[Any, ...], mask: torch.Tensor | None, *, world_size: int
@@ -137,24 +200,15 @@ class StepUnits:
         return ids
 
     def check_complete(self, sampler: Any, step: int) -> None:
-        """Before the noise: without ``privacy_units``, ``units=`` may only group the rows of
-        one drawn example each (a DPO pair's two rows), so the step's units must be exactly as
-        many as the examples the sampler drew for it. Grouping several examples into one unit
-        clips them together — removing one of them could then move the sum by up to 2·C, which
-        breaks the example-level guarantee (``privacy_units`` is the user-level way)."""
+        """Before the noise: without ``privacy_units``, the step's units must be its drawn
+        examples one to one (:meth:`ExampleUnits.check_complete`: each physical batch checked
+        its units against its records, the step checks that every drawn example came).
+        ``sampler`` is the training's (the one each physical batch was checked against)."""
         if self._records is not None or not self._used:
             return
-        from opake.dpsgd.sampling import PADDING_INDEX
-
-        drawn = sum(1 for i in sampler.batch_at(step) if i != PADDING_INDEX)
-        if len(self._seen) != drawn:
-            raise ConfigurationError(
-                f"units=: the {drawn} example(s) the sampler drew for this step arrived as "
-                f"{len(self._seen)} unit(s). Without privacy_units, each unit must be the rows of "
-                "exactly one drawn example (e.g. a DPO pair's two rows): grouping examples "
-                "clips them together and breaks the per-example guarantee. Build "
-                "DPTraining(privacy_units=...) for user-level DP; the step was dropped"
-            )
+        if self._examples is None:  # units= came only through check(), which builds it
+            raise OperationError("StepUnits.check_complete: no units were checked this step")
+        self._examples.check_complete(step)
 
     def commit(self, rows: tuple[set[int] | None, object]) -> None:
         """Record a summed physical batch's units (and records)."""
@@ -164,6 +218,8 @@ class StepUnits:
             self._used = True
         if self._records is not None:
             self._records.commit(records)
+        elif self._examples is not None and records is not None:
+            self._examples.commit(records)
 
     def reset(self) -> None:
         """A new logical step."""
@@ -171,6 +227,8 @@ class StepUnits:
         self._used = False
         if self._records is not None:
             self._records.reset()
+        if self._examples is not None:
+            self._examples.reset()
 
 
 class RecordUnits:
@@ -181,6 +239,8 @@ class RecordUnits:
     physical batch (several rows of one record — a DPO pair — are fine: they are in its unit):
     Poisson sampling over units is what the accountant's ε (per unit) is computed for, and a
     unit's gradient is bounded by C only if all of its rows in the step are clipped together.
+    :class:`ExampleUnits` checks the records of ``units=`` (without privacy units) the same way
+    (``by_unit=False``).
 
     >>> from opake.dpsgd.sampling import UnitPoissonSampler
     >>> sampler = UnitPoissonSampler(["a", "b", "a", "c"], 1.0, seed=0)
@@ -189,47 +249,37 @@ class RecordUnits:
     [0, 0, 2]
     """
 
-    def __init__(self, sampler: Any) -> None:
+    def __init__(self, sampler: Any, *, by_unit: bool = True) -> None:
         self._sampler = sampler
+        self._by_unit = by_unit
         self._seen: set[int] = set()
         self._drawn: tuple[int, frozenset[int]] | None = None  # (step, its drawn records)
 
-    def _drawn_at(self, step: int) -> frozenset[int]:
-        """The records the sampler drew for ``step``, computed once per logical step (every
-        physical batch of the step checks against it)."""
+    def drawn_at(self, step: int) -> frozenset[int]:
+        """The records the sampler drew for ``step`` (padding slots are none), computed once
+        per logical step (every physical batch of the step checks against it)."""
+        from opake.dpsgd.sampling import PADDING_INDEX
+
         if self._drawn is None or self._drawn[0] != step:
-            self._drawn = (step, frozenset(self._sampler.batch_at(step)))
+            drawn = frozenset(self._sampler.batch_at(step)) - {PADDING_INDEX}
+            self._drawn = (step, drawn)
         return self._drawn[1]
 
-    def units_for(self, records: object, batch: tuple[Any, ...], *, step: int) -> torch.Tensor:
-        """The unit of each row (int64, on the batch's device), after checking ``records``."""
-        import numpy as np
-        import torch
-
-        leaf = _batch_leaf(batch)
-        rows = None if leaf is None else int(leaf.shape[0])
-        if isinstance(records, torch.Tensor):
-            records = records.detach().cpu().tolist()
-        try:
-            index = np.asarray(records, dtype=np.int64).reshape(-1)
-        except (TypeError, ValueError):
-            raise InputTypeError(
-                f"records={type(records).__name__}: expected the batch's record indices (the "
-                "list training.batches() yielded, or the part of it this physical batch holds)"
-            ) from None
-        if rows is not None and index.size != rows:
-            raise ConfigurationError(
-                f"records= names {index.size} record(s) for a batch of {rows} rows: pass the "
-                "index of every row, in row order"
-            )
-        drawn = self._drawn_at(step)
-        listed = index.tolist()
-        foreign = sorted(set(listed) - drawn)
+    def check_records(self, listed: list[int], *, step: int) -> None:
+        """Refuse records the sampler did not draw for ``step``, or that an earlier physical
+        batch of the step already held."""
+        foreign = sorted(set(listed) - self.drawn_at(step))
         if foreign:
+            why = (
+                "with privacy_units, every row must come from training.batches() (ε per unit "
+                "holds for that sampling only)"
+                if self._by_unit
+                else "every row must come from training.batches() (ε holds for that sampling "
+                "only); mask padding slots out with example_mask"
+            )
             raise ConfigurationError(
-                f"records {foreign[:10]} are not in the batch the unit sampler drew for step "
-                f"{step}: with privacy_units, every row must come from training.batches() (ε "
-                "per unit holds for that sampling only)"
+                f"records {foreign[:10]} are not in the batch the "
+                f"{'unit ' if self._by_unit else ''}sampler drew for step {step}: {why}"
             )
         # a record may span several rows of one physical batch (a DPO pair's chosen and
         # rejected rows name the same record): they are in its unit, clipped together; a record
@@ -240,19 +290,112 @@ class RecordUnits:
                 f"records {repeated[:10]} appear twice in this logical step (in an earlier "
                 "physical batch too): pass each drawn record in one physical batch"
             )
+
+    def units_for(self, records: object, batch: tuple[Any, ...], *, step: int) -> torch.Tensor:
+        """The unit of each row (int64, on the batch's device), after checking ``records``."""
+        import torch
+
+        leaf = _batch_leaf(batch)
+        listed = _record_list(records, None if leaf is None else int(leaf.shape[0]))
+        self.check_records(listed, step=step)
         units = torch.as_tensor(self._sampler.units_of(listed), dtype=torch.int64)
         return units if leaf is None else units.to(leaf.device)
 
+    def missing(self, step: int) -> int:
+        """How many of the records drawn for ``step`` no physical batch has held."""
+        return len(self.drawn_at(step) - self._seen)
+
     def commit(self, records: object) -> None:
         """Record a summed physical batch's records."""
-        import numpy as np
-        import torch
-
-        if isinstance(records, torch.Tensor):
-            records = records.detach().cpu().tolist()
-        self._seen |= set(np.asarray(records, dtype=np.int64).reshape(-1).tolist())
+        self._seen |= set(_record_list(records, None))
 
     def reset(self) -> None:
         """A new logical step (or a restored sampler): the drawn records are recomputed."""
         self._seen.clear()
         self._drawn = None
+
+
+class ExampleUnits:
+    """``units=`` without ``privacy_units``: the sampler drew examples, so each unit must be the
+    rows of exactly one drawn example (a DPO pair's chosen and rejected rows), and each drawn
+    example's rows exactly one unit — a bijection between the step's units and its drawn
+    records, checked from ``records=`` (each row's record).
+
+    A unit holding two examples clips them together, an example split over two units is
+    clipped twice: either lets one example move the clipped sum by more than C (rows
+    ``[A.c, B.c, A.r, B.r]`` with ``units=[0, 0, 1, 1]``: 4·C). A count of units cannot see
+    that. Each physical batch pairs its real rows' units and records one to one, its records
+    drawn and new to the step (:meth:`RecordUnits.check_records`); a unit in two physical
+    batches is refused by :class:`StepUnits`; :meth:`check_complete` wants every drawn record.
+
+    >>> import torch
+    >>> from opake.dpsgd.sampling import PoissonSampler
+    >>> examples = ExampleUnits(PoissonSampler(4, 1.0, seed=0))  # drawn: 0, 1, 2, 3
+    >>> examples.check(torch.tensor([0, 1, 0, 1]), [2, 3, 2, 3], None, step=0)
+    [2, 3]
+    >>> try:  # one id per block, not per pair
+    ...     examples.check(torch.tensor([0, 0, 1, 1]), [2, 3, 2, 3], None, step=0)
+    ... except ConfigurationError:
+    ...     print("refused")
+    refused
+    """
+
+    def __init__(self, sampler: Any) -> None:
+        self._records = RecordUnits(sampler, by_unit=False)
+
+    def check(
+        self, units: torch.Tensor, records: object, mask: torch.Tensor | None, *, step: int
+    ) -> list[int]:
+        """The real rows' records of one physical batch (to :meth:`commit`), after checking
+        that they pair one to one with the rows' units (``units``: int ``[B]``, checked)."""
+        rows = int(units.shape[0])
+        listed = _record_list(records, rows)
+        keep = [True] * rows if mask is None else mask.detach().cpu().reshape(-1).tolist()
+        if len(keep) != rows:  # a mask of another shape: clipped_sum refuses it
+            keep = [True] * rows
+        by_unit: dict[int, set[int]] = {}
+        by_record: dict[int, set[int]] = {}
+        for unit, record, kept in zip(units.detach().cpu().tolist(), listed, keep, strict=True):
+            if kept:
+                by_unit.setdefault(unit, set()).add(record)
+                by_record.setdefault(record, set()).add(unit)
+        real = list(by_record)
+        self._records.check_records(real, step=step)
+        mixed = sorted(u for u, held in by_unit.items() if len(held) > 1)
+        if mixed:
+            raise ConfigurationError(
+                f"accumulate(units=..., records=...): unit(s) {mixed[:10]} hold the rows of "
+                "several drawn examples. Without privacy_units a unit must be the rows of "
+                "exactly one drawn example (a DPO pair's two rows): clipped together, one "
+                "example can move the sum by up to 2·C. Give each example's rows an id of "
+                "their own (one id per pair, e.g. cat([ids, ids]), not one per block), or build "
+                "DPTraining(privacy_units=...) for user-level DP"
+            )
+        split = sum(1 for held in by_record.values() if len(held) > 1)
+        if split:
+            raise ConfigurationError(
+                f"accumulate(units=..., records=...): {split} drawn example(s) have their rows "
+                "split over several units; each part would be clipped to C on its own. Give "
+                "all rows of one example (a DPO pair's chosen and rejected rows) the same unit"
+            )
+        return real
+
+    def check_complete(self, step: int) -> None:
+        """Refuse a step that some drawn example did not reach (before the noise)."""
+        missing = self._records.missing(step)
+        if missing:
+            drawn = len(self._records.drawn_at(step))
+            raise ConfigurationError(
+                f"units=: {missing} of the {drawn} example(s) the sampler drew for this step "
+                "reached no unit. Without privacy_units, every drawn example must be one unit "
+                "(its rows named in records=), and every physical batch of a step that uses "
+                "units= must pass units= and records=; the step was dropped"
+            )
+
+    def commit(self, records: object) -> None:
+        """Record a summed physical batch's real records."""
+        self._records.commit(records)
+
+    def reset(self) -> None:
+        """A new logical step."""
+        self._records.reset()

@@ -65,18 +65,19 @@ def accumulate_pairs(
     :func:`weighs_in_forward` says so), and the caller weighs the batch with
     :meth:`DPOLoss.prepare` and accumulates it again.
 
-    Each pair's two rows are one privacy unit (``units=``, by pair id), or, with ``records``
-    (each row's record, user-level units), the training's own grouping of records.
+    ``records``: each row's record, the pairs' indices from ``training.batches()`` twice
+    (``indices * 2``: a pair's two rows name its record). Each pair's two rows are one privacy
+    unit (``units=``, by pair id), which ``DPTraining`` checks against ``records`` (each unit
+    one drawn record); with privacy units (``training.privacy_unit == "unit"``) the training
+    groups the records itself (``records=`` alone). Without ``records`` the step is refused.
     """
     import torch
 
     ready, units = dpo.pairs(rows, ref_chosen=ref_chosen, ref_rejected=ref_rejected, ids=ids)
+    given = None if training.privacy_unit == "unit" else units  # unit sampler: from records
     dpo.seen.clear()
     try:
-        if records is not None:
-            aux = training.accumulate(ready, example_mask=example_mask, records=records)
-        else:
-            aux = training.accumulate(ready, example_mask=example_mask, units=units)
+        aux = training.accumulate(ready, example_mask=example_mask, units=given, records=records)
     except PairsNeedBookkeepingError:
         logger.info("DPO pairs: this batch took the vmap engine; its pairs are weighed first")
         return None

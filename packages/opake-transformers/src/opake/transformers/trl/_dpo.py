@@ -218,9 +218,9 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
             ref = list(self._reference(batch, attention, pairs))
         ids = _unit_ids(indices, pairs, batch["input_ids"].device)
         rows_mask = None if mask is None else torch.cat([mask, mask])
-        records = None
-        if dp.privacy_unit == "unit":  # user-level: each row's record (both rows of a pair)
-            records = [] if indices is None else [int(i) for i in indices.tolist()] * 2
+        # each row's record (both rows of a pair): with units=, checked one unit per record;
+        # user-level (privacy_unit_column), the units themselves come from the records
+        records = [] if indices is None else [int(i) for i in indices.tolist()] * 2
         # weighed by the clipped forward itself on book-keeping (see losses._in_forward)
         if pairs and weighs_in_forward(dp):
             done = accumulate_pairs(
@@ -250,12 +250,12 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
         batch: dict[str, Any],
         rows_mask: torch.Tensor | None,
         units: torch.Tensor,
-        records: list[int] | None,
+        records: list[int],
     ) -> None:
-        if records is not None:
+        if dp.privacy_unit == "unit":  # the unit sampler's units, from the records
             dp.accumulate(batch, example_mask=rows_mask, records=records)
-        else:
-            dp.accumulate(batch, example_mask=rows_mask, units=units)
+        else:  # each pair one unit, checked against its record
+            dp.accumulate(batch, example_mask=rows_mask, units=units, records=records)
 
     def _reference(
         self, batch: Mapping[str, torch.Tensor], attention: torch.Tensor, pairs: int
