@@ -470,6 +470,7 @@ def resume(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
         sampler=resumed["sampler"],
     )
     resumed["state"] = ckpt.clip_state
+    loaded = {n: t.clone() for n, t in gather_full_params(resumed["model"]).items()}
     steps(resumed, 1)
     grads, _ = straight["fn"](ids[:2], state=straight["state"])
     straight["opt"].accumulate(grads)  # pending, un-noised: never saved
@@ -486,7 +487,10 @@ def resume(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
         refused = str(err)
     straight["opt"].zero_grad()
     files = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+    torn = torn_save(directory, straight, common, build)
+    torn["params_equal"] = all(torch.equal(loaded[n], t) for n, t in torn.pop("params").items())
     return {
+        "torn": torn,
         "refused": refused,
         "pending_written": directory.with_name("pending").exists(),
         "straight": result(straight),
@@ -494,6 +498,46 @@ def resume(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
         "step": ckpt.step,
         "files": files,
     }
+
+
+def torn_save(
+    directory: Path, run: dict[str, Any], common: dict[str, Any], build: Any
+) -> dict[str, Any]:
+    """A second save into ``directory`` (step 3) whose ``dp.pt`` write fails on rank 0 (a
+    full disk): every rank raises, and a fresh run then loads the first save (step 2) whole —
+    its own weights, not the second save's shards."""
+    import opake.dpsgd.checkpoint as checkpoint_module
+    from opake.core.errors import OperationError
+    from opake.dpsgd.distributed import (
+        gather_full_params,
+        load_sharded_checkpoint,
+        save_sharded_checkpoint,
+    )
+
+    def full_disk(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    real = checkpoint_module.save_checkpoint
+    checkpoint_module.save_checkpoint = full_disk  # type: ignore[assignment]
+    try:
+        save_sharded_checkpoint(
+            directory, step=3, model=run["model"], optimizer=run["opt"], **common
+        )
+        error = None
+    except OperationError as err:
+        error = str(err)
+    finally:
+        checkpoint_module.save_checkpoint = real
+    again = build()
+    ckpt = load_sharded_checkpoint(
+        directory,
+        model=again["model"],
+        optimizer=again["opt"],
+        accountant=again["accountant"],
+        sampler=again["sampler"],
+    )
+    params = {n: t.clone() for n, t in gather_full_params(again["model"]).items()}
+    return {"error": error, "step": ckpt.step, "params": params}
 
 
 def scenario_resume(rank: int, world_size: int, out: Path) -> None:

@@ -398,11 +398,13 @@ def test_resume_from_a_sharded_checkpoint_is_bit_for_bit(resumed: list[dict[str,
     parameters, Adam moments and ε identical. Each rank wrote its shards, rank 0 the DP state."""
     for run in resumed:
         assert run["step"] == 2
-        assert run["files"] == [
-            "dp.pt",
-            "shards/.metadata",
-            "shards/__0_0.distcp",
-            "shards/__1_0.distcp",
+        assert run["files"][0] == "dp.pt"
+        folders = {name.split("/")[0] for name in run["files"][1:]}
+        assert len(folders) == 1  # one shard folder, named for this save
+        (folder,) = folders
+        assert folder.startswith("shards-2-")
+        assert run["files"][1:] == [
+            f"{folder}/{f}" for f in (".metadata", "__0_0.distcp", "__1_0.distcp")
         ]
         straight, again = run["straight"], run["resumed"]
         for key in ("params", "exp_avg"):
@@ -410,6 +412,21 @@ def test_resume_from_a_sharded_checkpoint_is_bit_for_bit(resumed: list[dict[str,
             for name, value in straight[key].items():
                 assert torch.equal(value, again[key][name]), (key, name)
         assert straight["epsilon"] == again["epsilon"] > 0
+
+
+def test_a_save_that_does_not_commit_leaves_the_earlier_checkpoint_whole(
+    resumed: list[dict[str, Any]],
+) -> None:
+    """A second save into the same directory whose dp.pt write fails (a full disk) raises on
+    every rank, and the directory still loads the first save whole: its step, its own weights.
+    (It used to write the new shards over the old ones: the old dp.pt's accountant then loaded
+    with newer weights, ε under-reported — red-team finding, round 5.)"""
+    for run in resumed:
+        torn = run["torn"]
+        assert torn["step"] == 2
+        assert torn["params_equal"] is True  # the earlier code: the second save's weights
+        assert torn["error"] is not None
+        assert "did not commit" in torn["error"]
 
 
 def test_a_checkpoint_with_pending_sums_is_refused(resumed: list[dict[str, Any]]) -> None:

@@ -2,14 +2,19 @@
 
 A checkpoint is a directory:
 
-- ``shards/`` — ``torch.distributed.checkpoint`` (DCP) of the ``fully_shard``-ed module's
-  parameters and the wrapped optimizer's state (Adam's moments): every rank writes its own
-  shards, nobody gathers the model;
+- ``shards-<step>-<nonce>/`` — ``torch.distributed.checkpoint`` (DCP) of the
+  ``fully_shard``-ed module's parameters and the wrapped optimizer's state (Adam's moments):
+  every rank writes its own shards, nobody gathers the model; each save writes a folder of its
+  own, never over the shards of an earlier save;
 - ``dp.pt`` — written last by rank 0 alone, atomically (:func:`~opake.dpsgd.checkpoint.
   save_checkpoint`): the DP state every rank shares — the DP optimizer's step count and noise
   generator, the accountant's history, the clip state, the step — plus each rank's own sampler
-  position and RNG states. It is the commit marker: a directory without it is incomplete and
-  is refused on load.
+  position and RNG states, and the name of the shard folder written with it. It is the commit
+  marker: a directory without it is refused on load, and a save that stops before it leaves
+  the previous ``dp.pt`` and the shards it names untouched (that earlier checkpoint is what
+  loads; the new folder is removed by the next save that commits). Shard folders no ``dp.pt``
+  names are removed once a save has committed. (Checkpoints written before this layout kept
+  their shards in ``shards/``; they still load.)
 
 Resuming needs the same world size (each rank gets its own sampler and RNG states back; DCP
 itself could reshard, the rank-local states cannot). Un-noised pending sums are never saved:
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -123,8 +129,11 @@ def save_sharded_checkpoint(
     if RANK_KEY in (extra or {}):
         raise ConfigurationError(f"extra key {RANK_KEY!r} is reserved for Opake")
     _check_ready(None, optimizer, group=group, world_size=world_size, check_sync=False)
-    dcp_save(_sharded_state(model, optimizer), checkpoint_id=out / SHARDS, process_group=group)
-    ranks = _rank_states(sampler, rng, group, world_size)
+    # a fresh folder per save (rank 0's name for all): never the shards an existing dp.pt names
+    folder: list[Any] = [f"{SHARDS}-{step}-{secrets.token_hex(4)}"]
+    dist.broadcast_object_list(folder, src=dist.get_global_rank(group, 0), group=group)
+    dcp_save(_sharded_state(model, optimizer), checkpoint_id=out / folder[0], process_group=group)
+    ranks = {**_rank_states(sampler, rng, group, world_size), "shards": folder[0]}
     error: list[Any] = [None]
     if dist.get_rank(group) == 0:
         try:
@@ -143,9 +152,30 @@ def save_sharded_checkpoint(
     if error[0] is not None:
         raise OperationError(
             f"save_sharded_checkpoint: rank 0 could not write {os.fspath(out / DP_FILE)!r}: "
-            f"{error[0]} (the checkpoint is incomplete and will be refused on load)"
+            f"{error[0]} (this save did not commit: the directory's earlier checkpoint, if "
+            "any, is still the one that loads; a directory without one is refused)"
         )
+    if dist.get_rank(group) == 0:
+        _remove_other_folders(out, keep=folder[0])
     return out
+
+
+def _remove_other_folders(out: Path, *, keep: str) -> None:
+    """Remove the shard folders of earlier saves (committed or not) once ``keep``'s has
+    committed: only ``dp.pt``'s folder is ever read."""
+    import shutil
+
+    for path in out.iterdir():
+        if path.is_dir() and path.name != keep and _is_shard_folder(path.name):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _is_shard_folder(name: str) -> bool:
+    """A shard folder's name: ``shards`` (the earlier layout) or ``shards-<step>-<nonce>``."""
+    if name == SHARDS:
+        return True
+    parts = name.split("-")
+    return len(parts) == 3 and parts[0] == SHARDS and parts[1].isdigit() and parts[2].isalnum()
 
 
 def load_sharded_checkpoint(
@@ -186,9 +216,9 @@ def load_sharded_checkpoint(
             f"{missing}: the checkpoint is incomplete (a save that did not finish) or not on a "
             "filesystem every rank can read"
         )
-    mine = _own_states(source, world_size, rank, sampler, strict)
+    mine, folder = _own_states(source, world_size, rank, sampler, strict)
     state = _sharded_state(model, optimizer)
-    dcp_load(state, checkpoint_id=source / SHARDS, process_group=group)
+    dcp_load(state, checkpoint_id=source / folder, process_group=group)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer.optimizer, state["optimizer"])
     ckpt = load_checkpoint(
@@ -210,8 +240,9 @@ def load_sharded_checkpoint(
 
 def _own_states(
     source: Path, world_size: int, rank: int, sampler: Any, strict: bool
-) -> dict[str, Any]:
-    """This rank's saved sampler and RNG states, checked before anything is restored."""
+) -> tuple[dict[str, Any], str]:
+    """This rank's saved sampler and RNG states, checked before anything is restored, and the
+    shard folder written with them."""
     from opake.dpsgd.checkpoint._file import _read
 
     saved = _read(source / DP_FILE, "cpu")["extra"].get(RANK_KEY)
@@ -222,6 +253,17 @@ def _own_states(
             "resume a sharded checkpoint with the world size that saved it"
         )
     assert isinstance(saved, dict)
+    folder = saved.get("shards", SHARDS)  # checkpoints of the earlier layout: shards/
+    if not isinstance(folder, str) or not _is_shard_folder(folder):
+        raise ConfigurationError(
+            f"load_sharded_checkpoint: {os.fspath(source / DP_FILE)!r} names the shard folder "
+            f"{folder!r}, which is not one this library writes; the file is damaged or foreign"
+        )
+    if not (source / folder).is_dir():
+        raise OperationError(
+            f"load_sharded_checkpoint: the shard folder {os.fspath(source / folder)!r} that "
+            f"{DP_FILE} was written with is missing: the checkpoint is incomplete"
+        )
     mine: dict[str, Any] = saved["ranks"][rank]
     if sampler is not None and mine["sampler"] is None:
         raise ConfigurationError(
@@ -232,7 +274,7 @@ def _own_states(
             "load_sharded_checkpoint: the checkpoint holds each rank's sampler position; pass "
             "sampler= (a run resumed at another position re-samples its batches), or strict=False"
         )
-    return mine
+    return mine, folder
 
 
 def _flag(value: bool) -> torch.Tensor:
