@@ -131,11 +131,11 @@ grads = {n: p.detach() * 0 for n, p in model.named_parameters()}  # FSDP2 shards
 grads["extra"] = distribute_tensor(torch.zeros(7, 2), mesh, [Shard(0)])
 grads["plain"] = torch.zeros(3)
 asked = []
-rows = NoiseRows.rows
-def spy(self, name, a, b, **kw):
-    asked.append([name, a, b])
-    return rows(self, name, a, b, **kw)
-NoiseRows.rows = spy
+add_rows = NoiseRows.add_rows_  # each rank noises its rows of the sum in place
+def spy(self, name, start, dest):
+    asked.append([name, start, start + (dest.shape[0] if dest.ndim else 1)])
+    return add_rows(self, name, start, dest)
+NoiseRows.add_rows_ = spy
 out = _ShardedNoise(GaussianNoise(1.5, seed=4), broadcast=False, group=mesh.get_group(),
                     device=torch.device("cpu")).add(grads, sensitivity=0.5)
 want = GaussianNoise(1.5, seed=4).add({n: torch.zeros(g.shape) for n, g in grads.items()}, 0.5)
