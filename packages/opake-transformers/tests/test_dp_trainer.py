@@ -281,6 +281,14 @@ def test_label_smoothing_is_applied_within_each_example(tmp_path):
         ({"dataloader_drop_last": True}, "dataloader_drop_last"),
         ({"auto_find_batch_size": True}, "auto_find_batch_size"),
         (
+            {"include_num_input_tokens_seen": True},
+            "include_num_input_tokens_seen='all'.*batch size",
+        ),
+        (
+            {"include_num_input_tokens_seen": "non_padding"},
+            "include_num_input_tokens_seen='non_padding'.*batch size",
+        ),
+        (
             {
                 "gradient_checkpointing": True,
                 "gradient_checkpointing_kwargs": {"use_reentrant": True},

@@ -48,6 +48,7 @@ def test_the_guide_names_every_refused_setting_and_no_missing_one_as_refused():
         "neftune_noise_alpha": "NEFTune",
         "n_gpu": "DataParallel",
         "group_by_length": "`group_by_length`",
+        "include_num_input_tokens_seen": "`include_num_input_tokens_seen`",
     }
     assert set(spelled) == {name for name, _, _ in _REFUSED}
     for name in refused_settings():

@@ -20,7 +20,6 @@ unit) and what the memory probe measures (:meth:`_probe`).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -30,6 +29,7 @@ import torch
 from opake.core.choices import TRAINING_PLD_OPTIONS
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.transformers._args import DPArguments
+from opake.transformers._checkpoint import DP_STATE_FILE, load_dp_state, save_dp_state
 from opake.transformers._collate import DPDataCollator, PoissonBatches
 from opake.transformers._compile import (
     accelerator_args_without_compile,
@@ -69,8 +69,6 @@ else:
 
 __all__ = ["DP_STATE_FILE", "DPTrainerMixin"]
 
-#: the DP state (optimizer, noise generator, sampler position, accountant) beside the weights
-DP_STATE_FILE = "opake_dp_state.pt"
 #: PLD discretisation: pessimistic (ε stays an upper bound) and fast enough for every step
 _PLD_OPTIONS = dict(TRAINING_PLD_OPTIONS)
 
@@ -450,25 +448,20 @@ class DPTrainerMixin(_Base):
     # -- checkpoints --------------------------------------------------------------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save the model and, once training has started, the DP state beside it."""
+        """Save the model and, once training has started, the DP state beside it; in the
+        middle of a logical step no DP state (an earlier one there is removed, with a warning:
+        the directory cannot be resumed)."""
         super().save_model(output_dir, _internal_call=_internal_call)
-        if self._dp is not None and self.args.should_save and not self._dp.pending_batches:
-            target = Path(
-                output_dir if output_dir is not None else cast("str", self.args.output_dir)
-            )
-            target.mkdir(parents=True, exist_ok=True)
-            self._dp.save(target / DP_STATE_FILE, rng=False, collective=False)
+        if self._dp is not None and self.args.should_save:
+            target = output_dir if output_dir is not None else cast("str", self.args.output_dir)
+            save_dp_state(self._dp, Path(target))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        path = Path(checkpoint) / DP_STATE_FILE
-        if not path.is_file():
-            raise ConfigurationError(
-                f"resume_from_checkpoint={os.fspath(checkpoint)!r} holds no {DP_STATE_FILE}: "
-                "without the accountant's history the resumed run would forget the privacy "
-                f"already spent; resume from a checkpoint written by {type(self).__name__}"
-            )
-        self.dp_training.load(path, rng=False, collective=False)
+        # self.state is the checkpoint's trainer_state.json here (the Trainer loads it first)
+        load_dp_state(
+            self.dp_training, checkpoint, self.state.global_step, owner=type(self).__name__
+        )
         self._drawn = DrawnBatches(self.args.gradient_accumulation_steps, self.args.dp_sampler)

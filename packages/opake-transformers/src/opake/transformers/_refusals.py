@@ -56,6 +56,15 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         lambda a: bool(getattr(a, "group_by_length", False)),
         "DPTrainer always draws Poisson batches (the only sampling ε is computed for)",
     ),
+    (
+        "include_num_input_tokens_seen",
+        lambda a: getattr(a, "include_num_input_tokens_seen", "no") not in ("no", False),
+        (
+            "every log would carry the exact token count of the Poisson batches trained so far, "
+            "whose differences give each step's batch size, un-noised (ε assumes the draw "
+            "stays secret); leave it 'no'"
+        ),
+    ),
     ("deepspeed", lambda a: bool(a.deepspeed), "not supported with per-example clipping"),
     (
         "fsdp",

@@ -1,0 +1,74 @@
+"""The DP state in the Trainer's checkpoints: written beside the weights between two steps
+(:func:`save_dp_state`), restored on resume only when it describes the step the checkpoint's
+weights were saved at (:func:`load_dp_state`).
+
+A directory whose DP state is behind its weights would resume with an accountant that has not
+counted every step the weights were trained with (ε under-reported), so neither half may leave
+one: a save in the middle of a logical step (a Ctrl-C between two physical batches, then
+``save_model()``) removes the DP state of an earlier save there and warns, and a resume refuses
+a DP state whose step count is not the checkpoint's ``global_step`` (``trainer_state.json``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from opake.core.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from opake.dpsgd.training import DPTraining
+
+__all__ = ["DP_STATE_FILE", "load_dp_state", "save_dp_state"]
+
+logger = logging.getLogger("opake.transformers")
+
+#: the DP state (optimizer, noise generator, sampler position, accountant) beside the weights
+DP_STATE_FILE = "opake_dp_state.pt"
+
+
+def save_dp_state(dp: DPTraining, target: Path) -> None:
+    """Write ``dp``'s state into ``target``; in the middle of a logical step, remove the DP
+    state an earlier save left there (so that the directory cannot be resumed) and warn."""
+    path = target / DP_STATE_FILE
+    if dp.pending_batches:
+        path.unlink(missing_ok=True)
+        logger.warning(
+            "save_model(%r) in the middle of a logical step (%d physical batch(es) of DP step "
+            "%d accumulated, not yet noised): the weights are written but no %s, and this "
+            "directory cannot be resumed (its DP state would not match the weights). Save "
+            "between two steps — the Trainer's checkpoints (save_strategy) always are — to "
+            "resume from it",
+            os.fspath(target),
+            dp.pending_batches,
+            dp.steps + 1,
+            DP_STATE_FILE,
+        )
+        return
+    target.mkdir(parents=True, exist_ok=True)
+    dp.save(path, rng=False, collective=False)
+
+
+def load_dp_state(dp: DPTraining, checkpoint: str, global_step: int, owner: str) -> None:
+    """Restore ``dp`` from ``checkpoint``; refuse (``ConfigurationError``) a checkpoint without
+    a DP state, or whose DP state counts another number of steps than ``global_step`` (the
+    step of the checkpoint's ``trainer_state.json``, which the Trainer resumes from)."""
+    path = Path(checkpoint) / DP_STATE_FILE
+    where = f"resume_from_checkpoint={os.fspath(checkpoint)!r}"
+    if not path.is_file():
+        raise ConfigurationError(
+            f"{where} holds no {DP_STATE_FILE}: without the accountant's history the resumed "
+            f"run would forget the privacy already spent; resume from a checkpoint written by "
+            f"{owner} between two steps"
+        )
+    dp.load(path, rng=False, collective=False)
+    if dp.steps != global_step:
+        raise ConfigurationError(
+            f"{where}: its {DP_STATE_FILE} holds {dp.steps} DP steps but its "
+            f"trainer_state.json says global_step {global_step}: the DP state was not saved "
+            f"with these weights, and resuming would account the wrong number of steps (ε "
+            f"wrong for the weights). Resume from a checkpoint-N directory the Trainer wrote, "
+            f"or from a directory where {owner}.save_model() and save_state() were called "
+            f"together between two steps"
+        )
