@@ -484,4 +484,18 @@ def test_a_checkpoint_of_another_world_size_is_refused(tmp_path: Path) -> None:
     save_checkpoint(tmp_path / DP_FILE, step=1, extra=extra, rng=False)
     with pytest.raises(ConfigurationError, match="saved by 4 rank"):
         _own_states(tmp_path, 2, 0, None, True)
-    assert _own_states(tmp_path, 4, 3, None, True) == {"sampler": None, "rng": None}
+    (tmp_path / "shards").mkdir()  # the earlier layout: no folder named in dp.pt
+    assert _own_states(tmp_path, 4, 3, None, True) == ({"sampler": None, "rng": None}, "shards")
+
+
+def test_a_dp_state_naming_a_folder_it_did_not_write_is_refused(tmp_path: Path) -> None:
+    from opake.core.errors import ConfigurationError, OperationError
+    from opake.dpsgd.checkpoint import save_checkpoint
+    from opake.dpsgd.distributed.sharded._checkpoint import DP_FILE, RANK_KEY, _own_states
+
+    ranks = [{"sampler": None, "rng": None}] * 2
+    for folder, error in (("../elsewhere", ConfigurationError), ("shards-3-ab12", OperationError)):
+        extra = {RANK_KEY: {"world_size": 2, "ranks": ranks, "shards": folder}}
+        save_checkpoint(tmp_path / DP_FILE, step=1, extra=extra, rng=False)
+        with pytest.raises(error, match="shard folder"):
+            _own_states(tmp_path, 2, 0, None, True)
