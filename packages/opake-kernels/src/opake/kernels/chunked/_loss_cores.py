@@ -3,7 +3,9 @@ tensors only; see ``_autograd``).
 
 Linear cross-entropy tiles tokens x vocabulary: the forward keeps a running log-sum-exp per
 token across vocabulary tiles (``logaddexp`` of tile log-sum-exps), the backward recomputes each
-logits tile from ``hidden`` and ``weight`` and accumulates the gradients tile by tile. At most one
+logits tile from ``hidden`` and ``weight`` and accumulates the gradients tile by tile — unless
+the forward could form them in its own pass (one tile spanning the vocabulary, or the hidden
+states' gradient alone, :func:`_lce_forward_online`). At most one
 ``token_tile x vocab_tile`` logits tile (and a few fp32 temporaries of that size) exists at a time
 (the tile itself: ``_logit_tiles``). Cross-entropy on materialised logits processes bounded row
 chunks and recomputes the chunk's probabilities in the backward.
@@ -56,6 +58,8 @@ def lce_forward(
     n = hidden.shape[0]
     v = weight.shape[0]
     tt, vt = _tiles(opts, n, v)
+    if _online(spec, pre, bias, n, vt, v):
+        return _lce_forward_online(hidden, weight, bias, labels, spec, tt, vt)
     dev = hidden.device
     lse = torch.empty(n, dtype=_F32, device=dev)
     tok = torch.empty(n, dtype=_F32, device=dev)
@@ -119,6 +123,84 @@ def lce_forward(
         if not fused:
             break
     return tok, lse, (gh, gw, gb) if fused else None
+
+
+def _online(
+    spec: LossSpec, pre: tuple[bool, bool, bool], bias: Tensor | None, n: int, vt: int, v: int
+) -> bool:
+    """Whether the forward forms the hidden states' gradient across vocabulary tiles
+    (:func:`_lce_forward_online`): only that gradient asked for, a ``sum``/``mean`` loss, the
+    vocabulary split over tiles, no label smoothing."""
+    only_hidden = pre[0] and not pre[1] and not (pre[2] and bias is not None)
+    return only_hidden and spec.reduction != "none" and vt < v and n > 0 and not spec.smoothing
+
+
+def _lce_forward_online(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    spec: LossSpec,
+    tt: int,
+    vt: int,
+) -> tuple[Tensor, Tensor, tuple[Tensor | None, Tensor | None, Tensor | None]]:
+    """Per-token losses, log-sum-exps and the hidden states' gradient (for a unit upstream
+    gradient per segment) in one pass over the vocabulary tiles.
+
+    The hidden gradient of token ``t`` is ``tgrad_t·mult·(Σ_v p_tv a_tv W_v − a_ty W_y)``
+    (``a`` the softcap's derivative, 1 without one). Its first sum is accumulated like the
+    log-sum-exp itself: ``Σ_v exp(z_tv − m_t) a_tv W_v`` with the running max ``m_t``,
+    rescaled by ``exp(m_old − m_new)`` when a tile raises it, and divided by the final
+    ``Σ_v exp(z_tv − m_t)`` at the end. Each logits tile is computed once (the backward only
+    scales the result), where recomputing them in the backward costs a third matrix product
+    over the vocabulary.
+    """
+    n, v = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    lse = torch.empty(n, dtype=_F32, device=dev)
+    tok = torch.empty(n, dtype=_F32, device=dev)
+    gh = torch.empty(n, hidden.shape[1], dtype=_F32, device=dev)
+    tgrad = token_grad(torch.ones(spec.n_seg, dtype=_F32, device=dev), labels, spec)
+    bufs = _TileBuffers(tt, vt, hidden.dtype, dev, extra=spec.softcap is not None)
+    for t0 in range(0, n, tt):
+        t1 = min(n, t0 + tt)
+        h, y, acc = hidden[t0:t1], labels[t0:t1], gh[t0:t1]
+        m = s = torch.empty(0)
+        zy = torch.zeros(t1 - t0, dtype=_F32, device=dev)
+        for v0 in range(0, v, vt):
+            w = weight[v0 : min(v, v0 + vt)]
+            z = bufs.logits(h, w, None if bias is None else bias[v0 : v0 + vt], spec)
+            zy += _target_logit(z, y, v0)
+            slope = None
+            if spec.softcap is not None:
+                assert bufs.t is not None  # allocated for a softcap (extra=)
+                slope = torch.div(z, spec.softcap, out=bufs.view(bufs.t, *z.shape))
+                slope.mul_(slope).neg_().add_(1.0)  # 1 − tanh², the softcap's derivative
+            top = z.amax(1)
+            if v0:
+                top = torch.maximum(m, top)
+                rescale = torch.exp(m - top)
+                s.mul_(rescale)
+                acc.mul_(rescale.unsqueeze(1))
+            e = z.sub_(top.unsqueeze(1)).exp_()
+            s = e.sum(1) if not v0 else s.add_(e.sum(1))
+            m = top
+            if slope is not None:
+                e.mul_(slope)
+            dc = e if bufs.raw is None else bufs.view(bufs.raw, *e.shape).copy_(e)
+            _accumulate(acc, dc, w, first=not v0)
+        run = m + torch.log(s)
+        lse[t0:t1] = run
+        loss = token_loss(run, zy, None, v, spec)
+        tok[t0:t1] = torch.where(y != spec.ignore_index, loss, torch.zeros_like(loss))
+        g = tgrad[t0:t1]
+        acc.mul_((g / s).unsqueeze(1))
+        target = g if spec.softcap is None else g * (1.0 - (zy / spec.softcap).square())
+        rows = weight.index_select(0, y.clamp(0, v - 1)).float()
+        acc.sub_(rows.mul_(target.unsqueeze(1)))
+        if spec.mult is not None:
+            acc.mul_(spec.mult)
+    return tok, lse, (gh, None, None)
 
 
 def lce_backward(

@@ -159,7 +159,8 @@ def resolve_chunking(
     workspace. A tile spanning the whole vocabulary is chosen when at least 64 token rows (or
     all *tokens*) fit: the forward pass then also computes the gradients, so nothing is
     computed twice. Otherwise the tiles are as square as the bound allows (the backward
-    recomputes them); tokens left over when ``tokens`` is small widen the vocabulary tile.
+    recomputes them, except for the hidden states' gradient alone, which the forward forms
+    across tiles); tokens left over when ``tokens`` is small widen the vocabulary tile.
 
     >>> import torch
     >>> resolve_chunking(False, "cpu", 512, 32000, torch.float32) is None
