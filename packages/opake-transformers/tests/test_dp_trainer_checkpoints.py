@@ -98,6 +98,9 @@ def test_resume_refuses_a_dp_state_of_another_step(tmp_path, checkpoints, weight
         ConfigurationError, match=rf"{state} DP steps.*global_step {weights}.*between two steps"
     ):
         resumed.train(resume_from_checkpoint=str(checkpoint))
+    # refused before anything was restored: nothing of the other step's state is left behind
+    assert resumed.dp_training.steps == 0
+    assert resumed.dp_training.epsilon() == 0.0
 
 
 def _resumed_until_loaded(out, **options):

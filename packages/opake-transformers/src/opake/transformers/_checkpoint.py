@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from opake.core.errors import ConfigurationError
+from opake.dpsgd.checkpoint import checkpoint_step
 
 if TYPE_CHECKING:
     from opake.dpsgd.training import DPTraining
@@ -62,13 +63,19 @@ def load_dp_state(dp: DPTraining, checkpoint: str, global_step: int, owner: str)
             f"run would forget the privacy already spent; resume from a checkpoint written by "
             f"{owner} between two steps"
         )
-    dp.load(path, rng=False, collective=False)
-    if dp.steps != global_step:
+    saved = checkpoint_step(path)  # checked before anything is restored into ``dp``
+    if saved != global_step:
         raise ConfigurationError(
-            f"{where}: its {DP_STATE_FILE} holds {dp.steps} DP steps but its "
+            f"{where}: its {DP_STATE_FILE} holds {saved} DP steps but its "
             f"trainer_state.json says global_step {global_step}: the DP state was not saved "
             f"with these weights, and resuming would account the wrong number of steps (ε "
             f"wrong for the weights). Resume from a checkpoint-N directory the Trainer wrote, "
             f"or from a directory where {owner}.save_model() and save_state() were called "
             f"together between two steps"
+        )
+    dp.load(path, rng=False, collective=False)
+    if dp.steps != saved:  # a file whose components disagree with its own step
+        raise ConfigurationError(
+            f"{where}: its {DP_STATE_FILE} records step {saved} but restores {dp.steps} DP "
+            f"steps: the file was not written by {owner}; resume from a checkpoint it wrote"
         )

@@ -26,8 +26,16 @@ from opake.dpsgd.checkpoint._checkpoint import (
     Checkpoint,
     CheckpointError,
     atomic_write,
+    checkpoint_step,
     load_checkpoint,
     save_checkpoint,
 )
 
-__all__ = ["Checkpoint", "CheckpointError", "atomic_write", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "atomic_write",
+    "checkpoint_step",
+    "load_checkpoint",
+    "save_checkpoint",
+]

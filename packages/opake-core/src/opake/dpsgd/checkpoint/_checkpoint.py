@@ -35,7 +35,14 @@ from opake.dpsgd.checkpoint._file import (
     atomic_write,
 )
 
-__all__ = ["Checkpoint", "CheckpointError", "atomic_write", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "atomic_write",
+    "checkpoint_step",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,25 @@ def save_checkpoint(
         _check_plain(value, f"checkpoint component {name!r}")
     _check_plain(payload["extra"], "extra")
     return atomic_write(path, lambda handle: _write_payload(payload, handle))
+
+
+def checkpoint_step(path: str | os.PathLike[str]) -> int:
+    """The step ``path`` was saved at, read and validated without restoring anything.
+
+    Check a checkpoint against something else before :func:`load_checkpoint` changes the live
+    objects (which cannot be undone: a restored accountant refuses to be rewound).
+
+    >>> import pathlib, tempfile, torch
+    >>> from opake.dpsgd.checkpoint import checkpoint_step, save_checkpoint
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "ckpt.pt"
+    >>> checkpoint_step(save_checkpoint(path, step=5, model=torch.nn.Linear(2, 1)))
+    5
+
+    Raises:
+        CheckpointError: unreadable, damaged or foreign file.
+    """
+    step: int = _read(Path(path), "cpu")["step"]
+    return step
 
 
 def load_checkpoint(
