@@ -24,12 +24,11 @@ from __future__ import annotations
 
 from opake.dpsgd.checkpoint._checkpoint import (
     Checkpoint,
-    CheckpointError,
-    atomic_write,
     checkpoint_step,
     load_checkpoint,
     save_checkpoint,
 )
+from opake.dpsgd.checkpoint._file import CheckpointError, atomic_write
 
 __all__ = [
     "Checkpoint",

@@ -35,14 +35,7 @@ from opake.dpsgd.checkpoint._file import (
     atomic_write,
 )
 
-__all__ = [
-    "Checkpoint",
-    "CheckpointError",
-    "atomic_write",
-    "checkpoint_step",
-    "load_checkpoint",
-    "save_checkpoint",
-]
+__all__ = ["Checkpoint", "checkpoint_step", "load_checkpoint", "save_checkpoint"]
 
 
 @dataclass(frozen=True)
