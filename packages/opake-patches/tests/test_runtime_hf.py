@@ -193,6 +193,28 @@ def test_the_padding_check_patch_is_removed_with_the_runtime_patches():
     assert mu.PreTrainedModel.warn_if_padding_and_no_attention_mask is stock
 
 
+@pytest.mark.parametrize("options", [{"vmap_checkpointing": False}, {"save_on_cpu": False}])
+def test_the_padding_check_patch_comes_with_either_runtime_patch(options):
+    """Not only with checkpointing: ``apply_model_patches`` keeps runtime patches a caller
+    installed without ``vmap_checkpointing``, and a padded GPT-2 then failed under ``vmap``
+    depending on what ran before."""
+    import transformers.modeling_utils as mu
+
+    remove_runtime_patches()
+    stock = mu.PreTrainedModel.warn_if_padding_and_no_attention_mask
+    try:
+        apply_runtime_patches(**options)
+        ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+        grads = _per_example_grads(_padded_gpt2(), ids)
+        assert all(torch.isfinite(g).all() for g in grads.values())
+        flipped = {name: not value for name, value in options.items()}
+        apply_runtime_patches(**flipped)  # the other patch alone: the check stays patched
+        assert mu.PreTrainedModel.warn_if_padding_and_no_attention_mask is not stock
+    finally:
+        remove_runtime_patches()
+    assert mu.PreTrainedModel.warn_if_padding_and_no_attention_mask is stock
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 def test_every_supported_family_runs_its_per_example_forward_with_a_pad_id(patched):

@@ -67,3 +67,31 @@ def test_one_long_record_moves_the_clipped_sum_by_at_most_c_with_left_padding():
     with_long, without = clipped_sum([*short, long]), clipped_sum(short)
     moved = exact_norm({k: with_long[k] - without[k] for k in trainable})
     assert moved <= 1.0 + 1e-5, moved
+
+
+def _padded(features, left: bool):
+    """A user collator that pads ``input_ids`` with 0 and returns no attention mask."""
+    width = max(len(f["input_ids"]) for f in features)
+    rows = []
+    for f in features:
+        pad = [0] * (width - len(f["input_ids"]))
+        rows.append(pad + f["input_ids"] if left else f["input_ids"] + pad)
+    return {"input_ids": torch.tensor(rows)}
+
+
+def test_a_collator_that_pads_on_the_left_without_a_mask_is_refused():
+    # a review measured 4.49·C: the padding was neither masked nor moved (round 6)
+    features = [{"input_ids": [5, 6]}, {"input_ids": [7, 8, 1, 2]}]
+    collator = DPDataCollator(causal=True, base=lambda f: _padded(f, left=True), engine_mask=False)
+    with pytest.raises(ConfigurationError, match=r"no attention_mask.*row 0"):
+        collator(features)
+
+
+def test_a_collator_that_pads_on_the_right_without_a_mask_gets_its_records_mask():
+    features = [{"input_ids": [5, 6]}, {"input_ids": [7, 8, 1, 2]}]
+    collator = DPDataCollator(causal=True, base=lambda f: _padded(f, left=False), engine_mask=False)
+    batch = collator(features)
+    assert batch["attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert batch["labels"].tolist() == [[5, 6, -100, -100], [7, 8, 1, 2]]
+    same = [{"input_ids": [5, 6]}, {"input_ids": [7, 8]}]
+    assert "attention_mask" not in collator(same) or collator(same)["attention_mask"].all()

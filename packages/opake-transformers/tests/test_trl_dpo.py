@@ -210,6 +210,7 @@ def test_truncation_is_counted(tmp_path):
         ({"sync_ref_model": True}, "sync_ref_model"),
         ({"padding_free": True}, "padding_free=True: it flattens"),
         ({"ld_alpha": 0.5}, "ld_alpha"),
+        ({"label_smoothing": 0.1}, "label_smoothing"),
         ({"use_weighting": True}, "use_weighting"),
         ({"f_divergence_type": "js_divergence"}, "f_divergence_type"),
         ({"max_grad_norm": 1.0}, "max_grad_norm"),

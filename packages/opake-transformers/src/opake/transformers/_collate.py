@@ -123,6 +123,38 @@ def right_aligned(batch: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _with_mask(batch: dict[str, Any], features: list[Any]) -> dict[str, Any]:
+    """A user collator's ``batch`` with the attention mask of its records when it returned
+    none: each row must start with its record's ``input_ids`` (right padding), else refused —
+    unmasked padding would make the longest record set every other record's positions and
+    padded targets (a review measured 4.5·C with left padding)."""
+    import torch
+
+    ids = batch.get("input_ids")
+    mask = batch.get("attention_mask")
+    if (isinstance(mask, torch.Tensor) and mask.dim() == 2) or not isinstance(ids, torch.Tensor):
+        return batch
+    if ids.dim() != 2 or not all(isinstance(f, Mapping) and "input_ids" in f for f in features):
+        return batch
+    width = int(ids.shape[1])
+    lengths = [len(f["input_ids"]) for f in features]
+    for row, (feature, length) in enumerate(zip(features, lengths, strict=False)):
+        own = torch.as_tensor(feature["input_ids"]).to(ids)
+        if length > width or not torch.equal(ids[row, :length], own.reshape(-1)):
+            raise ConfigurationError(
+                f"the data collator returned no attention_mask, and row {row} of input_ids does "
+                "not start with its record's tokens (padding on the left?): DPTrainer could not "
+                "tell padding from tokens, and the longest record would set every other "
+                "record's positions. Return an attention_mask, or pad on the right"
+            )
+    if all(length == width for length in lengths):
+        return batch
+    batch["attention_mask"] = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).to(
+        ids.device, torch.long
+    )
+    return batch
+
+
 class DPDataCollator:
     """Pad a list of examples into a batch that no example can influence through another.
 
@@ -173,7 +205,7 @@ class DPDataCollator:
                     f"the data collator returned {type(batch).__name__}; DPTrainer needs a dict "
                     "of tensors (input_ids, labels, ...)"
                 )
-            return dict(batch)
+            return _with_mask(dict(batch), features)
         if not all(isinstance(f, Mapping) for f in features):
             raise InputTypeError("DPDataCollator: every example must be a dict (input_ids, ...)")
         batch = {}

@@ -25,7 +25,8 @@ from opake.dpsgd.noise._checks import (
 )
 from opake.dpsgd.noise._noisy import NoisyGrads
 from opake.dpsgd.noise._rows import NoiseRows
-from opake.dpsgd.randomness._source import Randomness, check_seed, resolve_randomness
+from opake.dpsgd.randomness._resolve import resolve_randomness
+from opake.dpsgd.randomness._source import Randomness, check_seed
 
 if TYPE_CHECKING:
     import torch
@@ -311,8 +312,7 @@ class GaussianNoise:
         check_grads(grads)
         sens = resolve_sensitivity(grads, sensitivity)
         std = self._noise_multiplier * sens
-        noisy = _draw(grads, std, self._source, self._calls)
-        self._calls += 1
+        noisy = _draw(grads, std, self._source, self._take())
         self.last_noise_std = std
         return NoisyGrads(
             noisy, noise_multiplier=self._noise_multiplier, sensitivity=sens, secure=self.secure
@@ -350,8 +350,7 @@ class GaussianNoise:
                 )
         sens = resolve_sensitivity(grads, sensitivity)
         std = self._noise_multiplier * sens
-        noisy = _draw(grads, std, self._source, self._calls, in_place=True)
-        self._calls += 1
+        noisy = _draw(grads, std, self._source, self._take(), in_place=True)
         self.last_noise_std = std
         return NoisyGrads(
             noisy, noise_multiplier=self._noise_multiplier, sensitivity=sens, secure=self.secure
@@ -378,10 +377,17 @@ class GaussianNoise:
         sens = resolve_sensitivity({}, sensitivity)
         std = self._noise_multiplier * sens
         noise_grid(std)  # the same checks as add()
-        rows = NoiseRows(shapes, std=std, source=self._source, index=self._calls)
-        self._calls += 1
+        rows = NoiseRows(shapes, std=std, source=self._source, index=self._take())
         self.last_noise_std = std
         return rows
+
+    def _take(self) -> int:
+        """The index of this call's draw, reserved on the source (a secure source refuses one
+        another consumer of its key has drawn: :meth:`Randomness.reserve`)."""
+        index = self._calls
+        self._source.reserve("noise", index)
+        self._calls += 1
+        return index
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state: σ, the mode, the seed (seeded only) and the call count.
@@ -433,13 +439,14 @@ class GaussianNoise:
         if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
             raise ConfigurationError(f"noise state calls={calls!r}: expected an int ≥ 0")
         sigma = check_noise_multiplier(state["noise_multiplier"])
-        if self.secure and calls < self._calls:
+        drawn = max(self._calls, self._source.next_free("noise"))
+        if self.secure and calls < drawn:
             raise ConfigurationError(
-                f"noise state calls={calls} into a secure GaussianNoise that has already drawn "
-                f"{self._calls} times: it keeps its key, so it would draw the noise of calls "
-                f"{calls}..{self._calls - 1} again — noise already released, which two outputs "
-                "would cancel. Load the state into a new GaussianNoise (a new optimizer or "
-                "DPTraining): it draws a fresh secure key"
+                f"noise state calls={calls} into a secure GaussianNoise whose key has already "
+                f"given {drawn} draws: it would draw the noise of calls {calls}..{drawn - 1} "
+                "again — noise already released, which two outputs would cancel. Load the "
+                "state into a new GaussianNoise (a new optimizer or DPTraining) built without "
+                "this randomness=: it draws a fresh secure key"
             )
         if not self.secure:
             check_seed(state["seed"])

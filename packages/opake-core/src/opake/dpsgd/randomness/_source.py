@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from opake.core.errors import ConfigurationError, InputTypeError
+from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 
 if TYPE_CHECKING:
     import torch
     from cryptography.hazmat.primitives.ciphers import CipherContext
 
-__all__ = ["STREAMS", "Randomness", "resolve_randomness"]
+__all__ = ["STREAMS", "Randomness", "check_seed"]
 
 #: stream identifiers (the first 4 nonce bytes): one per use, so one key never repeats a stream
 STREAMS = {
@@ -102,7 +102,7 @@ class Randomness:
         (False, True)
     """
 
-    __slots__ = ("_key", "_secure", "_seed")
+    __slots__ = ("_key", "_reserved", "_secure", "_seed")
 
     def __init__(self, *, key: bytes, secure: bool, seed: int | None = None) -> None:
         if not isinstance(key, bytes) or len(key) != _KEY_BYTES:
@@ -110,6 +110,7 @@ class Randomness:
         self._key = key
         self._secure = secure
         self._seed = seed
+        self._reserved: dict[str, int] = {}  # stream -> next index a use-once draw may take
 
     # -- construction ----------------------------------------------------------------------
 
@@ -171,6 +172,39 @@ class Randomness:
 
     def __hash__(self) -> int:
         return hash(self.fingerprint)
+
+    def __copy__(self) -> Randomness:
+        # a secure source is never duplicated: a copy would reserve its draws apart from the
+        # original's and give released noise again (copy.deepcopy of an optimizer shares it)
+        return self if self._secure else Randomness(key=self._key, secure=False, seed=self._seed)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Randomness:
+        return self.__copy__()
+
+    # -- use-once draws --------------------------------------------------------------------
+
+    def reserve(self, stream: str, index: int) -> None:
+        """Take draw ``index`` of ``stream`` for one use (the noise of one step): a secure
+        source refuses an index below the next free one, since every consumer of one key reads
+        the same values — a second noise generator on this source, or one loaded with an
+        earlier state, would release noise already released (two outputs then cancel it).
+        A seeded source (reproducible, not private) replays by design and reserves nothing."""
+        stream_id, index = _stream_id(stream), _index(index)
+        free = self.next_free(stream)
+        if self._secure and index < free:
+            raise OperationError(
+                f"{self!r} already gave draws 0..{free - 1} of stream {stream!r} (id "
+                f"{stream_id:#x}); index {index} would repeat values already released. Give "
+                "each noise generator a key of its own: leave randomness= out (each optimizer or "
+                "DPTraining then draws a fresh secure key), or pass a new Randomness.secure() — "
+                "also when loading a saved state into a new object"
+            )
+        if self._secure:
+            self._reserved[stream] = index + 1
+
+    def next_free(self, stream: str) -> int:
+        """The lowest index of ``stream`` :meth:`reserve` still accepts (0 when seeded)."""
+        return self._reserved.get(stream, 0)
 
     # -- raw draws -------------------------------------------------------------------------
 
@@ -438,43 +472,3 @@ def _index(index: object) -> int:
     if not 0 <= value < 2**64:
         raise ConfigurationError(f"index={value}: expected 0 ≤ index < 2**64")
     return value
-
-
-def resolve_randomness(
-    randomness: object, seed: object, *, owner: str, secure: object = None
-) -> Randomness:
-    """The source a sampler or noise object uses: ``randomness=`` > ``seed=`` > a fresh secure
-    key. ``secure=True`` (the default behaviour) may not be combined with a seed; ``secure=False``
-    needs one (seeded randomness is always explicit)."""
-    if secure is not None and not isinstance(secure, bool):
-        raise InputTypeError(f"{owner}: secure={secure!r}; expected True, False or None")
-    if randomness is not None:
-        if not isinstance(randomness, Randomness):
-            raise InputTypeError(
-                f"{owner}: randomness={type(randomness).__name__}; expected an "
-                "opake.dpsgd.randomness.Randomness (Randomness.secure() or Randomness.seeded(n))"
-            )
-        if seed is not None:
-            raise ConfigurationError(
-                f"{owner}: randomness= and seed= both given; pass one (seed=n is "
-                "Randomness.seeded(n))"
-            )
-        if secure is not None and secure != randomness.is_secure:
-            raise ConfigurationError(
-                f"{owner}: secure={secure} but randomness= is {randomness.mode}; drop secure="
-            )
-        return randomness
-    if seed is not None:
-        if secure:
-            raise ConfigurationError(
-                f"{owner}: seed={seed!r} with secure=True: a secure source takes its key from "
-                "the operating system; drop seed= (or drop secure= for a reproducible, "
-                "non-private run)"
-            )
-        return Randomness.seeded(check_seed(seed))
-    if secure is False:
-        raise ConfigurationError(
-            f"{owner}: secure=False without a seed: reproducible randomness must be asked for "
-            "explicitly with seed=<int> (and is not private); drop secure= for the secure default"
-        )
-    return Randomness.secure()

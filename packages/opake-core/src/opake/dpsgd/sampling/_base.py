@@ -9,16 +9,22 @@ draws the same *global* batch and keeps its own shard of it.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
-from opake.dpsgd.randomness._source import Randomness, check_seed, resolve_randomness
+from opake.dpsgd.randomness._resolve import resolve_randomness
+from opake.dpsgd.randomness._source import Randomness, check_seed
 
 #: Index that :class:`FixedShapePoissonSampler` puts in padding slots.
 PADDING_INDEX = -1
+
+_LOG = logging.getLogger("opake.core")
+_RESAMPLE_LABEL = b"opake.sampling.resample.v1:"
 
 _STATE_VERSION = 2
 
@@ -97,6 +103,8 @@ class _BaseSampler(ABC):
         self._rank = rank
         self._world_size = world_size
         self._position = 0
+        self._drawn = 0  # steps [0, _drawn) were handed out under the current key
+        self._rekeys = 0
 
     @property
     def seed(self) -> int | None:
@@ -146,9 +154,32 @@ class _BaseSampler(ABC):
     def __iter__(self) -> Iterator[list[int]]:
         end = (self._position // self._steps_per_epoch + 1) * self._steps_per_epoch
         while self._position < end:
+            self._never_again(self._position)
             batch = self._batch(self._position)
             self._position += 1
+            self._drawn = max(self._drawn, self._position)
             yield batch
+
+    def _never_again(self, step: int) -> None:
+        """A secure sampler moved back (``seek``, ``load_state_dict``) to a step it has handed
+        out draws that step from a key derived from its own: a batch already given — perhaps
+        trained on — is never given again (the accountant counts every step as a fresh Poisson
+        draw; a replayed batch would not be one). Every rank that moves back the same way
+        derives the same key; a seeded sampler replays by design."""
+        if not self.secure or step >= self._drawn:
+            return
+        self._rekeys += 1
+        material = _RESAMPLE_LABEL + self._source.export_key() + self._rekeys.to_bytes(8, "little")
+        self._source = Randomness.from_key(hashlib.sha256(material).digest())
+        _LOG.info(
+            "%s: step %d was already drawn (the sampler moved back to it); steps from %d on are "
+            "drawn from a new key derived from the sampler's own (secure samplers never repeat "
+            "a batch)",
+            type(self).__name__,
+            step,
+            step,
+        )
+        self._drawn = step
 
     def batch_at(self, step: int) -> list[int]:
         """This rank's indices of batch ``step``, exactly as iteration yields them, without

@@ -144,13 +144,6 @@ def _install_checkpoint() -> list[_Patch]:
     return [_Patch("torch.utils.checkpoint", "checkpoint", stock, checkpoint)]
 
 
-def _install_checkpoint_extras(patches: list[_Patch]) -> Callable[[], None]:
-    from opake.patches.runtime._hf import install_transformers_patch, uninstall_transformers_patch
-
-    install_transformers_patch()
-    return uninstall_transformers_patch
-
-
 def _install_save_on_cpu_extras(patches: list[_Patch]) -> Callable[[], None]:
     from opake.patches.runtime._dynamo import register
 
@@ -184,9 +177,20 @@ _INSTALLERS: dict[str, Callable[[], list[_Patch]]] = {
 }
 # patches that are not a module attribute: install, return the undo
 _EXTRAS: dict[str, Callable[[list[_Patch]], Callable[[], None]]] = {
-    "vmap_checkpointing": _install_checkpoint_extras,
     "save_on_cpu": _install_save_on_cpu_extras,
 }
+
+
+def _transformers_patch(active: bool) -> None:
+    """Hugging Face's input hooks and checks made safe inside transforms (``runtime._hf``):
+    installed while any runtime patch is, whichever — a model run under ``vmap`` needs it with
+    or without checkpointing — and removed with the last one."""
+    from opake.patches.runtime._hf import install_transformers_patch, uninstall_transformers_patch
+
+    if active:
+        install_transformers_patch()
+    else:
+        uninstall_transformers_patch()
 
 
 def _enable(name: str) -> None:
@@ -206,6 +210,7 @@ def _enable(name: str) -> None:
     extra = _EXTRAS.get(name)
     if extra is not None:
         _registry.undo[name] = extra(patches)
+    _transformers_patch(True)
 
 
 def _disable(name: str) -> None:
@@ -218,6 +223,8 @@ def _disable(name: str) -> None:
     for p in reversed(patches):
         _registry.rebound -= _rebind(p.patched, p.stock) - 1
     _registry.rebound = max(_registry.rebound, 0)
+    if not _registry.active:
+        _transformers_patch(False)
 
 
 def apply_runtime_patches(

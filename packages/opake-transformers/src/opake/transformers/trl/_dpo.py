@@ -23,9 +23,10 @@ import torch
 from trl.trainer.dpo_trainer import DPOTrainer
 
 from opake.core.errors import ConfigurationError, InputTypeError
-from opake.transformers._collate import engine_mask
+from opake.transformers._collate import engine_mask, right_aligned
 from opake.transformers._dp_mixin import DPTrainerMixin
 from opake.transformers._losses import has_dropout
+from opake.transformers._positions import check_positions
 from opake.transformers.losses import (
     DPOLoss,
     accumulate_pairs,
@@ -62,11 +63,19 @@ class PreferenceRows:
 
     def __call__(self, features: list[Any]) -> dict[str, Any]:
         batch = dict(self.base(features))
-        ids = batch["input_ids"]
-        completion = batch.pop("completion_mask")
         mask = batch.pop("attention_mask", None)
         if mask is None:
-            mask = torch.ones_like(ids)
+            mask = torch.ones_like(batch["input_ids"])
+        # a collator that pads on the left: each row's tokens moved to position 0 (its mask
+        # and completion mask alike), so no record's positions depend on the longest one
+        rows = right_aligned(
+            {
+                "input_ids": batch["input_ids"],
+                "attention_mask": mask,
+                "completion_mask": batch.pop("completion_mask"),
+            }
+        )
+        ids, mask, completion = rows["input_ids"], rows["attention_mask"], rows["completion_mask"]
         out: dict[str, Any] = {
             "input_ids": ids,
             "labels": ids.masked_fill((completion == 0) | (mask == 0), -100),
@@ -90,10 +99,11 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
     are ``DPTrainer``'s (Poisson sampling over records, ε/δ/σ/q in every log, budget stop, exact
     resume, its refusals) plus the refusals of loss types other than ``"sigmoid"`` and of the
     options that change it (``loss_weights``, ``f_divergence_type``, ``ld_alpha``,
-    ``use_weighting``), ``sync_ref_model``, ``padding_free``, ``activation_offloading``,
-    ``use_liger_kernel``, several processes, active dropout (``disable_dropout=False``: the
-    weight forward and the gradient forward would draw different masks), a vision dataset and
-    a Mixture-of-Experts load-balancing loss.
+    ``label_smoothing``, ``use_weighting``), ``sync_ref_model``, ``padding_free``,
+    ``activation_offloading``, ``use_liger_kernel``, several processes, active dropout
+    (``disable_dropout=False``: the weight forward and the gradient forward would draw
+    different masks), a vision dataset, a Mixture-of-Experts load-balancing loss and a
+    reference model whose rotary embedding depends on the batch's length.
 
     The reference model: ``ref_model`` if given; else, with PEFT, the same model with its
     adapters disabled (no second copy); else a frozen copy of ``model`` made here (TRL would
@@ -132,8 +142,12 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
         self.uses_loss_only = (
             model is not None and not isinstance(model, str) and loss_only_available(model)
         )
+        if ref_model is not None and not isinstance(ref_model, str):
+            check_positions(ref_model, "DPDPOTrainer(ref_model=...)")
         super().__init__(*args, ref_model=ref_model, **kwargs)
         check_built(self)
+        if getattr(self, "ref_model", None) is not None:  # also one TRL loaded from a name
+            check_positions(self.ref_model, "DPDPOTrainer's reference model")
         if has_dropout(self.model):
             raise ConfigurationError(
                 "DPDPOTrainer: the model has active dropout (disable_dropout=False): each "

@@ -85,6 +85,14 @@ DPO_REFUSED: tuple[_Entry, ...] = (
         "only standard DPO (reverse_kl) is implemented per pair",
     ),
     (
+        "label_smoothing",
+        lambda a: float(a.label_smoothing) != 0.0,
+        (
+            "the per-pair loss is the plain sigmoid DPO loss: conservative DPO's label smoothing "
+            "is not implemented per pair (it would be silently ignored); leave it at 0"
+        ),
+    ),
+    (
         "ld_alpha",
         lambda a: a.ld_alpha is not None,
         "LD-DPO's length weighting is not implemented per pair",
