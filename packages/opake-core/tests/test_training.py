@@ -420,3 +420,16 @@ def test_fixed_shape_sampling_reaches_a_target_epsilon_above_ln_999():
         dataset_size=n,
     )
     assert 0.98 * 8.0 <= planned <= 8.0
+
+
+def test_the_budget_search_never_returns_an_unchecked_number_of_steps():
+    # ε stays under the target for 2⁴⁰ steps and jumps past it right after: the search stops
+    # at 2⁴⁰ (checked) rather than at the next power of two (never checked; a review found it)
+    from opake.dpsgd.training._budget import _steps_within
+
+    def after(k: int) -> float:
+        return 0.0 if k <= 2**40 else 1e9
+
+    found = _steps_within(after, guess=0, target=1.0)
+    assert after(found) <= 1.0
+    assert found == 2**40

@@ -31,7 +31,7 @@ def _steps_within(epsilon_after: Callable[[int], float], guess: int, target: flo
     while epsilon_after(high) <= target:
         low, high = high, high * 2
         if high > 1 << 40:
-            return high
+            return low  # 2⁴⁰ steps checked; later ones are searched again once those are spent
     while high - low > 1:
         mid = (low + high) // 2
         if epsilon_after(mid) <= target:
