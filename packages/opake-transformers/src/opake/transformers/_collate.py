@@ -138,7 +138,7 @@ def _with_mask(batch: dict[str, Any], features: list[Any]) -> dict[str, Any]:
         return batch
     width = int(ids.shape[1])
     lengths = [len(f["input_ids"]) for f in features]
-    for row, (feature, length) in enumerate(zip(features, lengths, strict=False)):
+    for row, (feature, length) in enumerate(zip(features, lengths, strict=True)):
         own = torch.as_tensor(feature["input_ids"]).to(ids)
         if length > width or not torch.equal(ids[row, :length], own.reshape(-1)):
             raise ConfigurationError(
@@ -149,10 +149,15 @@ def _with_mask(batch: dict[str, Any], features: list[Any]) -> dict[str, Any]:
             )
     if all(length == width for length in lengths):
         return batch
-    batch["attention_mask"] = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).to(
-        ids.device, torch.long
-    )
+    batch["attention_mask"] = _length_mask(lengths, width).to(ids.device)
     return batch
+
+
+def _length_mask(lengths: list[int], width: int) -> Any:
+    """``[len(lengths), width]`` long mask: 1 on each row's first ``lengths[i]`` positions."""
+    import torch
+
+    return (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
 
 
 class DPDataCollator:
@@ -217,13 +222,9 @@ class DPDataCollator:
             else:
                 batch[key] = _pad(rows, 0)
         if "attention_mask" not in batch and "input_ids" in batch:
-            import torch
-
             lengths = [len(f["input_ids"]) for f in features]
             width = batch["input_ids"].shape[1]
-            batch["attention_mask"] = (
-                torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
-            ).long()
+            batch["attention_mask"] = _length_mask(lengths, width)
         return batch
 
     def __call__(self, features: list[Any]) -> dict[str, Any]:

@@ -140,7 +140,8 @@ def checkpoint_step(path: str | os.PathLike[str]) -> int:
     Raises:
         CheckpointError: unreadable, damaged or foreign file.
     """
-    step: int = _read(Path(path), "cpu")["step"]
+    # memory-mapped: the header is read, not the tensors (a caller loads the file next)
+    step: int = _read(Path(path), "cpu", mmap=True)["step"]
     return step
 
 

@@ -109,7 +109,7 @@ def _check_plain(value: Any, where: str) -> None:
     )
 
 
-def _read(path: Path, map_location: Any) -> dict[str, Any]:
+def _read(path: Path, map_location: Any, *, mmap: bool = False) -> dict[str, Any]:
     import pickle
     import zipfile
 
@@ -121,7 +121,7 @@ def _read(path: Path, map_location: Any) -> dict[str, Any]:
         with warnings.catch_warnings():
             # a foreign pickle (other protocol) is refused below with a clear error anyway
             warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
-            payload = torch.load(path, map_location=map_location, weights_only=True)
+            payload = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError,
             zipfile.BadZipFile) as err:  # fmt: skip
         raise CheckpointError(

@@ -146,8 +146,9 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
             check_positions(ref_model, "DPDPOTrainer(ref_model=...)")
         super().__init__(*args, ref_model=ref_model, **kwargs)
         check_built(self)
-        if getattr(self, "ref_model", None) is not None:  # also one TRL loaded from a name
-            check_positions(self.ref_model, "DPDPOTrainer's reference model")
+        built = getattr(self, "ref_model", None)
+        if built is not None and built is not ref_model:  # one TRL loaded from a name
+            check_positions(built, "DPDPOTrainer's reference model")
         if has_dropout(self.model):
             raise ConfigurationError(
                 "DPDPOTrainer: the model has active dropout (disable_dropout=False): each "
