@@ -61,13 +61,16 @@ def _tree_modules(tree: Path, tag: str) -> tuple[Any, Any]:
         randomness, noisy, noise_path = "randomness._source", "noise._noisy", "noise/_gaussian.py"
     else:  # an older tree: loose modules
         randomness, noisy, noise_path = "_randomness", "_noisy", "_noise.py"
-    files = {name: src / f"{name.replace('.', '/')}.py" for name in (randomness, noisy)}
+    # the resolver (since 6 Dec 2026) checks instances against its tree's source module
+    names = (randomness, "randomness._resolve", noisy)
+    files = {name: src / f"{name.replace('.', '/')}.py" for name in names}
     # randomness first; a tree from before _noisy.py binds its randomness module only
     bound = {f"opake.dpsgd.{name}": path for name, path in files.items() if path.is_file()}
-    loaded = {key: _load(path, f"{path.stem}_{tag}") for key, path in bound.items()}
     saved = {key: sys.modules.get(key) for key in bound}
-    sys.modules.update(loaded)  # what the noise module's imports bind
+    loaded: dict[str, Any] = {}
     try:
+        for key, path in bound.items():  # each binds the ones loaded before it
+            loaded[key] = sys.modules[key] = _load(path, f"{path.stem}_{tag}")
         noise = _load(src / noise_path, f"_noise_{tag}")
     finally:
         for key, module in saved.items():
