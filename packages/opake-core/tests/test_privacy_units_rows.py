@@ -211,11 +211,11 @@ def test_records_must_be_the_drawn_batch():
     with pytest.raises(ConfigurationError, match=r"1 of the \d+ example\(s\) the sampler drew"):
         training.step(rows, units=units, records=records)
     _assert_dropped(training)
-    # ... or passed without units in another physical batch of the step
+    # ... or passed without units in another physical batch of the step (refused as it comes)
     training.accumulate(rows, units=units, records=records)
-    training.accumulate(CHOSEN[indices[-1:]])
-    with pytest.raises(ConfigurationError, match=r"the sampler drew for this step reached no"):
-        training.finish_step()
+    with pytest.raises(ConfigurationError, match=r"without units= in a logical step"):
+        training.accumulate(CHOSEN[indices[-1:]])
+    training.zero_grad()
     _assert_dropped(training)
     # the same record in two physical batches (as two units)
     rows, units, records = _pairs(indices)

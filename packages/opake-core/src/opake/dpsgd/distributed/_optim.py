@@ -367,13 +367,14 @@ class DistributedDPOptimizer(DPOptimizer):
 
         names = list(self.param_names)
         world = self._world_size
-        row = torch.zeros(4 + len(names), dtype=torch.float64)
+        row = torch.zeros(5 + len(names), dtype=torch.float64)
         row[0] = float(physical)
         row[1] = float("nan") if sensitivity is None else float(sensitivity)
         row[2] = float(self._structure)
         row[3] = float(sampler_position(self._sampler))
+        row[4] = 0.0 if self._refusal is None else 1.0
         for k, name in enumerate(names):
-            row[4 + k] = 1.0 if name in names_present else 0.0
+            row[5 + k] = 1.0 if name in names_present else 0.0
         rows = _gather_rows(row, group=self._group, world_size=world)
         if bool((rows[:, 2] != rows[0, 2]).any()):
             raise ConfigurationError(
@@ -384,6 +385,13 @@ class DistributedDPOptimizer(DPOptimizer):
         if drift is not None:
             raise OperationError(
                 f"{type(self).__name__}.step(): {drift} (this is rank {self._rank})"
+            )
+        refused = [r for r in range(world) if rows[r, 4] > 0]
+        if refused:
+            reason = self._refusal or "their steps may not be released"
+            raise ConfigurationError(
+                f"{type(self).__name__}.step(): rank(s) {refused} refused this step: {reason} "
+                f"(this is rank {self._rank})"
             )
         idle = [r for r in range(world) if rows[r, 0] == 0]
         if idle:
@@ -400,7 +408,7 @@ class DistributedDPOptimizer(DPOptimizer):
                 "one bound, so every rank must use the same clipping_norm (and, with adaptive "
                 "clipping, the same state seed and the reduce= hook)"
             )
-        present = [name for k, name in enumerate(names) if bool((rows[:, 4 + k] > 0).any())]
+        present = [name for k, name in enumerate(names) if bool((rows[:, 5 + k] > 0).any())]
         return present, float(sens[0]), int(rows[:, 0].sum())
 
     def logical_step(

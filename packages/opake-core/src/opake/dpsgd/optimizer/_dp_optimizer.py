@@ -5,7 +5,6 @@ Implementation of :mod:`opake.dpsgd.optimizer` (the public façade).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -29,8 +28,10 @@ from opake.dpsgd.optimizer._options import (
 from opake.dpsgd.optimizer._physical import (
     _accepts_keyword,
     _noised,
+    _same_keys,
     _split_batch,
     _with_aux,
+    checked_grads,
 )
 from opake.dpsgd.optimizer._report import StepReport
 from opake.dpsgd.optimizer._state import _STATE_VERSION, _checked_state
@@ -165,6 +166,7 @@ class DPOptimizer:
         self._sums: dict[str, torch.Tensor] = {}
         self._sensitivity: float | None = None
         self._physical = 0
+        self._refusal: str | None = None  # why the pending step may not be released
         self._steps = 0
 
     # -- configuration ---------------------------------------------------------------------
@@ -219,6 +221,16 @@ class DPOptimizer:
 
     # -- the logical step ------------------------------------------------------------------
 
+    def refuse_step(self, reason: str | None) -> None:
+        """Mark the pending step as not to be released: the next :meth:`step` drops it and
+        raises ``ConfigurationError(reason)`` before any noise is drawn — on every rank under
+        ``torch.distributed`` (the ranks' per-step agreement carries it), so a check one rank
+        fails cannot leave the others waiting in a collective. ``None`` changes nothing.
+        ``DPTraining`` refuses a step that summed more examples than its sampler drew.
+        """
+        if reason is not None:
+            self._refusal = str(reason)
+
     def accumulate(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Add the clipped gradient sum of one physical batch (fp32) to the current logical step.
 
@@ -227,41 +239,8 @@ class DPOptimizer:
         """
         import torch
 
-        if not isinstance(grads, Mapping):
-            raise InputTypeError(
-                f"grads={type(grads).__name__}: expected the name -> tensor dict returned by "
-                "clipped_grad's grad_fn"
-            )
-        max_norm = getattr(grads, "max_norm", None)
-        if max_norm is None:
-            raise InputTypeError(
-                "grads carries no max_norm (its L2 sensitivity): pass the dict returned by "
-                "clipped_grad's grad_fn, not a plain dict, so noise is calibrated from the result"
-            )
-        sensitivity = float(max_norm)
-        if not math.isfinite(sensitivity) or sensitivity <= 0.0:
-            raise ConfigurationError(
-                f"grads.max_norm={max_norm!r}: expected a finite sensitivity > 0 (the clipping "
-                "bound of the summed gradients)"
-            )
+        sensitivity = checked_grads(grads, self._params)
         self._check_count_accounted(getattr(grads, "count_noise_multiplier", None))
-        for name, value in grads.items():
-            param = self._params.get(name)
-            if param is None:
-                known = ", ".join(self._params) or "none"
-                raise ConfigurationError(
-                    f"gradient for {name!r}, which the optimizer does not update (its parameters: "
-                    f"{known}); give the optimizer every trainable tensor, or freeze {name!r}"
-                )
-            if not isinstance(value, torch.Tensor):
-                raise InputTypeError(
-                    f"grads[{name!r}]={type(value).__name__}: expected a torch.Tensor"
-                )
-            if value.shape != param.shape:
-                raise ConfigurationError(
-                    f"grads[{name!r}] has shape {tuple(value.shape)} but the parameter has "
-                    f"{tuple(param.shape)}; pass per-parameter sums, not per-example gradients"
-                )
         for name, value in grads.items():
             # fp32, or wider (fp64 stays fp64); always a private copy, never the caller's tensor
             dtype = torch.promote_types(value.dtype, torch.float32)
@@ -284,6 +263,10 @@ class DPOptimizer:
                 "output of clipped_grad's grad_fn for every physical batch (an empty Poisson "
                 "batch still returns zero gradients and must be accumulated)"
             )
+        if self._refusal is not None:
+            reason = self._refusal
+            self._clear()
+            raise ConfigurationError(reason)
         skipped = tuple(name for name in self._params if name not in self._sums)
         if not self._unused.done:
             try:
@@ -295,17 +278,7 @@ class DPOptimizer:
         sigma = self.noise_multiplier
         noised, owned = _noised(self.noise, self._sums, sensitivity)
         noisy = dict(noised)
-        extra = [name for name in noisy if name not in self._sums]
-        if extra:
-            raise OperationError(
-                f"the noise object returned an entry {extra[0]!r} that was not in the gradient "
-                "sum; it must return the same keys it was given"
-            )
-        if set(noisy) != set(self._sums):
-            raise OperationError(
-                "the noise object dropped entries "
-                f"{sorted(set(self._sums) - set(noisy))}; it must return every key it was given"
-            )
+        _same_keys(noisy, self._sums)
         # the noised sum replaces the sum: release each tensor as soon as it is replaced, so at
         # most one gradient-sized copy beyond the result exists
         self._sums.clear()
@@ -317,13 +290,8 @@ class DPOptimizer:
         for name, param in self._params.items():
             if name not in grads:
                 param.grad = None
-        if self._offload is not None:
-            self._offload.step(grads)
-        else:
-            for name, value in grads.items():
-                param = self._params[name]
-                param.grad = value.to(device=param.device, dtype=param.dtype)
-            self.optimizer.step()
+        # spent from here on: the update may reach the parameters even if it then raises (a
+        # step hook, an out-of-memory error part-way through the parameter groups)
         if self.accountant is not None:
             self.accountant.step(
                 noise_multiplier=sigma,
@@ -332,6 +300,15 @@ class DPOptimizer:
                 **self._accounting,
             )
         self._steps += 1
+        try:
+            self._release(grads)
+        except BaseException as error:
+            error.add_note(
+                f"DPOptimizer: step {self._steps}'s noised gradients may have reached the "
+                "parameters before this error; the step is counted as spent (accounted)"
+            )
+            self._clear()
+            raise
         epsilon = None
         if self.accountant is not None and self.delta is not None:
             epsilon = float(self.accountant.get_epsilon(self.delta))
@@ -349,6 +326,16 @@ class DPOptimizer:
         )
         self._clear()
         return report
+
+    def _release(self, grads: dict[str, torch.Tensor]) -> None:
+        """Hand the noised gradients to the wrapped optimizer (or the offloaded step)."""
+        if self._offload is not None:
+            self._offload.step(grads)
+            return
+        for name, value in grads.items():
+            param = self._params[name]
+            param.grad = value.to(device=param.device, dtype=param.dtype)
+        self.optimizer.step()
 
     def logical_step(
         self,
@@ -435,6 +422,7 @@ class DPOptimizer:
         self._sums = {}
         self._sensitivity = None
         self._physical = 0
+        self._refusal = None
 
     # -- state -----------------------------------------------------------------------------
 

@@ -44,6 +44,63 @@ def _noised(
     return out, False
 
 
+def _same_keys(noisy: Mapping[str, Any], sums: Mapping[str, Any]) -> None:
+    """A noise object returns exactly the entries it was given."""
+    extra = [name for name in noisy if name not in sums]
+    if extra:
+        raise OperationError(
+            f"the noise object returned an entry {extra[0]!r} that was not in the gradient "
+            "sum; it must return the same keys it was given"
+        )
+    if set(noisy) != set(sums):
+        raise OperationError(
+            f"the noise object dropped entries {sorted(set(sums) - set(noisy))}; it must return "
+            "every key it was given"
+        )
+
+
+def checked_grads(grads: object, params: Mapping[str, torch.Tensor]) -> float:
+    """The sensitivity (``max_norm``) of ``grads``, one physical batch's clipped sum for the
+    parameters ``params``, after checking that it is ``clipped_grad``'s result for them."""
+    import math
+
+    import torch
+
+    if not isinstance(grads, Mapping):
+        raise InputTypeError(
+            f"grads={type(grads).__name__}: expected the name -> tensor dict returned by "
+            "clipped_grad's grad_fn"
+        )
+    max_norm = getattr(grads, "max_norm", None)
+    if max_norm is None:
+        raise InputTypeError(
+            "grads carries no max_norm (its L2 sensitivity): pass the dict returned by "
+            "clipped_grad's grad_fn, not a plain dict, so noise is calibrated from the result"
+        )
+    sensitivity = float(max_norm)
+    if not math.isfinite(sensitivity) or sensitivity <= 0.0:
+        raise ConfigurationError(
+            f"grads.max_norm={max_norm!r}: expected a finite sensitivity > 0 (the clipping "
+            "bound of the summed gradients)"
+        )
+    for name, value in grads.items():
+        param = params.get(name)
+        if param is None:
+            known = ", ".join(params) or "none"
+            raise ConfigurationError(
+                f"gradient for {name!r}, which the optimizer does not update (its parameters: "
+                f"{known}); give the optimizer every trainable tensor, or freeze {name!r}"
+            )
+        if not isinstance(value, torch.Tensor):
+            raise InputTypeError(f"grads[{name!r}]={type(value).__name__}: expected a torch.Tensor")
+        if value.shape != param.shape:
+            raise ConfigurationError(
+                f"grads[{name!r}] has shape {tuple(value.shape)} but the parameter has "
+                f"{tuple(param.shape)}; pass per-parameter sums, not per-example gradients"
+            )
+    return sensitivity
+
+
 def _split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if isinstance(batch, tuple):
         return batch, {}

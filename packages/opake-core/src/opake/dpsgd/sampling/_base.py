@@ -27,6 +27,8 @@ _LOG = logging.getLogger("opake.core")
 _RESAMPLE_LABEL = b"opake.sampling.resample.v1:"
 
 _STATE_VERSION = 2
+#: how many recently handed-out batches keep their size (a prefetching loader runs a few ahead)
+_HANDED = 16
 
 
 def _int(name: str, value: object, *, minimum: int) -> int:
@@ -105,6 +107,7 @@ class _BaseSampler(ABC):
         self._position = 0
         self._drawn = 0  # steps [0, _drawn) were handed out under the current key
         self._rekeys = 0
+        self._handed: dict[int, int] = {}  # step -> real indices of a batch handed out lately
 
     @property
     def seed(self) -> int | None:
@@ -156,6 +159,9 @@ class _BaseSampler(ABC):
         while self._position < end:
             self._never_again(self._position)
             batch = self._batch(self._position)
+            self._handed[self._position] = len(batch) - batch.count(PADDING_INDEX)
+            if len(self._handed) > _HANDED:
+                del self._handed[min(self._handed)]
             self._position += 1
             self._drawn = max(self._drawn, self._position)
             yield batch
@@ -171,6 +177,7 @@ class _BaseSampler(ABC):
         self._rekeys += 1
         material = _RESAMPLE_LABEL + self._source.export_key() + self._rekeys.to_bytes(8, "little")
         self._source = Randomness.from_key(hashlib.sha256(material).digest())
+        self._handed.clear()
         _LOG.info(
             "%s: step %d was already drawn (the sampler moved back to it); steps from %d on are "
             "drawn from a new key derived from the sampler's own (secure samplers never repeat "
@@ -189,6 +196,23 @@ class _BaseSampler(ABC):
         drew for that step (``DPTrainer`` does, for every physical batch).
         """
         return self._batch(_int("step", step, minimum=0))
+
+    def drawn_count(self, step: int) -> int:
+        """How many examples this rank's batch ``step`` holds (padding slots excluded): what a
+        step may sum at most. Remembered for the last batches handed out, else drawn again
+        (:meth:`batch_at`).
+
+        >>> from opake.dpsgd.sampling import FixedShapePoissonSampler
+        >>> sampler = FixedShapePoissonSampler(100, 0.05, max_batch_size=12, seed=0)
+        >>> batch = next(iter(sampler))
+        >>> sampler.drawn_count(0) == len(batch) - batch.count(PADDING_INDEX)
+        True
+        """
+        count = self._handed.get(step)
+        if count is None:
+            batch = self.batch_at(step)
+            count = len(batch) - batch.count(PADDING_INDEX)
+        return count
 
     @abstractmethod
     def _batch(self, step: int) -> list[int]:
@@ -254,6 +278,7 @@ class _BaseSampler(ABC):
         position = _int("position", state["position"], minimum=0)
         if not self.secure:
             self._source = Randomness.seeded(check_seed(state["seed"]))
+        self._handed.clear()
         self._position = position
         self._load_extra_state(state)
 

@@ -76,7 +76,8 @@ def exhausted(
 
 
 class Budget:
-    """A target ε and the logical step it ends at, computed once per ``(σ, q)``.
+    """A target ε and the logical step it ends at, computed once per ``(σ, q)`` and per
+    accountant history outside the run (steps another run recorded into a shared accountant).
 
     >>> budget = Budget(target=3.2, planned=None)
     >>> budget.steps_left(2, ("σ", "q"), lambda k: 0.5 * (2 + k))
@@ -105,12 +106,19 @@ class Budget:
         self._key = self._end = None
 
     def steps_left(
-        self, steps: int, key: tuple[Any, ...], epsilon_after: Callable[[int], float]
+        self,
+        steps: int,
+        key: tuple[Any, ...],
+        epsilon_after: Callable[[int], float],
+        history: int | None = None,
     ) -> int | None:
         """Steps the budget allows after ``steps`` (``None``: no target); ``key`` names the
-        current ``(σ, q)``, ``epsilon_after(k)`` is ε after ``k`` more steps."""
+        current ``(σ, q)``, ``epsilon_after(k)`` is ε after ``k`` more steps, ``history`` the
+        steps the accountant holds (when it holds others than this run's, the end is computed
+        again: a shared accountant's other steps count against the same target)."""
         if self.target is None:
             return None
+        key = (*key, None if history is None else history - steps)
         if key != self._key or self._end is None:
             self._key = key
             guess = (self.planned or 0) - steps
@@ -144,12 +152,15 @@ class Spending:
         self._cache = None
 
     def epsilon(self, steps: int, delta: float | None = None) -> float:
-        """ε after ``steps`` recorded steps at ``delta`` (default: the run's δ)."""
+        """ε of everything the accountant recorded (``steps`` of them this run's; a shared
+        accountant holds others' too) at ``delta`` (default: the run's δ), cached per
+        recorded history."""
         d = self.delta if delta is None else delta
-        if self._cache is not None and self._cache[:2] == (steps, d):
+        recorded = int(self.accountant.steps)
+        if self._cache is not None and self._cache[:2] == (recorded, d):
             return self._cache[2]
-        value = float(self.accountant.get_epsilon(d)) if self.accountant.steps else 0.0
-        self._cache = (steps, d, value)
+        value = float(self.accountant.get_epsilon(d)) if recorded else 0.0
+        self._cache = (recorded, d, value)
         return value
 
     def steps_left(self, steps: int, sigma: float, rate: float) -> int | None:
@@ -158,7 +169,8 @@ class Spending:
         def after(extra_steps: int) -> float:
             return _trial_epsilon(self.accountant, sigma, extra_steps, self.accounting, self.delta)
 
-        return self.budget.steps_left(steps, (sigma, rate), after)
+        history = int(self.accountant.steps)
+        return self.budget.steps_left(steps, (sigma, rate), after, history)
 
     def check(self, steps: int, sigma: float, rate: float) -> None:
         """Raise :class:`PrivacyBudgetExhausted` when the budget allows no further step."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.dpsgd.training._budget import Budget, Spending
 from opake.dpsgd.training._clipping import build_clipping, clipped_sum
+from opake.dpsgd.training._drawn import drawn_problem
 from opake.dpsgd.training._options import (
     _accounting_of,
     _calibrated_sigma,
@@ -78,7 +79,9 @@ class DPTraining(TrainingState):
         sample_rate: the Poisson rate q (or ``expected_batch_size``).
         noise_multiplier: σ; or give ``target_epsilon`` and ``steps`` to calibrate it.
         target_epsilon: the privacy budget: with ``steps`` and no ``noise_multiplier``, σ is
-            calibrated so that ``steps`` steps spend it; in any case no step may exceed it.
+            calibrated so that ``steps`` steps spend it (adaptive clipping's count included);
+            in any case no step may take the accountant's ε past it (a shared accountant's
+            steps of other runs included).
         steps: the planned number of logical steps (for the calibration).
         delta: δ of the (ε, δ) guarantee.
         clipping_norm: C, or a clipping state (``opake.dpsgd.clipping``).
@@ -197,9 +200,8 @@ class DPTraining(TrainingState):
         extra = _fixed_shape(
             sampler, max_batch_size, n, q, steps, delta=delta, target=target_epsilon
         )
-        sigma = _calibrated_sigma(
-            self._accountant, noise_multiplier, target_epsilon, steps, q, delta=delta, extra=extra
-        )
+        plan = (noise_multiplier, target_epsilon, steps, q)
+        sigma = _calibrated_sigma(self._accountant, plan, delta, extra, clipping_norm)
         budget = Budget.checked(target_epsilon, steps)
         self._secure = seed is None
         self._sampler = _make_sampler(
@@ -335,6 +337,8 @@ class DPTraining(TrainingState):
             )
         try:
             self._units.check_complete(self._sampler, self.steps)
+            # refused by the optimizer (on every rank, under torch.distributed)
+            self._optimizer.refuse_step(drawn_problem(self._pending_aux, self._sampler, self.steps))
             self._check_budget()
             report = self._optimizer.step()
         except BaseException:

@@ -133,17 +133,17 @@ def _fixed_shape(
 
 def _calibrated_sigma(
     accountant: Any,
-    noise_multiplier: float | None,
-    target_epsilon: float | None,
-    steps: int | None,
-    q: float,
-    *,
+    plan: tuple[float | None, float | None, int | None, float],
     delta: float,
     extra: dict[str, Any],
+    clip: object = None,
 ) -> float:
-    """σ: the one given, or calibrated so that ``steps`` steps spend ``target_epsilon``."""
+    """σ: the one given, or calibrated so that ``steps`` steps spend ``target_epsilon`` (with
+    adaptive clipping's count noise, released at every step too, when ``clip`` has one);
+    ``plan`` is ``(noise_multiplier, target_epsilon, steps, q)``."""
     from opake import accounting
 
+    noise_multiplier, target_epsilon, steps, q = plan
     if noise_multiplier is not None:
         return float(_positive("noise_multiplier", noise_multiplier))
     if target_epsilon is None:
@@ -156,6 +156,9 @@ def _calibrated_sigma(
             "planned number of logical steps) to calibrate σ"
         )
     kind = accountant.kind
+    count_sigma = getattr(clip, "count_noise_multiplier", None)
+    if count_sigma is not None:
+        extra = {**extra, "count_noise_multiplier": count_sigma}
     return accounting.calibrate_noise(
         target_epsilon=_positive("target_epsilon", target_epsilon),
         delta=delta,

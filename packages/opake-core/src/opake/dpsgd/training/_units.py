@@ -86,6 +86,7 @@ class StepUnits:
     def __init__(self, sampler: Any = None) -> None:
         self._seen: set[int] = set()
         self._used = False  # units= came with a physical batch of this step
+        self._plain = False  # a physical batch of this step came without units=
         self._records = None if sampler is None else RecordUnits(sampler)
         self._examples: ExampleUnits | None = None  # units= without privacy_units
 
@@ -130,6 +131,14 @@ class StepUnits:
         """:meth:`check` without privacy units: ``units=`` and ``records=`` together, or
         neither; ``where``: ``(step, world_size, sampler)``."""
         step, world_size, sampler = where
+        if (self._plain and units is not None) or (self._used and units is None):
+            first, now = ("without", "with") if self._plain else ("with", "without")
+            raise ConfigurationError(
+                f"accumulate() {now} units= in a logical step whose earlier physical batch came "
+                f"{first} them: a step's batches all pass units= and records=, or none does (a "
+                "drawn example's rows summed both ways would be clipped twice). Call zero_grad() "
+                "to drop the step"
+            )
         if units is None:
             if records is not None:
                 raise ConfigurationError(
@@ -216,6 +225,8 @@ class StepUnits:
         if ids is not None:
             self._seen |= ids
             self._used = True
+        elif self._records is None:
+            self._plain = True
         if self._records is not None:
             self._records.commit(records)
         elif self._examples is not None and records is not None:
@@ -224,7 +235,7 @@ class StepUnits:
     def reset(self) -> None:
         """A new logical step."""
         self._seen.clear()
-        self._used = False
+        self._used = self._plain = False
         if self._records is not None:
             self._records.reset()
         if self._examples is not None:
