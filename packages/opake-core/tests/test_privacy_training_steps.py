@@ -20,25 +20,21 @@ from opake.dpsgd.training import DPTraining, PrivacyBudgetExhausted
 from opake.functional import make_functional
 
 
-def _training(n: int, q: float, **options) -> tuple[DPTraining, torch.nn.Linear]:
-    net = torch.nn.Linear(3, 1, bias=False)
+def _training(
+    n: int, q: float, net: torch.nn.Linear | None = None, **options
+) -> tuple[DPTraining, torch.nn.Linear]:
+    """A DPTraining of a linear model (``net``, or a new one) with squared error, C = 1."""
+    net = net if net is not None else torch.nn.Linear(3, 1, bias=False)
     fmodel, params = make_functional(net)
 
     def loss_fn(p, x, y):
         return (fmodel(p, x[None])[0, 0] - y) ** 2
 
-    options = {"noise_multiplier": 1.0, "seed": 0, "engine": "vmap", **options}
+    defaults = {"noise_multiplier": 1.0, "seed": 0, "engine": "vmap", "clipping_norm": 1.0}
+    options = {**defaults, **options}
     opt = options.pop("optimizer", None) or torch.optim.SGD(net.parameters(), lr=0.0)
     training = DPTraining(
-        loss_fn,
-        opt,
-        params,
-        batch_args=2,
-        dataset_size=n,
-        sample_rate=q,
-        delta=1e-5,
-        clipping_norm=1.0,
-        **options,
+        loss_fn, opt, params, batch_args=2, dataset_size=n, sample_rate=q, delta=1e-5, **options
     )
     return training, net
 
@@ -116,22 +112,7 @@ def test_a_step_the_optimizer_applied_before_raising_is_accounted() -> None:
             raise RuntimeError("failed after the update")
 
     opt.register_step_post_hook(post_hook)
-    fmodel, params = make_functional(net)
-
-    def loss_fn(p, xb, yb):
-        return (fmodel(p, xb[None])[0, 0] - yb) ** 2
-
-    training = DPTraining(
-        loss_fn,
-        opt,
-        params,
-        batch_args=2,
-        dataset_size=n,
-        sample_rate=0.1,
-        noise_multiplier=1.0,
-        delta=1e-5,
-        engine="vmap",
-    )
+    training, _ = _training(n, 0.1, net, optimizer=opt, seed=None)
     applied = 0
     batches = training.batches()
     for _ in range(4):
@@ -182,23 +163,6 @@ def test_the_budget_stops_at_the_target_of_a_shared_accountant() -> None:
 
 def test_sigma_calibrated_with_adaptive_clipping_counts_the_count_noise() -> None:
     clip = AdaptiveClipping(1.0, count_noise_multiplier=1.0, expected_batch_size=50.0)
-    net = torch.nn.Linear(3, 1, bias=False)
-    fmodel, params = make_functional(net)
-
-    def loss_fn(p, xb, yb):
-        return (fmodel(p, xb[None])[0, 0] - yb) ** 2
-
-    training = DPTraining(
-        loss_fn,
-        torch.optim.SGD(net.parameters(), lr=0.1),
-        params,
-        batch_args=2,
-        dataset_size=1000,
-        sample_rate=0.05,
-        target_epsilon=3.0,
-        steps=40,
-        delta=1e-5,
-        clipping_norm=clip,
-        engine="vmap",
-    )
+    options = {"target_epsilon": 3.0, "steps": 40, "noise_multiplier": None, "seed": None}
+    training, _ = _training(1000, 0.05, clipping_norm=clip, **options)
     assert training.steps_left == 40
