@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
+from opake.transformers._rows import check_rows
 
 if TYPE_CHECKING:
     import torch
@@ -243,6 +244,12 @@ class DPDataCollator:
             batch = self._padded(batch, self.pad_to)
         batch = right_aligned(batch)
         mask = batch.pop("attention_mask", None)
+        check_rows(  # one row per record, its own tokens (a classifier's padding its pad id)
+            torch.as_tensor(batch["input_ids"]),
+            mask if isinstance(mask, torch.Tensor) else None,
+            features,
+            None if self.causal else self.pad_token_id,
+        )
         if self.causal:
             labels = batch.get("labels")
             if labels is None:

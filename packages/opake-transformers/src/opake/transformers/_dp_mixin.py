@@ -39,9 +39,10 @@ from opake.transformers._compile import (
     sequence_length,
 )
 from opake.transformers._hf_checks import make_checks_transform_safe
-from opake.transformers._losses import detect_task, has_dropout, per_example_losses
+from opake.transformers._losses import base_model, detect_task, has_dropout, per_example_losses
 from opake.transformers._microbatch import MicrobatchChoice, longest_example, trainer_microbatch
 from opake.transformers._refusals import SECOND_RUN, check_arguments, check_model
+from opake.transformers._rows import check_classifier_padding
 from opake.transformers._sampling import (
     trainer_fixed_slots,
     trainer_population,
@@ -122,6 +123,8 @@ class DPTrainerMixin(_Base):
         make_checks_transform_safe(self.model)
         self._per_example_loss = per_example_loss
         self._task = "custom" if per_example_loss is not None else detect_task(self.model)
+        if self._task == "sequence_classification":  # pooled by the pad id: the collator's
+            check_classifier_padding(base_model(self.model), self._collator_pad())
         self._dp: DPTraining | None = None
         self._units: list[Any] | None = None
         # the training loader get_train_dataloader built last and its batch sampler (the only
@@ -239,14 +242,18 @@ class DPTrainerMixin(_Base):
         """The user's collator (if any) made DP-safe: padding never mixes examples, causal-LM
         labels from ``input_ids`` with padding ignored (``engine_mask``, ``pad_to``: see
         DPDataCollator)."""
-        pad = getattr(self.processing_class, "pad_token_id", None)
         return DPDataCollator(
-            pad_token_id=pad if pad is not None else 0,
+            pad_token_id=self._collator_pad(),
             causal=self._task == "causal_lm",
             base=self._user_collator,
             engine_mask=engine_mask,
             pad_to=pad_to,
         )
+
+    def _collator_pad(self) -> int:
+        """The id the collator pads ``input_ids`` with: the processing class's, else 0."""
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        return int(pad) if pad is not None else 0
 
     def _check_train_loader(self, loader: object) -> None:
         """Refuse (``ConfigurationError``) a training loader that is not the one

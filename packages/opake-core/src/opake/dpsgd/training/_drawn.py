@@ -10,10 +10,13 @@ count for the step (:meth:`~opake.dpsgd.sampling.PoissonSampler.drawn_count`). T
 refuses the step (on every rank, in its per-step agreement, under ``torch.distributed``).
 
 Which drawn batch a step holds: the one of step ``steps`` (the steps released so far) in a
-plain loop over ``DPTraining.batches()``. After a dropped step (``zero_grad``) a loop may retry
-the same batch or go on with the next, and a prefetching loader runs a few batches ahead, so
-the bound is the largest count among the batches handed out from step ``steps`` on (at most
-:data:`_RECENT` of them; the one of step ``steps`` when none was).
+plain loop over ``DPTraining.batches()`` — exactly what the sampler handed out last, and the
+bound is that batch's count. Where the sampler has handed out more (a dropped step, after
+which a loop may retry the same batch or go on with the next; a loop drawing ahead, like a
+prefetching loader) the step's batch is one of those handed out from step ``steps`` on, and
+the bound is the largest of their counts (at most :data:`_RECENT` of them): a drawn batch
+summed twice then passes when another of them holds twice as many examples. ``DPTrainer``
+checks every physical batch's indices against the draw itself.
 """
 
 from __future__ import annotations

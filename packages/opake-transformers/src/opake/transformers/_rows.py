@@ -1,0 +1,105 @@
+"""One row per record: what a collated batch must be before any example's gradient is formed.
+
+Per-example clipping bounds what one *row* adds. A collator that packs records into shared rows
+(one record's tokens followed by the next's) lets one record move every later row — its
+positions, its targets — and so the clipped sum by several C (a review measured 5.4·C); the
+"summed ≤ drawn" count of the step cannot see it (as many rows as records). A sequence
+classifier pools the rightmost token that is not ``config.pad_token_id``: padding of another id
+makes it pool a padding position, which the batch's longest record sets (2.5–2.8·C measured).
+:func:`check_rows` refuses both, for every batch, whatever collator built it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from opake.core.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["check_classifier_padding", "check_rows"]
+
+
+def check_rows(
+    ids: torch.Tensor, mask: torch.Tensor | None, features: Sequence[Any], pad: int | None
+) -> None:
+    """Refuse a collated batch unless row ``i`` holds record ``i`` alone: as many rows as
+    records, each row's kept tokens (``mask`` 1, right-aligned) a prefix of its record's
+    ``input_ids`` (truncation allowed) and, with ``pad`` (a sequence classifier's pad id),
+    every padding position holding ``pad``.
+
+    >>> import torch
+    >>> check_rows(torch.tensor([[5, 6], [7, 0]]), torch.tensor([[1, 1], [1, 0]]),
+    ...            [{"input_ids": [5, 6]}, {"input_ids": [7]}], pad=0)
+    >>> check_rows(torch.tensor([[5, 6], [7, 8]]), None,
+    ...            [{"input_ids": [5]}, {"input_ids": [6, 7, 8]}], pad=None)
+    Traceback (most recent call last):
+    ...
+    opake.core.errors.ConfigurationError: the data collator's row 0 holds tokens that are not its record's (records packed into shared rows?): one record would change the other rows' positions and targets, beyond what per-example clipping bounds. Return one row per record, its own tokens then padding
+    """  # noqa: E501 - the doctest's expected message is one line
+    import torch
+
+    if ids.dim() != 2:
+        return
+    if int(ids.shape[0]) != len(features):
+        raise ConfigurationError(
+            f"the data collator returned {int(ids.shape[0])} rows for {len(features)} records: "
+            "DP-SGD clips each record's gradient, so each record must be one row of its own "
+            "(packing records into rows, or splitting one, breaks the privacy unit)"
+        )
+    if mask is not None and (mask.dim() != 2 or mask.shape != ids.shape):
+        return
+    keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    if pad is not None and bool((ids[~keep] != pad).any()):
+        raise ConfigurationError(
+            f"the data collator padded with an id other than the model's config.pad_token_id "
+            f"({pad}): a sequence classifier pools the rightmost token that is not the pad id, "
+            "so it would pool a padding position, which the batch's longest record sets. Pad "
+            "input_ids with config.pad_token_id (pass processing_class=tokenizer whose "
+            "pad_token_id it is)"
+        )
+    if not all(isinstance(f, Mapping) and "input_ids" in f for f in features):
+        return
+    for row, feature in enumerate(features):
+        own = torch.as_tensor(feature["input_ids"]).reshape(-1).to(ids)
+        kept = ids[row][keep[row]]
+        if kept.numel() > own.numel() or not torch.equal(kept, own[: kept.numel()]):
+            raise ConfigurationError(
+                f"the data collator's row {row} holds tokens that are not its record's (records "
+                "packed into shared rows?): one record would change the other rows' positions "
+                "and targets, beyond what per-example clipping bounds. Return one row per "
+                "record, its own tokens then padding"
+            )
+
+
+def check_classifier_padding(model: Any, collator_pad: int) -> int:
+    """A sequence classifier's pad id: ``config.pad_token_id``, which must be set and equal to
+    the id the collator pads with (``collator_pad``); else ``ConfigurationError``. transformers
+    pools the rightmost token that is not the pad id, and with none set takes the last position
+    of a one-row batch — under the per-example engine, always a padding slot whose index the
+    batch's longest record sets.
+
+    >>> from types import SimpleNamespace
+    >>> check_classifier_padding(SimpleNamespace(config=SimpleNamespace(pad_token_id=0)), 0)
+    0
+    """
+    config = getattr(model, "config", None)
+    pad = getattr(config, "pad_token_id", None)
+    if isinstance(pad, bool) or not isinstance(pad, int):
+        raise ConfigurationError(
+            f"{type(model).__name__}: config.pad_token_id is {pad!r}; a sequence classifier "
+            "pools the rightmost token that is not the pad id, and without one it pools the "
+            "last position of each row — a padding slot whose index the batch's longest record "
+            "sets. Set model.config.pad_token_id = tokenizer.pad_token_id (and pass "
+            "processing_class=tokenizer)"
+        )
+    if pad != collator_pad:
+        raise ConfigurationError(
+            f"{type(model).__name__}: config.pad_token_id={pad} but the collator pads with "
+            f"{collator_pad} (the processing_class's pad_token_id, or 0 without one): the "
+            "classifier would pool a padding position. Make them equal (model.config."
+            "pad_token_id = tokenizer.pad_token_id, processing_class=tokenizer)"
+        )
+    return pad

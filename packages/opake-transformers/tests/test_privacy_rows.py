@@ -1,0 +1,147 @@
+"""Red-team round 9: one row per record, and a sequence classifier pooling its own record.
+
+Each test failed on the earlier code: a classifier without ``config.pad_token_id`` (or with one
+the collator does not pad with) pooled a padding position, which the batch's longest record
+sets (2.5–2.8·C measured); a user collator packing records into shared rows was accepted
+(5.4·C).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opake.core.errors import ConfigurationError
+
+transformers = pytest.importorskip("transformers")
+
+from opake.transformers import DPDataCollator, DPTrainer, DPTrainingArguments  # noqa: E402
+
+C = 1e-3
+
+
+def _args(tmp_path, **options) -> DPTrainingArguments:
+    return DPTrainingArguments(
+        output_dir=str(tmp_path),
+        noise_multiplier=1.0,
+        per_sample_max_grad_norm=C,
+        per_device_train_batch_size=4,
+        max_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        microbatch_size=16,
+        **options,
+    )
+
+
+def _classifier(pad: int | None):
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        num_labels=2,
+        pad_token_id=pad,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForSequenceClassification(config)
+
+
+def _records(long: int) -> tuple[list[dict], dict]:
+    gen = torch.Generator().manual_seed(1)
+    base = [
+        {"input_ids": torch.randint(1, 63, (4,), generator=gen).tolist(), "labels": i % 2}
+        for i in range(8)
+    ]
+    return base, {"input_ids": torch.randint(1, 63, (long,), generator=gen).tolist(), "labels": 0}
+
+
+def _contribution(trainer: DPTrainer, base: list[dict], target: dict) -> float:
+    """‖S(D ∪ {x}) − S(D)‖ of one physical batch's clipped sum, before noise."""
+    trainer.create_optimizer()
+    dp = trainer.dp_training
+    collate = trainer.get_train_dataloader().collate_fn
+
+    def clipped_sum(items: list[dict]) -> dict[str, torch.Tensor]:
+        batch = collate(list(enumerate(items)))
+        batch.pop("opake_batch_indices")
+        batch.pop("opake_example_mask", None)
+        dp.accumulate(batch)
+        sums = {k: v.clone() for k, v in dp.optimizer._sums.items()}
+        dp.zero_grad()
+        return sums
+
+    with_x, without = clipped_sum([*base, target]), clipped_sum(base)
+    return float(torch.sqrt(sum(((with_x[k] - without[k]) ** 2).sum() for k in with_x)))
+
+
+@pytest.mark.parametrize(("pad", "match"), [(None, "pad_token_id is None"), (63, "pads with 0")])
+def test_a_classifier_that_would_pool_padding_is_refused(tmp_path, pad, match) -> None:
+    base, target = _records(100)
+    with pytest.raises(ConfigurationError, match=match):
+        DPTrainer(model=_classifier(pad), args=_args(tmp_path), train_dataset=[*base, target])
+
+
+@pytest.mark.parametrize("engine", ["vmap", "auto"])
+def test_a_long_record_moves_a_classifier_s_sum_by_at_most_c(tmp_path, engine) -> None:
+    base, target = _records(100)
+    trainer = DPTrainer(
+        model=_classifier(0), args=_args(tmp_path, engine=engine), train_dataset=[*base, target]
+    )
+    assert _contribution(trainer, base, target) <= C * (1 + 1e-5)
+
+
+def test_a_collator_packing_records_into_rows_is_refused(tmp_path) -> None:
+    def packing(features):
+        tokens = [t for f in features for t in f["input_ids"]]
+        rows = [tokens[i : i + 8] for i in range(0, len(tokens), 8)]
+        rows[-1] = rows[-1] + [0] * (8 - len(rows[-1]))
+        ids = torch.tensor(rows)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    records = [{"input_ids": [5, 6, 7, 8]} for _ in range(4)]  # 16 tokens: two packed rows
+    trainer = DPTrainer(
+        model=model, args=_args(tmp_path), train_dataset=records, data_collator=packing
+    )
+    collate = trainer.get_train_dataloader().collate_fn
+    with pytest.raises(ConfigurationError, match="rows for 4 records"):
+        collate(list(enumerate(records)))
+
+    # as many rows as records, but each holding another record's tokens
+    def swapped(features):
+        ids = torch.tensor([[9, 10, 0, 0], [5, 6, 7, 8]])
+        return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+    records = [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 10]}]
+    with pytest.raises(ConfigurationError, match="not its record"):
+        DPDataCollator(causal=True, base=swapped)(records)
+
+
+def test_padding_of_another_id_is_refused_for_a_classifier() -> None:
+    def pads_with_one(features):
+        width = max(len(f["input_ids"]) for f in features)
+        ids = torch.tensor([f["input_ids"] + [1] * (width - len(f["input_ids"])) for f in features])
+        mask = torch.tensor(
+            [[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features]
+        )
+        return {"input_ids": ids, "attention_mask": mask}
+
+    features = [{"input_ids": [5, 6, 7]}, {"input_ids": [8]}]
+    with pytest.raises(ConfigurationError, match="padded with an id"):
+        DPDataCollator(pad_token_id=0, causal=False, base=pads_with_one)(features)
+    assert DPDataCollator(pad_token_id=1, causal=False, base=pads_with_one)(features)
