@@ -36,18 +36,22 @@ def _args(tmp_path, **options) -> DPTrainingArguments:
     )
 
 
-def _classifier(pad: int | None):
-    config = transformers.LlamaConfig(
+def _config(**extra):
+    """A tiny Llama configuration (one layer, vocabulary 64)."""
+    return transformers.LlamaConfig(
         vocab_size=64,
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=128,
-        num_labels=2,
-        pad_token_id=pad,
-        attn_implementation="eager",
+        **extra,
+    )
+
+
+def _classifier(pad: int | None):
+    config = _config(
+        max_position_embeddings=128, num_labels=2, pad_token_id=pad, attn_implementation="eager"
     )
     torch.manual_seed(0)
     return transformers.LlamaForSequenceClassification(config)
@@ -105,15 +109,7 @@ def test_a_collator_packing_records_into_rows_is_refused(tmp_path) -> None:
         ids = torch.tensor(rows)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(_config())
     records = [{"input_ids": [5, 6, 7, 8]} for _ in range(4)]  # 16 tokens: two packed rows
     trainer = DPTrainer(
         model=model, args=_args(tmp_path), train_dataset=records, data_collator=packing
