@@ -506,6 +506,20 @@ def sampler_drift(rank: int, world_size: int) -> dict[str, Any]:
     next(shards)
     out["optimizer"] = _error(lambda: train_step_zero(opt, model))  # the shard's sum: zeros
     out["optimizer_after"] = {"steps": opt.steps, "pending": opt.pending_batches}
+
+    # one rank refuses its step (DPTraining: more examples summed than drawn): every rank raises
+    model = make_mlp()
+    opt = _optimizer_cls(world_size)(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        model,
+        noise_multiplier=SIGMA,
+        seed=NOISE_SEED,
+        expected_batch_size=4.0,
+    )
+    if rank == 1:
+        opt.refuse_step("summed 9 examples, drew 4")
+    out["refused"] = _error(lambda: train_step_zero(opt, model))
+    out["refused_after"] = {"steps": opt.steps, "pending": opt.pending_batches}
     return out
 
 

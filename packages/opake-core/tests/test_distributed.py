@@ -286,6 +286,19 @@ def test_a_rank_that_skips_a_sampler_batch_raises_on_every_rank_before_the_noise
         assert drift["lookahead_steps"] == 2
 
 
+def test_a_step_one_rank_refuses_raises_on_every_rank_before_the_noise(train):
+    # DPOptimizer.refuse_step on rank 1 only (DPTraining's "summed more than drawn"): the
+    # per-step agreement carries it, so rank 0 raises too instead of waiting in a collective
+    for index, rank in enumerate(train):
+        message = rank["drift"]["refused"]
+        assert message is not None, "the refused step was taken"
+        assert message.startswith("ConfigurationError:"), message
+        assert "rank(s) [1] refused this step" in message, message
+        if index == 1:
+            assert "summed 9 examples, drew 4" in message, message
+        assert rank["drift"]["refused_after"] == {"steps": 0, "pending": 0}
+
+
 def test_default_randomness_is_one_secure_key_shared_by_the_ranks(train):
     # noise: a secure key drawn on rank 0 and shared (replicated noise, no broadcast, no seed);
     # sampling: shared_randomness() gives every rank the same global batch
