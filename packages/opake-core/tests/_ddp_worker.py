@@ -520,6 +520,11 @@ def sampler_drift(rank: int, world_size: int) -> dict[str, Any]:
         opt.refuse_step("summed 9 examples, drew 4")
     out["refused"] = _error(lambda: train_step_zero(opt, model))
     out["refused_after"] = {"steps": opt.steps, "pending": opt.pending_batches}
+
+    # one rank lowers σ mid-run: one draw at two scales would reveal the noise
+    opt.noise_multiplier = SIGMA / 2 if rank == 1 else SIGMA
+    out["sigma"] = _error(lambda: train_step_zero(opt, model))
+    out["sigma_after"] = {"steps": opt.steps, "pending": opt.pending_batches}
     return out
 
 

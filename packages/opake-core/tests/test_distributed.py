@@ -299,6 +299,18 @@ def test_a_step_one_rank_refuses_raises_on_every_rank_before_the_noise(train):
         assert rank["drift"]["refused_after"] == {"steps": 0, "pending": 0}
 
 
+def test_noise_multipliers_that_differ_across_ranks_raise_on_every_rank(train):
+    # red-team round 10: σ changed on one rank only (DPOptimizer.noise_multiplier is settable):
+    # replicas noised from one draw at σ and σ/2 reveal the noise; the per-step agreement
+    # compares σ and every rank raises before anything is noised
+    for rank in train:
+        message = rank["drift"]["sigma"]
+        assert message is not None, "the step with two noise multipliers was taken"
+        assert message.startswith("ConfigurationError:"), message
+        assert "noise multipliers differ" in message, message
+        assert rank["drift"]["sigma_after"] == {"steps": 0, "pending": 0}
+
+
 def test_default_randomness_is_one_secure_key_shared_by_the_ranks(train):
     # noise: a secure key drawn on rank 0 and shared (replicated noise, no broadcast, no seed);
     # sampling: shared_randomness() gives every rank the same global batch

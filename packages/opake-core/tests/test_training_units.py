@@ -185,7 +185,8 @@ def test_steps_need_the_drawn_records(call, match):
 def test_records_without_privacy_units_and_bad_settings_are_refused():
     x, y = T.data(N)
     _, plain = _training(privacy_units=None, expected_batch_size=8.0)
-    with pytest.raises(ConfigurationError, match="without privacy_units"):
+    # records= alone checks a plain step's rows against the draw: rows 0-2 are not step 0's
+    with pytest.raises(ConfigurationError, match="the sampler drew"):
         plain.step(x[:3], y[:3], records=[0, 1, 2])
     for options, match in [
         ({"privacy_units": USERS[:-1]}, "47 entries for dataset_size=48"),

@@ -41,6 +41,9 @@ __all__ = ["DistributedDPOptimizer", "check_replicas_in_sync", "unwrap_ddp"]
 NoiseSync = Literal["auto", "replicated", "broadcast"]
 _NOISE_SYNC = ("auto", "replicated", "broadcast")
 _DDP_PREFIX = "module."
+#: the agreement row's first column of parameter presence (before it: batches, sensitivity,
+#: structure, sampler position, refusal, noise multiplier)
+_PRESENCE = 6
 
 
 class _NoiseProxy:
@@ -354,27 +357,28 @@ class DistributedDPOptimizer(DPOptimizer):
     def _agree_on_pending(
         self, physical: int, sensitivity: float | None, names_present: set[str]
     ) -> tuple[list[str], float, int]:
-        """One all-gather of (batches, sensitivity, structure, sampler position, presence)
-        from every rank.
+        """One all-gather of (batches, sensitivity, structure, sampler position, refusal, σ,
+        presence) from every rank.
 
         Returns the parameters with a gradient on any rank (optimizer order), the common
         sensitivity and the total number of physical batches; raises on every rank when the
         parameter structures differ, the samplers handed out different numbers of batches
-        (the shards are not one global draw), a rank accumulated nothing or the
-        sensitivities differ.
+        (the shards are not one global draw), a rank refused the step, the noise multipliers
+        differ, a rank accumulated nothing or the sensitivities differ.
         """
         import torch
 
         names = list(self.param_names)
         world = self._world_size
-        row = torch.zeros(5 + len(names), dtype=torch.float64)
+        row = torch.zeros(_PRESENCE + len(names), dtype=torch.float64)
         row[0] = float(physical)
         row[1] = float("nan") if sensitivity is None else float(sensitivity)
         row[2] = float(self._structure)
         row[3] = float(sampler_position(self._sampler))
         row[4] = 0.0 if self._refusal is None else 1.0
+        row[5] = float(self.noise_multiplier)
         for k, name in enumerate(names):
-            row[5 + k] = 1.0 if name in names_present else 0.0
+            row[_PRESENCE + k] = 1.0 if name in names_present else 0.0
         rows = _gather_rows(row, group=self._group, world_size=world)
         if bool((rows[:, 2] != rows[0, 2]).any()):
             raise ConfigurationError(
@@ -393,6 +397,14 @@ class DistributedDPOptimizer(DPOptimizer):
                 f"{type(self).__name__}.step(): rank(s) {refused} refused this step: {reason} "
                 f"(this is rank {self._rank})"
             )
+        sigmas = rows[:, 5].tolist()
+        if any(sigma != sigmas[0] for sigma in sigmas):
+            raise ConfigurationError(
+                f"{type(self).__name__}.step(): the ranks' noise multipliers differ {sigmas} "
+                f"(this is rank {self._rank}): replicas noised from one draw at two scales "
+                "would reveal the noise (their difference) and the clipped sum with it. Set "
+                "noise_multiplier on every rank together; nothing was noised"
+            )
         idle = [r for r in range(world) if rows[r, 0] == 0]
         if idle:
             raise OperationError(
@@ -408,7 +420,7 @@ class DistributedDPOptimizer(DPOptimizer):
                 "one bound, so every rank must use the same clipping_norm (and, with adaptive "
                 "clipping, the same state seed and the reduce= hook)"
             )
-        present = [name for k, name in enumerate(names) if bool((rows[:, 5 + k] > 0).any())]
+        present = [name for k, name in enumerate(names) if bool((rows[:, _PRESENCE + k] > 0).any())]
         return present, float(sens[0]), int(rows[:, 0].sum())
 
     def logical_step(

@@ -279,7 +279,11 @@ class DPTraining(TrainingState):
         one drawn record and each drawn record's rows one unit, every record of the step's
         drawn batch once (checked over the step, padding rows masked out). ``records``: with
         ``privacy_units=``, required instead of ``units`` — the units come from the unit
-        sampler. Returns the batch's ``ClipAux`` (**not private**).
+        sampler; alone on a plain step (one row per example, one process), it checks the rows
+        themselves: each real row a record drawn for the step, none summed twice, every drawn
+        record there by :meth:`finish_step` (a loop loading one example twice in place of
+        another passes the step's count check, not this). A step's batches all pass
+        ``records=`` or none does. Returns the batch's ``ClipAux`` (**not private**).
         """
         if len(batch) != self._batch_args:
             raise ConfigurationError(

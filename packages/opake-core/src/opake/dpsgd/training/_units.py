@@ -19,7 +19,16 @@ from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 if TYPE_CHECKING:
     import torch
 
+    from opake.dpsgd.training._listed import ListedRecords
+
 __all__ = ["ExampleUnits", "RecordUnits", "StepUnits"]
+
+#: how a step's physical batches name their rows, as the refusal of a mix says it
+_MODES = {
+    "units": "units= and records=",
+    "records": "records= alone",
+    "plain": "neither units= nor records=",
+}
 
 
 def _tensor(units: object) -> torch.Tensor:
@@ -85,10 +94,12 @@ class StepUnits:
 
     def __init__(self, sampler: Any = None) -> None:
         self._seen: set[int] = set()
-        self._used = False  # units= came with a physical batch of this step
-        self._plain = False  # a physical batch of this step came without units=
+        # how this step's physical batches came (without privacy units): "units" (units= and
+        # records=), "records" (records= alone, one row per drawn example) or "plain"
+        self._mode: str | None = None
         self._records = None if sampler is None else RecordUnits(sampler)
         self._examples: ExampleUnits | None = None  # units= without privacy_units
+        self._listed: ListedRecords | None = None  # records= alone (one row per example)
 
     def check(
         self,
@@ -131,23 +142,25 @@ class StepUnits:
         """:meth:`check` without privacy units: ``units=`` and ``records=`` together, or
         neither; ``where``: ``(step, world_size, sampler)``."""
         step, world_size, sampler = where
-        if (self._plain and units is not None) or (self._used and units is None):
-            first, now = ("without", "with") if self._plain else ("with", "without")
+        mode = "units" if units is not None else "records" if records is not None else "plain"
+        if self._mode is not None and mode != self._mode:
             raise ConfigurationError(
-                f"accumulate() {now} units= in a logical step whose earlier physical batch came "
-                f"{first} them: a step's batches all pass units= and records=, or none does (a "
-                "drawn example's rows summed both ways would be clipped twice). Call zero_grad() "
-                "to drop the step"
+                f"accumulate() with {_MODES[mode]} in a logical step whose earlier physical "
+                f"batch came with {_MODES[self._mode]}: a step's batches all pass units= and "
+                "records=, all records= alone, or none does (a drawn example's rows summed two "
+                "ways could be clipped twice). Call zero_grad() to drop the step"
             )
-        if units is None:
-            if records is not None:
-                raise ConfigurationError(
-                    "accumulate(records=...) without privacy_units and without units=: "
-                    "records= says which drawn example each unit's rows come from; pass units= "
-                    "(each row's unit) with it, or build DPTraining(privacy_units=...) for "
-                    "user-level DP"
-                )
+        if mode == "plain":
             return None, (None, None)
+        if mode == "records":
+            if sampler is None:
+                raise OperationError("StepUnits.check(records=...) needs the training's sampler")
+            if self._listed is None:
+                from opake.dpsgd.training._listed import ListedRecords
+
+                self._listed = ListedRecords(sampler)
+            real = self._listed.check(records, batch, mask, step=step, world_size=world_size)
+            return None, (None, real)
         ids = self._ids(units, batch, mask, world_size=world_size)
         if records is None:
             raise ConfigurationError(
@@ -209,37 +222,44 @@ class StepUnits:
         return ids
 
     def check_complete(self, sampler: Any, step: int) -> None:
-        """Before the noise: without ``privacy_units``, the step's units must be its drawn
-        examples one to one (:meth:`ExampleUnits.check_complete`: each physical batch checked
-        its units against its records, the step checks that every drawn example came).
+        """Before the noise: without ``privacy_units``, the step's units (or its listed rows,
+        ``records=`` alone) must be its drawn examples one to one
+        (:meth:`ExampleUnits.check_complete`, :meth:`ListedRecords.check_complete`: each
+        physical batch checked its records, the step checks that every drawn example came).
         ``sampler`` is the training's (the one each physical batch was checked against)."""
-        if self._records is not None or not self._used:
+        if self._records is not None or self._mode not in ("units", "records"):
             return
-        if self._examples is None:  # units= came only through check(), which builds it
-            raise OperationError("StepUnits.check_complete: no units were checked this step")
-        self._examples.check_complete(step)
+        checker = self._examples if self._mode == "units" else self._listed
+        if checker is None:  # the mode is set only by commit(), after check() built it
+            raise OperationError("StepUnits.check_complete: no records were checked this step")
+        checker.check_complete(step)
 
     def commit(self, rows: tuple[set[int] | None, object]) -> None:
         """Record a summed physical batch's units (and records)."""
         ids, records = rows
+        if self._records is not None:
+            if ids is not None:
+                self._seen |= ids
+            self._records.commit(records)
+            return
         if ids is not None:
             self._seen |= ids
-            self._used = True
-        elif self._records is None:
-            self._plain = True
-        if self._records is not None:
-            self._records.commit(records)
-        elif self._examples is not None and records is not None:
-            self._examples.commit(records)
+            self._mode = "units"
+            if self._examples is not None and records is not None:
+                self._examples.commit(records)
+        elif records is not None and self._listed is not None:
+            self._mode = "records"
+            self._listed.commit(records)
+        else:
+            self._mode = "plain"
 
     def reset(self) -> None:
         """A new logical step."""
         self._seen.clear()
-        self._used = self._plain = False
-        if self._records is not None:
-            self._records.reset()
-        if self._examples is not None:
-            self._examples.reset()
+        self._mode = None
+        for checker in (self._records, self._examples, self._listed):
+            if checker is not None:
+                checker.reset()
 
 
 class RecordUnits:
