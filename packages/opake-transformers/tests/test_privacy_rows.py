@@ -128,6 +128,30 @@ def test_a_collator_packing_records_into_rows_is_refused(tmp_path) -> None:
         DPDataCollator(causal=True, base=swapped)(records)
 
 
+def test_rows_the_check_cannot_read_are_refused() -> None:
+    """Red-team round 10: a batch whose rows could not be checked passed unchecked: input_ids
+    not [records, tokens] (one flat row of every record's tokens), or a 4-D attention mask
+    (which can join two records' tokens in one row)."""
+    records = [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 10]}]
+
+    def flat(features):
+        return {"input_ids": torch.tensor([t for f in features for t in f["input_ids"]])}
+
+    with pytest.raises(ConfigurationError, match=r"input_ids of shape \(6,\)"):
+        DPDataCollator(causal=True, base=flat)(records)
+
+    def four_d(features):  # a tokenizing collator: the records hold text, not input_ids
+        ids = torch.tensor([[5, 6, 7, 8], [9, 10, 5, 6]])  # row 1: record 1, then record 0's
+        return {"input_ids": ids, "attention_mask": torch.ones(2, 1, 4, 4)}
+
+    texts = [{"text": "five six seven eight"}, {"text": "nine ten"}]
+    with pytest.raises(ConfigurationError, match="attention_mask of shape"):
+        DPDataCollator(causal=True, base=four_d)(texts)
+    # with the records' input_ids the mask is rebuilt from their lengths (and rows checked)
+    batch = DPDataCollator(causal=True, base=four_d)(records)
+    assert batch["labels"].tolist() == [[5, 6, 7, 8], [9, 10, -100, -100]]
+
+
 def test_padding_of_another_id_is_refused_for_a_classifier() -> None:
     def pads_with_one(features):
         width = max(len(f["input_ids"]) for f in features)

@@ -42,7 +42,11 @@ def check_rows(
     import torch
 
     if ids.dim() != 2:
-        return
+        raise ConfigurationError(
+            f"the data collator returned input_ids of shape {tuple(ids.shape)}: DP training "
+            "needs [records, tokens], one row per record, so that each record's rows can be "
+            "checked against the record and clipped as one example"
+        )
     if int(ids.shape[0]) != len(features):
         raise ConfigurationError(
             f"the data collator returned {int(ids.shape[0])} rows for {len(features)} records: "
@@ -50,7 +54,12 @@ def check_rows(
             "(packing records into rows, or splitting one, breaks the privacy unit)"
         )
     if mask is not None and (mask.dim() != 2 or mask.shape != ids.shape):
-        return
+        raise ConfigurationError(
+            f"the data collator returned an attention_mask of shape {tuple(mask.shape)} for "
+            f"input_ids of shape {tuple(ids.shape)}: DP training checks each row's kept tokens "
+            "against its record with a [records, tokens] padding mask (a 4-D or block mask "
+            "could join records in one row). Return a 2-D attention_mask of 1s and 0s"
+        )
     keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
     if pad is not None and bool((ids[~keep] != pad).any()):
         raise ConfigurationError(
