@@ -383,3 +383,41 @@ def test_subclass_overriding_forward_gets_the_per_layer_rule(mlp_batch):
     one = loss_fn.per_example(batch_argnums=(1, 2), has_aux=False)
     expected = testing.reference_clipped_grad(one, args, clipping_norm=0.5, batch_argnums=(1, 2))
     testing.assert_grads_close(bk, expected, rtol=1e-5)
+
+
+def test_a_negligible_loose_leaf_keeps_its_bound_and_skips_the_exact_route():
+    """LoRA's first step: ``lora_A`` gets an all-zero gradient (its ``lora_B`` partner starts
+    at zero), whose certified bound is only the underflow allowance (~1e-17), loose against a
+    computed 0. Beside ordinary leaves it cannot change the clip factor, so the exact route is
+    not taken for it; the clipped sum still equals the per-example loop's."""
+    from opake.dpsgd.bookkeeping import _runner
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(300, 8, bias=False), torch.nn.Linear(8, 3), torch.nn.Linear(3, 2)
+    )
+    torch.nn.init.zeros_(model[1].weight)
+    x, y = torch.randn(4, 300), torch.tensor([0, 1, 1, 0])
+    loss_fn, params = _mlp_loss(model)
+    chunks = []
+    real = _runner.BookkeepingRunner.run
+
+    def spy(self, *args, **kwargs):
+        chunks.append(real(self, *args, **kwargs))
+        return chunks[-1]
+
+    args, options = (params, x, y), {"batch_argnums": (1, 2)}
+    _runner.BookkeepingRunner.run = spy
+    try:
+        _, grads, _, _ = _run(loss_fn, args, 0.1, "bookkeeping", **options)
+    finally:
+        _runner.BookkeepingRunner.run = real
+    (chunk,) = chunks
+    first = list(params).index("0.weight")
+    assert bool((chunk.leaf_sq[:, first] == 0).all())
+    assert bool((chunk.clip_sq[:, first] > 0).all())  # the allowance, loose against 0
+    assert chunk.exact is None
+    one = loss_fn.per_example(batch_argnums=(1, 2), has_aux=False)
+    _, per_example = _median_norm(one, args, (1, 2))
+    expected = testing.reference_clipped_sum(per_example, clipping_norm=0.1)
+    testing.assert_grads_close(grads, expected, rtol=1e-4)

@@ -17,7 +17,8 @@ and :func:`leaf_bounds` combines them:
 ``bound = (√(max(Σ sq + 2Σ inner, 0) + Σ err + 2Σ err_inner) + Σ rel + mix)·FINAL``
 (``mix``: rounding when a later piece is added onto an earlier one; ``FINAL``: an fp64 piece's
 conversion to fp32 and the final division by ``normalize_by``). Where that bound exceeds the
-computed norm by more than :data:`LOOSE` the example takes the **exact route** for that leaf
+computed norm by more than :data:`LOOSE` (and by enough to matter for the example's clip factor:
+the runner's ``MATTERS``) the example takes the **exact route** for that leaf
 (:func:`~opake.dpsgd.certify.measure_blocks` / :func:`~opake.dpsgd.certify.guarded_add`): it is
 left out of the contraction and added from its materialised gradient, measured.
 

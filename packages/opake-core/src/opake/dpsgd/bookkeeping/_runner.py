@@ -59,6 +59,29 @@ if TYPE_CHECKING:
 __all__ = ["BookkeepingRunner"]
 
 
+#: a loose leaf's excess (bound² − computed²) below this share of its example's squared bound
+#: is not worth the exact route: skipping it clips at most ``√(1 + leaves·2⁻²⁰)`` harder
+MATTERS = 2.0**-20
+
+
+def _matters(leaf_sq: torch.Tensor, clip_sq: torch.Tensor) -> torch.Tensor:
+    """``[m, leaves]``: where a loose bound could change the example's clip factor — its excess
+    over the computed norm is more than :data:`MATTERS` of the example's squared bound (or not
+    finite). Elsewhere (an all-zero gradient's underflow allowance, say, beside ordinary
+    leaves) the certified bound is used as it is: a utility choice, the bound holds either way.
+
+    >>> import torch
+    >>> _matters(torch.tensor([[0.0, 1.0]]), torch.tensor([[1e-34, 1.5]])).tolist()
+    [[False, True]]
+    """
+    import torch
+
+    excess = clip_sq - leaf_sq
+    total = clip_sq.sum(dim=1, keepdim=True)
+    finite = torch.isfinite(excess) & torch.isfinite(total)
+    return ~finite | (excess > total * MATTERS)
+
+
 class BookkeepingRunner:
     """Runs the book-keeping engine for one :class:`BatchedLoss` (used by ``clipped_grad``)."""
 
@@ -317,7 +340,7 @@ class BookkeepingRunner:
         clip_sq = torch.stack(bound, dim=1).square()
         chunk = BookkeepingChunk(losses, leaf_sq, aux, pieces, clip_sq, None, torch.stack(slack, 1))
         chunk.rounding = torch.stack(rounding, dim=1)
-        exact = torch.stack(loose, dim=1)
+        exact = torch.stack(loose, dim=1) & _matters(leaf_sq, clip_sq)
         if not bool(exact.any()):
             return chunk
         chunk.exact = exact
