@@ -442,6 +442,22 @@ def test_resume_with_other_settings_is_refused(tiny_args, tmp_path, capsys):
     assert "--clip 1.0 (saved) vs 2.0 (given)" in err
 
 
+def test_resume_on_changed_data_is_refused(tiny_args, small_corpus, tmp_path, capsys):
+    # --data names the same file, whose text changed: the sampler's draws and the accountant's
+    # history belong to the saved data (the checkpoint's fingerprint of the training blocks)
+    data = tmp_path / "corpus.txt"
+    text = small_corpus.read_text(encoding="utf-8")
+    data.write_text(text, encoding="utf-8")
+    out = tmp_path / "run"
+    assert main(tiny_args("--steps", "1", "--data", str(data), out=out)) == 0
+    assert main(tiny_args("--steps", "1", "--data", str(data), "--resume", out=out)) == 0
+    capsys.readouterr()
+    data.write_text(text.upper(), encoding="utf-8")
+    code, err = _bad(capsys, tiny_args("--steps", "1", "--data", str(data), "--resume", out=out))
+    assert code == 2
+    assert "the training data differ from the saved run's" in err
+
+
 def test_lr_schedule_warms_up_then_decays():
     lrs = [trainer._lr_at(s, steps=20, peak=1.0, warmup=4) for s in range(20)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]

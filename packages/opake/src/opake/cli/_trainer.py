@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from opake.cli._checks import DivergenceWatch, disable_dropout, watch_divergence
 from opake.cli._compiling import compile_line
 from opake.cli._dp_step import dp_training
+from opake.cli._fingerprint import check_resumed_data, data_fingerprint
 from opake.cli._interrupt import StepBoundary, interrupted_before_training
 from opake.cli._memory import MicrobatchChoice, microbatch_for_run
 from opake.cli._outputs import plot_metrics, write_json, write_metrics
@@ -116,6 +117,7 @@ class _Run:
             model=None if self.plan.settings.shard else self.trainable,
             extra={
                 "settings": self.plan.settings.to_dict(),
+                "data_sha256": data_fingerprint(self.plan),
                 "metrics": self.rows,
                 "initial_val_loss": self.initial_val,
             },
@@ -271,6 +273,7 @@ def _start(r: _Run) -> None:
         # a checkpoint written before DPTraining (the same parts) loads too
         extra = r.training.load(r.checkpoint, model=None if s.shard else r.trainable)
         _check_resumed_settings(extra.get("settings", {}), s)
+        check_resumed_data(extra.get("data_sha256"), r.plan)
         r.start_step = r.training.steps
         r.rows = [dict(row) for row in extra.get("metrics", [])]
         r.initial_val = extra.get("initial_val_loss")
