@@ -147,9 +147,46 @@ def test_rows_the_check_cannot_read_are_refused() -> None:
     texts = [{"text": "five six seven eight"}, {"text": "nine ten"}]
     with pytest.raises(ConfigurationError, match="attention_mask of shape"):
         DPDataCollator(causal=True, base=four_d)(texts)
-    # with the records' input_ids the mask is rebuilt from their lengths (and rows checked)
-    batch = DPDataCollator(causal=True, base=four_d)(records)
-    assert batch["labels"].tolist() == [[5, 6, 7, 8], [9, 10, -100, -100]]
+    # with the records' input_ids too: collated alone, record 1 is not row 1
+    with pytest.raises(ConfigurationError):
+        DPDataCollator(causal=True, base=four_d)(records)
+
+
+def test_a_tokenizing_collator_mixing_records_into_rows_is_refused() -> None:
+    """Red-team round 11: text records (no input_ids) and a collator that streams the batch's
+    tokens into as many rows as records passed every check (3.26·C measured for one record).
+    Each row must be what the collator makes of its record alone: tokens and labels."""
+    vocab = {
+        w: i + 1
+        for i, w in enumerate(
+            ["the", "a", "cat", "dog", "sat", "ran", "far", "away", "home", "now"]
+        )
+    }
+
+    def tokens(text):
+        return [vocab[w] for w in text.split()]
+
+    def streaming(features):
+        ids = [t for f in features for t in tokens(f["text"])]
+        width = len(ids) // len(features)
+        rows = torch.tensor(ids[: width * len(features)]).reshape(len(features), width)
+        return {"input_ids": rows, "attention_mask": torch.ones_like(rows)}
+
+    def padding(features, shift_labels=False):
+        rows = [tokens(f["text"]) for f in features]
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        mask = (ids != 0).long()
+        labels = ids.roll(1, dims=0) if shift_labels else ids.clone()  # another row's targets
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    texts = [{"text": "the cat sat"}, {"text": "a dog ran far away"}, {"text": "home now"}]
+    with pytest.raises(ConfigurationError, match="row 2 is not what it makes of record 2 alone"):
+        DPDataCollator(causal=True, base=streaming)(texts)
+    with pytest.raises(ConfigurationError, match=r"its labels differ"):
+        DPDataCollator(causal=True, base=lambda f: padding(f, shift_labels=True))(texts)
+    batch = DPDataCollator(causal=True, base=padding)(texts)  # one record per row: accepted
+    assert batch["labels"].tolist()[2] == [9, 10, -100, -100, -100]
 
 
 def test_padding_of_another_id_is_refused_for_a_classifier() -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError
-from opake.transformers._rows import check_rows
+from opake.transformers._rows import check_alone, check_rows
 
 if TYPE_CHECKING:
     import torch
@@ -228,10 +228,8 @@ class DPDataCollator:
             batch["attention_mask"] = _length_mask(lengths, width)
         return batch
 
-    def __call__(self, features: list[Any]) -> dict[str, Any]:
-        """Collate ``features`` (a list of examples) into a DP-safe batch dict."""
-        import torch
-
+    def _aligned(self, features: list[Any]) -> dict[str, Any]:
+        """The collated batch, labels under their name, padded to ``pad_to``, right-aligned."""
         batch = self._collate(features)
         for alias in ("label", "label_ids"):
             if alias in batch and "labels" not in batch:
@@ -242,14 +240,26 @@ class DPDataCollator:
             )
         if self.pad_to is not None:
             batch = self._padded(batch, self.pad_to)
-        batch = right_aligned(batch)
-        mask = batch.pop("attention_mask", None)
+        return right_aligned(batch)
+
+    def __call__(self, features: list[Any]) -> dict[str, Any]:
+        """Collate ``features`` (a list of examples) into a DP-safe batch dict."""
+        import torch
+
+        batch = self._aligned(features)
+        mask = batch.get("attention_mask")
+        mask = mask if isinstance(mask, torch.Tensor) else None
         check_rows(  # one row per record, its own tokens (a classifier's padding its pad id)
             torch.as_tensor(batch["input_ids"]),
-            mask if isinstance(mask, torch.Tensor) else None,
+            mask,
             features,
             None if self.causal else self.pad_token_id,
         )
+        if self.base is not None and len(features) > 1:
+            # a user collator: each row must be what it makes of its record alone (tokens and
+            # labels), whatever the records hold (text a tokenizing collator reads, say)
+            check_alone(batch, mask, [self._aligned([f]) for f in features], causal=self.causal)
+        batch.pop("attention_mask", None)
         if self.causal:
             labels = batch.get("labels")
             if labels is None:

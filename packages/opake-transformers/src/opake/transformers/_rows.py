@@ -19,7 +19,7 @@ from opake.core.errors import ConfigurationError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["check_classifier_padding", "check_rows"]
+__all__ = ["check_alone", "check_classifier_padding", "check_rows"]
 
 
 def check_rows(
@@ -81,6 +81,84 @@ def check_rows(
                 "and targets, beyond what per-example clipping bounds. Return one row per "
                 "record, its own tokens then padding"
             )
+
+
+def _row(
+    batch: Mapping[str, Any], mask: torch.Tensor | None, row: int, key: str, per_token: bool
+) -> torch.Tensor | None:
+    """Row ``row`` of ``batch[key]``: its kept positions (all of them without a mask) for a
+    per-token value, the whole row otherwise (a classifier's label); ``None`` if absent."""
+    import torch
+
+    value = batch.get(key)
+    if value is None:
+        return None
+    value = torch.as_tensor(value)
+    if not per_token:
+        return value[row]
+    keep = torch.ones_like(value, dtype=torch.bool) if mask is None else mask.bool()
+    if keep.shape != value.shape:
+        raise ConfigurationError(
+            f"the data collator's {key!r} has shape {tuple(value.shape)}, its attention mask "
+            f"{tuple(keep.shape)}: DP training needs per-token values [records, tokens]"
+        )
+    return value[row][keep[row]]
+
+
+def _same(got: torch.Tensor | None, own: torch.Tensor | None, per_token: bool) -> bool:
+    """Whether a row's value is its record's alone: a prefix of it per token (truncation in
+    the batch), equal otherwise."""
+    import torch
+
+    if got is None or own is None:
+        return got is None and own is None
+    if per_token:
+        return got.numel() <= own.numel() and torch.equal(got, own[: got.numel()])
+    return got.shape == own.shape and torch.equal(got, own)
+
+
+def check_alone(
+    batch: Mapping[str, Any],
+    mask: torch.Tensor | None,
+    alone: Sequence[Mapping[str, Any]],
+    *,
+    causal: bool,
+) -> None:
+    """Refuse a batch from a user collator unless row ``i`` is what the collator makes of
+    record ``i`` alone (``alone[i]``, collated by itself): its kept tokens a prefix of the
+    record's, its labels likewise (per token for a causal LM, the row's label otherwise). This
+    checks records a collator tokenizes itself (no ``input_ids`` to compare with) and labels,
+    which a collator mixing records (streaming the batch's text into its rows) would change.
+
+    >>> import torch
+    >>> alone = [{"input_ids": torch.tensor([[5, 6]])}, {"input_ids": torch.tensor([[7, 8]])}]
+    >>> check_alone({"input_ids": torch.tensor([[5, 6], [7, 8]])}, None, alone, causal=True)
+    >>> check_alone({"input_ids": torch.tensor([[5, 7], [6, 8]])}, None, alone, causal=True)
+    Traceback (most recent call last):
+    ...
+    opake.core.errors.ConfigurationError: the data collator's row 0 is not what it makes of record 0 alone (its input_ids differ): records mixed into shared rows would let one record change the other rows' tokens or targets, beyond what per-example clipping bounds. Return one row per record, from that record only
+    """  # noqa: E501 - the doctest's expected message is one line
+    import torch
+
+    for row, single in enumerate(alone):
+        ids = torch.as_tensor(single.get("input_ids"))
+        own_mask = single.get("attention_mask")
+        own_mask = own_mask if isinstance(own_mask, torch.Tensor) else None
+        if ids.dim() != 2 or int(ids.shape[0]) != 1:
+            raise ConfigurationError(
+                f"the data collator made input_ids of shape {tuple(ids.shape)} from record "
+                f"{row} alone: DP training needs one row per record"
+            )
+        for key, per_token in (("input_ids", True), ("labels", causal)):
+            got = _row(batch, mask, row, key, per_token)
+            own = _row(single, own_mask, 0, key, per_token)
+            if not _same(got, own, per_token):
+                raise ConfigurationError(
+                    f"the data collator's row {row} is not what it makes of record {row} alone "
+                    f"(its {key} differ): records mixed into shared rows would let one record "
+                    "change the other rows' tokens or targets, beyond what per-example clipping "
+                    "bounds. Return one row per record, from that record only"
+                )
 
 
 def check_classifier_padding(model: Any, collator_pad: int) -> int:
