@@ -153,6 +153,21 @@ def test_long_records_are_cut_on_their_own_and_counted():
     assert labels[:, 0].tolist() == [[-100, 2, 3, -100], [-100, -100, 3, 4]]
 
 
+def test_repeated_records_are_noted_in_the_plan(tmp_path, chat_model):
+    # red-team round 11: a record repeated m times moves the sum by up to m·C; ε is per record
+    answers = _topics(30)
+    records = [{"prompt": f"{name}? ", "completion": answer} for name, answer in answers]
+    records += [records[0]] * 4 + [records[1]]
+    data = _jsonl(tmp_path / "dups.jsonl", records)
+    plan = plan_run(_settings(model=str(chat_model), data=str(data), out=tmp_path / "run"))
+    notes = [n for n in plan.notes if "repeat another exactly" in n]
+    assert len(notes) == 1, plan.notes
+    assert "group of k" in notes[0]
+    clean = _jsonl(tmp_path / "clean.jsonl", records[:30])
+    plan = plan_run(_settings(model=str(chat_model), data=str(clean), out=tmp_path / "run2"))
+    assert not [n for n in plan.notes if "repeat another exactly" in n]
+
+
 def test_a_model_without_a_chat_template_is_refused_for_conversations(
     chat_records, tmp_path, capsys
 ):

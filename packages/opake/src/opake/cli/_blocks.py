@@ -90,7 +90,11 @@ def load_blocks(
         check_model_fits(
             model_source, model_is_dir, block_size=settings.block_size, vocab_size=vocab
         )
-        return _records(settings, kind, tokenizer, encode=encode, eos=eos, vocab=vocab)
+        data = _records(settings, kind, tokenizer, encode=encode, eos=eos, vocab=vocab)
+        note = duplicates_note(data.train, data.train_labels)
+        if note is not None:
+            notes.append(note)
+        return data
     corpus = load_corpus(
         settings.data, text_field=settings.text_field, unit_field=settings.privacy_unit
     )
@@ -112,6 +116,34 @@ def load_blocks(
     if settings.max_val_blocks is not None:
         val = val[: settings.max_val_blocks]
     return Data(corpus, tokenizer, train, val, vocab)
+
+
+def duplicates_note(train: torch.Tensor, labels: torch.Tensor | None) -> str | None:
+    """A note when training records repeat exactly (tokens and targets): ε is per record, so
+    a person whose record appears k times is protected as a group of k.
+
+    >>> import torch
+    >>> print(duplicates_note(torch.tensor([[1, 2], [3, 4], [1, 2], [1, 2]]), None))
+    2 training record(s) repeat another exactly (1 record(s) appear up to 3 times): ε protects each record, so a person whose record appears k times is protected as a group of k (about k·ε by group privacy); remove the copies if they are one person's
+    >>> duplicates_note(torch.tensor([[1, 2], [3, 4]]), None) is None
+    True
+    """  # noqa: E501 - the doctest's expected message is one line
+    import torch
+
+    rows = train.reshape(train.shape[0], -1)
+    if labels is not None:
+        rows = torch.cat([rows, labels.reshape(labels.shape[0], -1)], dim=1)
+    _, counts = torch.unique(rows, dim=0, return_counts=True)
+    repeated = counts[counts > 1]
+    if not repeated.numel():
+        return None
+    extra = int((repeated - 1).sum())
+    return (
+        f"{extra} training record(s) repeat another exactly ({repeated.numel()} record(s) appear "
+        f"up to {int(repeated.max())} times): ε protects each record, so a "
+        "person whose record appears k times is protected as a group of k (about k·ε by group "
+        "privacy); remove the copies if they are one person's"
+    )
 
 
 def data_kind(settings: TrainSettings) -> str:
