@@ -15,7 +15,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError
-from opake.dpsgd.training._units import RecordUnits, _batch_leaf, _record_list
+from opake.dpsgd.training._units import StepRecords, _batch_leaf, _record_list
 
 if TYPE_CHECKING:
     import torch
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["ListedRecords"]
 
 
-class ListedRecords:
+class ListedRecords(StepRecords):
     """The records named by a step's plain physical batches (``records=`` without ``units=``).
 
     >>> import torch
@@ -37,9 +37,6 @@ class ListedRecords:
     ...     print("refused")
     refused
     """
-
-    def __init__(self, sampler: Any) -> None:
-        self._records = RecordUnits(sampler, by_unit=False)
 
     def check(
         self,
@@ -76,22 +73,11 @@ class ListedRecords:
         self._records.check_records(listed, step=step)
         return listed
 
-    def check_complete(self, step: int) -> None:
-        """Refuse a step that some drawn example did not reach (before the noise)."""
-        missing = self._records.missing(step)
-        if missing:
-            drawn = len(self._records.drawn_at(step))
-            raise ConfigurationError(
-                f"records=: {missing} of the {drawn} example(s) the sampler drew for this step "
-                "came in no physical batch; a step's batches that pass records= must hold "
-                "every drawn record (rows loaded other than the drawn ones would repeat some "
-                "example in their place); the step was dropped"
-            )
-
-    def commit(self, records: object) -> None:
-        """Record a summed physical batch's real records."""
-        self._records.commit(records)
-
-    def reset(self) -> None:
-        """A new logical step."""
-        self._records.reset()
+    def missing_message(self, missing: int, drawn: int) -> str:
+        """A drawn record that came in no physical batch."""
+        return (
+            f"records=: {missing} of the {drawn} example(s) the sampler drew for this step "
+            "came in no physical batch; a step's batches that pass records= must hold "
+            "every drawn record (rows loaded other than the drawn ones would repeat some "
+            "example in their place); the step was dropped"
+        )

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from opake.dpsgd.training._listed import ListedRecords
 
-__all__ = ["ExampleUnits", "RecordUnits", "StepUnits"]
+__all__ = ["ExampleUnits", "RecordUnits", "StepRecords", "StepUnits"]
 
 #: how a step's physical batches name their rows, as the refusal of a mix says it
 _MODES = {
@@ -346,7 +346,34 @@ class RecordUnits:
         self._drawn = None
 
 
-class ExampleUnits:
+class StepRecords:
+    """The drawn records a step's physical batches named (checked as each batch comes, all of
+    them wanted by :meth:`check_complete`); subclasses say what a missing record means."""
+
+    def __init__(self, sampler: Any) -> None:
+        self._records = RecordUnits(sampler, by_unit=False)
+
+    def missing_message(self, missing: int, drawn: int) -> str:
+        """Why a step some drawn record did not reach is refused."""
+        raise NotImplementedError
+
+    def check_complete(self, step: int) -> None:
+        """Refuse a step that some drawn example did not reach (before the noise)."""
+        missing = self._records.missing(step)
+        if missing:
+            drawn = len(self._records.drawn_at(step))
+            raise ConfigurationError(self.missing_message(missing, drawn))
+
+    def commit(self, records: object) -> None:
+        """Record a summed physical batch's real records."""
+        self._records.commit(records)
+
+    def reset(self) -> None:
+        """A new logical step."""
+        self._records.reset()
+
+
+class ExampleUnits(StepRecords):
     """``units=`` without ``privacy_units``: the sampler drew examples, so each unit must be the
     rows of exactly one drawn example (a DPO pair's chosen and rejected rows), and each drawn
     example's rows exactly one unit — a bijection between the step's units and its drawn
@@ -370,9 +397,6 @@ class ExampleUnits:
     ...     print("refused")
     refused
     """
-
-    def __init__(self, sampler: Any) -> None:
-        self._records = RecordUnits(sampler, by_unit=False)
 
     def check(
         self, units: torch.Tensor, records: object, mask: torch.Tensor | None, *, step: int
@@ -411,22 +435,11 @@ class ExampleUnits:
             )
         return real
 
-    def check_complete(self, step: int) -> None:
-        """Refuse a step that some drawn example did not reach (before the noise)."""
-        missing = self._records.missing(step)
-        if missing:
-            drawn = len(self._records.drawn_at(step))
-            raise ConfigurationError(
-                f"units=: {missing} of the {drawn} example(s) the sampler drew for this step "
-                "reached no unit. Without privacy_units, every drawn example must be one unit "
-                "(its rows named in records=), and every physical batch of a step that uses "
-                "units= must pass units= and records=; the step was dropped"
-            )
-
-    def commit(self, records: object) -> None:
-        """Record a summed physical batch's real records."""
-        self._records.commit(records)
-
-    def reset(self) -> None:
-        """A new logical step."""
-        self._records.reset()
+    def missing_message(self, missing: int, drawn: int) -> str:
+        """A drawn example that reached no unit."""
+        return (
+            f"units=: {missing} of the {drawn} example(s) the sampler drew for this step "
+            "reached no unit. Without privacy_units, every drawn example must be one unit "
+            "(its rows named in records=), and every physical batch of a step that uses "
+            "units= must pass units= and records=; the step was dropped"
+        )
