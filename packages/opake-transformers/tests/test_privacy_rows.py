@@ -202,3 +202,41 @@ def test_padding_of_another_id_is_refused_for_a_classifier() -> None:
     with pytest.raises(ConfigurationError, match="padded with an id"):
         DPDataCollator(pad_token_id=0, causal=False, base=pads_with_one)(features)
     assert DPDataCollator(pad_token_id=1, causal=False, base=pads_with_one)(features)
+
+
+def test_records_with_other_fields_than_the_first_are_refused() -> None:
+    """Red-team round 12: the built-in collator took the batch's fields from its first record:
+    a record without ``labels`` at row 0 dropped every row's labels (their prompt masks), so
+    the other rows trained on their prompts (3.58·C measured)."""
+    masked = {"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}
+    with pytest.raises(ConfigurationError, match="record 1 of the batch has the fields"):
+        DPDataCollator(causal=True)([{"input_ids": [9, 10]}, masked])
+    with pytest.raises(ConfigurationError, match="same fields"):
+        DPDataCollator(causal=True)([masked, {"input_ids": [9, 10], "extra": [1, 2]}])
+    batch = DPDataCollator(causal=True)([masked, {"input_ids": [9, 10], "labels": [9, 10]}])
+    assert batch["labels"].tolist() == [[-100, -100, 7, 8], [9, 10, -100, -100]]
+
+
+def test_a_collator_s_other_inputs_must_be_the_record_s_alone() -> None:
+    """Red-team round 12: only input_ids and labels were compared with the record alone;
+    end-aligned ``position_ids`` (set by the batch's longest record) moved a GPT-2's sum by
+    3.49·C. Every tensor the model gets is compared now."""
+
+    def with_positions(features, end_aligned):
+        rows = [f["input_ids"] for f in features]
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        if end_aligned:  # positions counted back from the batch's longest record
+            positions = torch.stack(
+                [torch.arange(width - len(r), 2 * width - len(r)) for r in rows]
+            )
+        else:
+            positions = torch.arange(width).expand(len(rows), width).clone()
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+
+    records = [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 10]}]
+    with pytest.raises(ConfigurationError, match="its position_ids differ"):
+        DPDataCollator(causal=True, base=lambda f: with_positions(f, True))(records)
+    batch = DPDataCollator(causal=True, base=lambda f: with_positions(f, False))(records)
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]

@@ -214,6 +214,15 @@ class DPDataCollator:
             return _with_mask(dict(batch), features)
         if not all(isinstance(f, Mapping) for f in features):
             raise InputTypeError("DPDataCollator: every example must be a dict (input_ids, ...)")
+        keys = set(features[0])
+        odd = next((i for i, f in enumerate(features) if set(f) != keys), None)
+        if odd is not None:
+            raise ConfigurationError(
+                f"DPDataCollator: record {odd} of the batch has the fields "
+                f"{sorted(features[odd])}, record 0 {sorted(keys)}: every record must have the "
+                "same fields (one record without labels would drop every row's labels, or "
+                "another record's key would be lost); give every record the same fields"
+            )
         batch = {}
         for key in features[0]:
             rows = [f[key] for f in features]

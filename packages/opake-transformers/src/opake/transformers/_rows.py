@@ -83,38 +83,52 @@ def check_rows(
             )
 
 
+def _rows_of(value: torch.Tensor, ids: torch.Tensor, key: str, causal: bool) -> bool:
+    """Whether ``value`` is per token (``[records, tokens, ...]`` like ``ids``): a causal LM's
+    labels are, a classifier's are not, any other key by its shape."""
+    if key == "labels":
+        return causal
+    return value.dim() >= 2 and tuple(value.shape[:2]) == tuple(ids.shape[:2])
+
+
 def _row(
-    batch: Mapping[str, Any], mask: torch.Tensor | None, row: int, key: str, per_token: bool
-) -> torch.Tensor | None:
-    """Row ``row`` of ``batch[key]``: its kept positions (all of them without a mask) for a
-    per-token value, the whole row otherwise (a classifier's label); ``None`` if absent."""
+    batch: Mapping[str, Any], mask: torch.Tensor | None, row: int, key: str, causal: bool
+) -> tuple[torch.Tensor, bool] | None:
+    """Row ``row`` of ``batch[key]`` and whether it is per token (then only its kept
+    positions, all of them without a mask); ``None`` if absent or not a tensor."""
     import torch
 
     value = batch.get(key)
-    if value is None:
+    if not isinstance(value, torch.Tensor):
         return None
-    value = torch.as_tensor(value)
-    if not per_token:
-        return value[row]
-    keep = torch.ones_like(value, dtype=torch.bool) if mask is None else mask.bool()
-    if keep.shape != value.shape:
+    ids = torch.as_tensor(batch["input_ids"])
+    if value.dim() == 0 or int(value.shape[0]) != int(ids.shape[0]):
+        return (value, False)  # not per record: must be the same alone and in the batch
+    if not _rows_of(value, ids, key, causal):
+        return (value[row], False)
+    keep = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
+    if tuple(keep.shape) != tuple(value.shape[:2]):
         raise ConfigurationError(
             f"the data collator's {key!r} has shape {tuple(value.shape)}, its attention mask "
             f"{tuple(keep.shape)}: DP training needs per-token values [records, tokens]"
         )
-    return value[row][keep[row]]
+    return (value[row][keep[row].to(value.device)], True)
 
 
-def _same(got: torch.Tensor | None, own: torch.Tensor | None, per_token: bool) -> bool:
+def _same(got: tuple[torch.Tensor, bool] | None, own: tuple[torch.Tensor, bool] | None) -> bool:
     """Whether a row's value is its record's alone: a prefix of it per token (truncation in
     the batch), equal otherwise."""
     import torch
 
     if got is None or own is None:
         return got is None and own is None
-    if per_token:
-        return got.numel() <= own.numel() and torch.equal(got, own[: got.numel()])
-    return got.shape == own.shape and torch.equal(got, own)
+    (a, a_tokens), (b, b_tokens) = got, own
+    if a_tokens != b_tokens:
+        return False
+    if a_tokens:
+        n = int(a.shape[0])
+        return n <= int(b.shape[0]) and a.shape[1:] == b.shape[1:] and torch.equal(a, b[:n])
+    return a.shape == b.shape and torch.equal(a, b)
 
 
 def check_alone(
@@ -125,10 +139,11 @@ def check_alone(
     causal: bool,
 ) -> None:
     """Refuse a batch from a user collator unless row ``i`` is what the collator makes of
-    record ``i`` alone (``alone[i]``, collated by itself): its kept tokens a prefix of the
-    record's, its labels likewise (per token for a causal LM, the row's label otherwise). This
-    checks records a collator tokenizes itself (no ``input_ids`` to compare with) and labels,
-    which a collator mixing records (streaming the batch's text into its rows) would change.
+    record ``i`` alone (``alone[i]``, collated by itself), for every tensor the model gets:
+    per-token values (``input_ids``, a causal LM's labels, ``position_ids``, ...) a prefix of
+    the record's at the kept positions, per-row values (a classifier's label) equal. This
+    checks records a collator tokenizes itself (no ``input_ids`` to compare with), labels, and
+    inputs such as position ids that a batch's longest record could set.
 
     >>> import torch
     >>> alone = [{"input_ids": torch.tensor([[5, 6]])}, {"input_ids": torch.tensor([[7, 8]])}]
@@ -149,10 +164,12 @@ def check_alone(
                 f"the data collator made input_ids of shape {tuple(ids.shape)} from record "
                 f"{row} alone: DP training needs one row per record"
             )
-        for key, per_token in (("input_ids", True), ("labels", causal)):
-            got = _row(batch, mask, row, key, per_token)
-            own = _row(single, own_mask, 0, key, per_token)
-            if not _same(got, own, per_token):
+        others = {str(k) for k in (*batch, *single)} - {"input_ids", "attention_mask"}
+        keys = ["input_ids", *sorted(others)]
+        for key in keys:
+            got = _row(batch, mask, row, key, causal)
+            own = _row(single, own_mask, 0, key, causal)
+            if not _same(got, own):
                 raise ConfigurationError(
                     f"the data collator's row {row} is not what it makes of record {row} alone "
                     f"(its {key} differ): records mixed into shared rows would let one record "
