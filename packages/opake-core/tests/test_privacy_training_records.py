@@ -172,3 +172,22 @@ def test_an_accepted_step_summed_every_drawn_example_once(rows: list[int], cut: 
     assert sorted(rows) == list(range(N))
     # the oracle's bound: each example once, clipped to C, so the sensitivity is C
     assert math.isclose(training.steps, 1)
+
+
+def test_a_loop_going_on_after_a_dropped_step_is_not_refused_for_ever() -> None:
+    """After a dropped step the loop may take the next batch ``batches()`` hands out: the
+    step's draw is then that batch (each a fresh draw no released step used). Before, every
+    later step was checked against the dropped step's batch and refused."""
+    x, y = _data(50)
+    training = _training(50, 0.2)
+    outcomes = []
+    for k, indices in zip(range(5), training.batches(), strict=False):
+        rows = torch.tensor(indices)
+        kept = rows[:-1] if k == 1 else rows  # step 1 leaves a drawn record out: dropped
+        try:
+            training.step(x[kept], y[kept], records=kept)
+            outcomes.append("released")
+        except ConfigurationError:
+            outcomes.append("dropped")
+    assert outcomes == ["released", "dropped", "released", "released", "released"]
+    assert training.steps == training.accountant.steps == 4

@@ -12,6 +12,7 @@ its drawn records correspond one to one (a unit is the rows of one drawn example
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
@@ -286,20 +287,37 @@ class RecordUnits:
         self._seen: set[int] = set()
         self._drawn: tuple[int, frozenset[int]] | None = None  # (step, its drawn records)
 
-    def drawn_at(self, step: int) -> frozenset[int]:
-        """The records the sampler drew for ``step`` (padding slots are none), computed once
-        per logical step (every physical batch of the step checks against it)."""
+    def drawn_at(self, step: int, listed: Sequence[int] = ()) -> frozenset[int]:
+        """The records the sampler drew for ``step`` (padding slots are none), fixed by the
+        step's first physical batch (``listed``, its records) and kept for the step.
+
+        In a plain loop that is the batch of ``step`` itself. After a dropped step the loop may
+        go on with the next batch ``batches()`` hands out (or hold a few drawn ahead): the
+        step's draw is then the newest batch handed out since ``step`` (at most
+        :data:`~opake.dpsgd.training._drawn._RECENT` of them) that holds every listed record;
+        each is a fresh draw none of the released steps used."""
         from opake.dpsgd.sampling import PADDING_INDEX
+        from opake.dpsgd.training._drawn import _RECENT
 
         if self._drawn is None or self._drawn[0] != step:
-            drawn = frozenset(self._sampler.batch_at(step)) - {PADDING_INDEX}
+
+            def batch(at: int) -> frozenset[int]:
+                return frozenset(self._sampler.batch_at(at)) - {PADDING_INDEX}
+
+            last = max(int(getattr(self._sampler, "position", step + 1)), step + 1)
+            wanted = set(listed)
+            newest_first = range(last - 1, max(step, last - _RECENT) - 1, -1)
+            held = (b for b in map(batch, newest_first) if wanted and wanted <= b)
+            drawn = next(held, None)
+            if drawn is None:  # no handed-out batch holds them: checked against the step's own
+                drawn = batch(step)
             self._drawn = (step, drawn)
         return self._drawn[1]
 
     def check_records(self, listed: list[int], *, step: int) -> None:
         """Refuse records the sampler did not draw for ``step``, or that an earlier physical
         batch of the step already held."""
-        foreign = sorted(set(listed) - self.drawn_at(step))
+        foreign = sorted(set(listed) - self.drawn_at(step, listed))
         if foreign:
             why = (
                 "with privacy_units, every row must come from training.batches() (ε per unit "
