@@ -239,7 +239,7 @@ def test_dp_optimizer_refuses_a_unit_sampler():
 def test_a_record_may_span_rows_of_one_batch_but_not_two_batches():
     """A DPO pair's two rows name one record: accepted within one physical batch (they are in
     the record's unit, clipped together); the record again in a later physical batch of the
-    step is refused."""
+    step is refused, and the step dropped (nothing noised or accounted)."""
     x, y = T.data(N)
     _, training = _training(expected_batch_size=6.0)
     idx = next(training.batches())
@@ -247,6 +247,9 @@ def test_a_record_may_span_rows_of_one_batch_but_not_two_batches():
     training.accumulate(x[rows], y[rows], records=rows)
     with pytest.raises(ConfigurationError, match="earlier physical batch"):
         training.accumulate(x[idx[:1]], y[idx[:1]], records=idx[:1])
+    assert training.pending_batches == 0
+    assert training.accountant.steps == 0
+    training.accumulate(x[rows], y[rows], records=rows)  # the step again, as drawn
     training.finish_step()
     assert training.steps == 1
 

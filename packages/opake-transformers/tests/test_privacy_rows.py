@@ -181,7 +181,7 @@ def test_a_tokenizing_collator_mixing_records_into_rows_is_refused() -> None:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
     texts = [{"text": "the cat sat"}, {"text": "a dog ran far away"}, {"text": "home now"}]
-    with pytest.raises(ConfigurationError, match="row 2 is not what it makes of record 2 alone"):
+    with pytest.raises(ConfigurationError, match="row 1 is not what it makes of record 1 alone"):
         DPDataCollator(causal=True, base=streaming)(texts)
     with pytest.raises(ConfigurationError, match=r"its labels differ"):
         DPDataCollator(causal=True, base=lambda f: padding(f, shift_labels=True))(texts)
@@ -240,3 +240,31 @@ def test_a_collator_s_other_inputs_must_be_the_record_s_alone() -> None:
         DPDataCollator(causal=True, base=lambda f: with_positions(f, True))(records)
     batch = DPDataCollator(causal=True, base=lambda f: with_positions(f, False))(records)
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+def test_rows_cut_to_another_record_s_length_or_numpy_labels_are_refused() -> None:
+    """Red-team round 13: a row was accepted when its kept tokens were a prefix of its record's
+    alone, so a collator cutting every row to the batch's shortest record passed (3.51·C with
+    8 other records, 6.90·C with 32); labels returned as numpy arrays were never compared."""
+
+    def shortest(features):
+        width = min(len(f["input_ids"]) for f in features)
+        ids = torch.tensor([f["input_ids"][:width] for f in features])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def numpy_labels(features):
+        rows = [f["input_ids"] for f in features]
+        width, short = max(map(len, rows)), min(map(len, rows))
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        mask = (ids != 0).long()
+        labels = ids.numpy().copy()
+        labels[:, short:] = -100  # every row's targets cut at the batch's shortest record
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    records = [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 10]}]
+    with pytest.raises(ConfigurationError, match="its input_ids differ"):
+        DPDataCollator(causal=True, base=shortest)(records)
+    with pytest.raises(ConfigurationError, match="its labels differ"):
+        DPDataCollator(causal=True, base=numpy_labels)(records)
+    alone = [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 10, 11, 12]}]
+    assert DPDataCollator(causal=True, base=shortest)(alone)["input_ids"].shape == (2, 4)

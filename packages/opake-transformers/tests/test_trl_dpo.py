@@ -246,3 +246,31 @@ def _with_dropout():
         if hasattr(module, "attention_dropout"):
             module.attention_dropout = 0.1
     return model
+
+
+def test_a_preference_collator_of_ones_own_is_refused(tmp_path):
+    """Red-team round 13: a user collator wrapping TRL's and cutting rows to the batch's
+    shortest pair was not checked pair by pair (2.21·C measured); only TRL's own is taken."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from opake.transformers.trl import DPDPOTrainer
+
+    tok = T.tokenizer()
+    trl_collator = DataCollatorForPreference(pad_token_id=tok.pad_token_id)
+
+    def cutting(features):
+        return trl_collator(features)
+
+    for collator, refused in ((cutting, True), (trl_collator, False)):
+        build = lambda c=collator: DPDPOTrainer(  # noqa: E731
+            model=T.model(),
+            args=T.dpo_config(tmp_path),
+            train_dataset=T.preferences(),
+            processing_class=tok,
+            data_collator=c,
+        )
+        if refused:
+            with pytest.raises(ConfigurationError, match="preference collator of your own"):
+                build()
+        else:
+            assert build().data_collator is trl_collator

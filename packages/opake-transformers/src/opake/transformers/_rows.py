@@ -99,8 +99,13 @@ def _row(
     import torch
 
     value = batch.get(key)
-    if not isinstance(value, torch.Tensor):
+    if value is None:
         return None
+    if not isinstance(value, torch.Tensor):
+        try:  # numpy arrays, nested lists of numbers: what the model or the loss would read
+            value = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError):
+            return None  # strings and the like: no numbers for the model to train on
     ids = torch.as_tensor(batch["input_ids"])
     if value.dim() == 0 or int(value.shape[0]) != int(ids.shape[0]):
         return (value, False)  # not per record: must be the same alone and in the batch
@@ -116,19 +121,14 @@ def _row(
 
 
 def _same(got: tuple[torch.Tensor, bool] | None, own: tuple[torch.Tensor, bool] | None) -> bool:
-    """Whether a row's value is its record's alone: a prefix of it per token (truncation in
-    the batch), equal otherwise."""
+    """Whether a row's value is its record's alone: per token, the same kept values (as many:
+    a row cut to another record's length is not its record's), equal otherwise."""
     import torch
 
     if got is None or own is None:
         return got is None and own is None
     (a, a_tokens), (b, b_tokens) = got, own
-    if a_tokens != b_tokens:
-        return False
-    if a_tokens:
-        n = int(a.shape[0])
-        return n <= int(b.shape[0]) and a.shape[1:] == b.shape[1:] and torch.equal(a, b[:n])
-    return a.shape == b.shape and torch.equal(a, b)
+    return a_tokens == b_tokens and a.shape == b.shape and torch.equal(a, b)
 
 
 def check_alone(
@@ -140,8 +140,10 @@ def check_alone(
 ) -> None:
     """Refuse a batch from a user collator unless row ``i`` is what the collator makes of
     record ``i`` alone (``alone[i]``, collated by itself), for every tensor the model gets:
-    per-token values (``input_ids``, a causal LM's labels, ``position_ids``, ...) a prefix of
-    the record's at the kept positions, per-row values (a classifier's label) equal. This
+    per-token values (``input_ids``, a causal LM's labels, ``position_ids``, ...) the record's
+    at the kept positions, as many of them (a row cut to the batch's shortest record is
+    not its record's), per-row values (a classifier's label) equal; array-likes (numpy,
+    nested lists) compared as tensors. This
     checks records a collator tokenizes itself (no ``input_ids`` to compare with), labels, and
     inputs such as position ids that a batch's longest record could set.
 

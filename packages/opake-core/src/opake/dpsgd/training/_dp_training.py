@@ -290,15 +290,19 @@ class DPTraining(TrainingState):
                 f"accumulate() got {len(batch)} batched argument(s); this training was built "
                 f"with batch_args={self._batch_args}"
             )
-        units, rows = self._units.check(
-            units,
-            records,
-            batch,
-            example_mask,
-            step=self.steps,
-            world_size=self.world_size,
-            sampler=self._sampler,
-        )
+        try:
+            units, rows = self._units.check(
+                units,
+                records,
+                batch,
+                example_mask,
+                step=self.steps,
+                world_size=self.world_size,
+                sampler=self._sampler,
+            )
+        except BaseException:
+            self.zero_grad()  # a refused physical batch drops its step, as the docs say
+            raise
         if self._step_state is None:  # a new logical step
             self._check_budget()  # refuse before touching the data of a step we may not take
             # the clip state as the step found it: a dropped step (zero_grad) restores it, so

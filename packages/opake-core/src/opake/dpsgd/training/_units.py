@@ -149,7 +149,7 @@ class StepUnits:
                 f"accumulate() with {_MODES[mode]} in a logical step whose earlier physical "
                 f"batch came with {_MODES[self._mode]}: a step's batches all pass units= and "
                 "records=, all records= alone, or none does (a drawn example's rows summed two "
-                "ways could be clipped twice). Call zero_grad() to drop the step"
+                "ways could be clipped twice); the step was dropped"
             )
         if mode == "plain":
             return None, (None, None)
@@ -217,8 +217,7 @@ class StepUnits:
             raise ConfigurationError(
                 f"accumulate(units=...): unit(s) {again[:10]} already reached this logical step "
                 "in an earlier physical batch; a unit's rows must be in one physical batch "
-                "(each part would be clipped to C on its own). Put each unit in one batch, or "
-                "call zero_grad() to drop the step"
+                "(each part would be clipped to C on its own); the step was dropped"
             )
         return ids
 
@@ -291,11 +290,12 @@ class RecordUnits:
         """The records the sampler drew for ``step`` (padding slots are none), fixed by the
         step's first physical batch (``listed``, its records) and kept for the step.
 
-        In a plain loop that is the batch of ``step`` itself. After a dropped step the loop may
-        go on with the next batch ``batches()`` hands out (or hold a few drawn ahead): the
-        step's draw is then the newest batch handed out since ``step`` (at most
-        :data:`~opake.dpsgd.training._drawn._RECENT` of them) that holds every listed record;
-        each is a fresh draw none of the released steps used."""
+        In a plain or prefetching loop that is the batch of ``step`` itself. After a dropped
+        step the loop may go on with the next batch ``batches()`` hands out: the step's draw is
+        then, among the batches handed out since ``step`` (at most
+        :data:`~opake.dpsgd.training._drawn._RECENT`), the one the listed records are (a whole
+        step in one physical batch), else the step's own or the newest that holds them all;
+        each is a fresh draw no released step used."""
         from opake.dpsgd.sampling import PADDING_INDEX
         from opake.dpsgd.training._drawn import _RECENT
 
@@ -305,12 +305,15 @@ class RecordUnits:
                 return frozenset(self._sampler.batch_at(at)) - {PADDING_INDEX}
 
             last = max(int(getattr(self._sampler, "position", step + 1)), step + 1)
-            wanted = set(listed)
-            newest_first = range(last - 1, max(step, last - _RECENT) - 1, -1)
-            held = (b for b in map(batch, newest_first) if wanted and wanted <= b)
-            drawn = next(held, None)
-            if drawn is None:  # no handed-out batch holds them: checked against the step's own
-                drawn = batch(step)
+            wanted = frozenset(listed)
+            # the step's own batch first (a plain or prefetching loop), then the newest
+            own, *others = [step, *range(last - 1, max(step, last - _RECENT) - 1, -1)]
+            candidates = [batch(own), *(batch(s) for s in others if s != own)]
+            exact = (b for b in candidates if b == wanted)  # the whole draw in one batch
+            holding = (b for b in candidates if wanted and wanted <= b)
+            drawn = next(exact, None)  # an empty draw is a match too (falsy: no `or`)
+            if drawn is None:
+                drawn = next(holding, candidates[0])
             self._drawn = (step, drawn)
         return self._drawn[1]
 

@@ -53,6 +53,22 @@ _MASK_KEY = "opake_attention_mask"
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
+def _check_collator(collator: object) -> None:
+    """Refuse a preference collator other than TRL's own: a pair's rows are not checked
+    against the pair collated alone (a collator cutting rows to the batch's shortest pair
+    moved the sum by 2.21·C)."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    if collator is None or type(collator) is DataCollatorForPreference:
+        return
+    raise ConfigurationError(
+        f"DPDPOTrainer(data_collator={type(collator).__name__}): a preference collator of "
+        "your own is not checked pair by pair (one pair could set the other rows' lengths or "
+        "targets, beyond what per-example clipping bounds); leave data_collator out (TRL's "
+        "DataCollatorForPreference, with the processing class's pad id) or pass one"
+    )
+
+
 class PreferenceRows:
     """TRL's preference collator made DP-safe: ``labels`` -100 on the prompt and padding (from
     its ``completion_mask``), the 2-D attention mask replaced by what both engines accept
@@ -132,6 +148,7 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
                 "DPDPOTrainer's per-example loss is the DPO loss of each pair; for another "
                 "loss use opake.transformers.DPTrainer(per_example_loss=...)"
             )
+        _check_collator(kwargs.get("data_collator"))
         config = kwargs.get("args")
         model = kwargs.get("model")
         if isinstance(config, DPDPOConfig):
