@@ -73,11 +73,9 @@ class ListedRecords(StepRecords):
         self._records.check_records(listed, step=step)
         return listed
 
-    def missing_message(self, missing: int, drawn: int) -> str:
-        """A drawn record that came in no physical batch."""
-        return (
-            f"records=: {missing} of the {drawn} example(s) the sampler drew for this step "
-            "came in no physical batch; a step's batches that pass records= must hold "
-            "every drawn record (rows loaded other than the drawn ones would repeat some "
-            "example in their place); the step was dropped"
-        )
+    MISSING = (
+        "records=: {missing} of the {drawn} example(s) the sampler drew for this step came in "
+        "no physical batch; a step's batches that pass records= must hold every drawn record "
+        "(rows loaded other than the drawn ones would repeat some example in their place); "
+        "the step was dropped"
+    )

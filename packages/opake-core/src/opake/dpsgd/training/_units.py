@@ -374,9 +374,12 @@ class StepRecords:
     def __init__(self, sampler: Any) -> None:
         self._records = RecordUnits(sampler, by_unit=False)
 
+    #: why a step some drawn record did not reach is refused (``{missing}``, ``{drawn}``)
+    MISSING = "{missing} of the {drawn} example(s) the sampler drew for this step never came"
+
     def missing_message(self, missing: int, drawn: int) -> str:
         """Why a step some drawn record did not reach is refused."""
-        raise NotImplementedError
+        return self.MISSING.format(missing=missing, drawn=drawn)
 
     def check_complete(self, step: int) -> None:
         """Refuse a step that some drawn example did not reach (before the noise)."""
@@ -456,11 +459,9 @@ class ExampleUnits(StepRecords):
             )
         return real
 
-    def missing_message(self, missing: int, drawn: int) -> str:
-        """A drawn example that reached no unit."""
-        return (
-            f"units=: {missing} of the {drawn} example(s) the sampler drew for this step "
-            "reached no unit. Without privacy_units, every drawn example must be one unit "
-            "(its rows named in records=), and every physical batch of a step that uses "
-            "units= must pass units= and records=; the step was dropped"
-        )
+    MISSING = (
+        "units=: {missing} of the {drawn} example(s) the sampler drew for this step reached no "
+        "unit. Without privacy_units, every drawn example must be one unit (its rows named in "
+        "records=), and every physical batch of a step that uses units= must pass units= and "
+        "records=; the step was dropped"
+    )
