@@ -43,13 +43,10 @@ def data_fingerprint(plan: RunPlan) -> str:
     return digest.hexdigest()
 
 
-def check_resumed_data(saved: object, plan: RunPlan) -> None:
-    """Refuse resuming on other training data than the checkpoint's ``saved`` fingerprint (a
-    checkpoint of an earlier version carries none: accepted)."""
-    if saved is None:
-        return
-    now = data_fingerprint(plan)
-    if saved == now:
+def check_resumed_data(saved: object, now: str) -> None:
+    """Refuse resuming on other training data (fingerprint ``now``) than the checkpoint's
+    ``saved`` one (a checkpoint of an earlier version carries none: accepted)."""
+    if saved is None or saved == now:
         return
     raise ConfigurationError(
         f"--resume: the training data differ from the saved run's (SHA-256 {str(saved)[:12]}… "

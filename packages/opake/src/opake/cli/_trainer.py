@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +96,11 @@ class _Run:
     created_out: bool = False
     initial_val: float | None = None
 
+    @cached_property
+    def data_sha256(self) -> str:
+        """The training data's fingerprint (once per run; every checkpoint carries it)."""
+        return data_fingerprint(self.plan)
+
     @property
     def checkpoint(self) -> Path:
         return self.plan.out / CHECKPOINT_FILE
@@ -117,7 +122,7 @@ class _Run:
             model=None if self.plan.settings.shard else self.trainable,
             extra={
                 "settings": self.plan.settings.to_dict(),
-                "data_sha256": data_fingerprint(self.plan),
+                "data_sha256": self.data_sha256,
                 "metrics": self.rows,
                 "initial_val_loss": self.initial_val,
             },
@@ -273,7 +278,7 @@ def _start(r: _Run) -> None:
         # a checkpoint written before DPTraining (the same parts) loads too
         extra = r.training.load(r.checkpoint, model=None if s.shard else r.trainable)
         _check_resumed_settings(extra.get("settings", {}), s)
-        check_resumed_data(extra.get("data_sha256"), r.plan)
+        check_resumed_data(extra.get("data_sha256"), r.data_sha256)
         r.start_step = r.training.steps
         r.rows = [dict(row) for row in extra.get("metrics", [])]
         r.initial_val = extra.get("initial_val_loss")

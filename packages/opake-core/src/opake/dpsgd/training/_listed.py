@@ -15,7 +15,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError
-from opake.dpsgd.training._units import StepRecords, _batch_leaf, _record_list
+from opake.dpsgd.training._units import StepRecords, _batch_leaf, _kept_rows, _record_list
 
 if TYPE_CHECKING:
     import torch
@@ -58,10 +58,8 @@ class ListedRecords(StepRecords):
         leaf = _batch_leaf(batch)
         rows = None if leaf is None else int(leaf.shape[0])
         listed = _record_list(records, rows)
-        if mask is not None:
-            keep = mask.detach().cpu().reshape(-1).tolist()
-            if len(keep) == len(listed):  # a mask of another shape: clipped_sum refuses it
-                listed = [r for r, kept in zip(listed, keep, strict=True) if kept]
+        keep = _kept_rows(mask, len(listed))
+        listed = [r for r, kept in zip(listed, keep, strict=True) if kept]
         twice = sorted(r for r, n in Counter(listed).items() if n > 1)
         if twice:
             raise ConfigurationError(

@@ -70,6 +70,13 @@ def _record_list(records: object, rows: int | None) -> list[int]:
     return listed
 
 
+def _kept_rows(mask: torch.Tensor | None, rows: int) -> list[bool]:
+    """Which of ``rows`` rows are real (``example_mask`` True; all of them without a mask, or
+    with a mask of another shape, which ``clipped_sum`` refuses)."""
+    keep = [True] * rows if mask is None else mask.detach().cpu().reshape(-1).tolist()
+    return keep if len(keep) == rows else [True] * rows
+
+
 class StepUnits:
     """The units of the logical step in progress (each in one physical batch only).
 
@@ -305,15 +312,13 @@ class RecordUnits:
                 return frozenset(self._sampler.batch_at(at)) - {PADDING_INDEX}
 
             last = max(int(getattr(self._sampler, "position", step + 1)), step + 1)
-            wanted = frozenset(listed)
+            newest = range(last - 1, max(step, last - _RECENT) - 1, -1)
             # the step's own batch first (a plain or prefetching loop), then the newest
-            own, *others = [step, *range(last - 1, max(step, last - _RECENT) - 1, -1)]
-            candidates = [batch(own), *(batch(s) for s in others if s != own)]
-            exact = (b for b in candidates if b == wanted)  # the whole draw in one batch
-            holding = (b for b in candidates if wanted and wanted <= b)
-            drawn = next(exact, None)  # an empty draw is a match too (falsy: no `or`)
-            if drawn is None:
-                drawn = next(holding, candidates[0])
+            candidates = [batch(s) for s in (step, *(s for s in newest if s != step))]
+            wanted = frozenset(listed)
+            exact = [b for b in candidates if b == wanted]  # the whole draw in one batch
+            holding = [b for b in candidates if wanted <= b] if wanted else []
+            drawn = (exact or holding or candidates)[0]
             self._drawn = (step, drawn)
         return self._drawn[1]
 
@@ -377,16 +382,12 @@ class StepRecords:
     #: why a step some drawn record did not reach is refused (``{missing}``, ``{drawn}``)
     MISSING = "{missing} of the {drawn} example(s) the sampler drew for this step never came"
 
-    def missing_message(self, missing: int, drawn: int) -> str:
-        """Why a step some drawn record did not reach is refused."""
-        return self.MISSING.format(missing=missing, drawn=drawn)
-
     def check_complete(self, step: int) -> None:
         """Refuse a step that some drawn example did not reach (before the noise)."""
         missing = self._records.missing(step)
         if missing:
             drawn = len(self._records.drawn_at(step))
-            raise ConfigurationError(self.missing_message(missing, drawn))
+            raise ConfigurationError(self.MISSING.format(missing=missing, drawn=drawn))
 
     def commit(self, records: object) -> None:
         """Record a summed physical batch's real records."""
@@ -429,9 +430,7 @@ class ExampleUnits(StepRecords):
         that they pair one to one with the rows' units (``units``: int ``[B]``, checked)."""
         rows = int(units.shape[0])
         listed = _record_list(records, rows)
-        keep = [True] * rows if mask is None else mask.detach().cpu().reshape(-1).tolist()
-        if len(keep) != rows:  # a mask of another shape: clipped_sum refuses it
-            keep = [True] * rows
+        keep = _kept_rows(mask, rows)
         by_unit: dict[int, set[int]] = {}
         by_record: dict[int, set[int]] = {}
         for unit, record, kept in zip(units.detach().cpu().tolist(), listed, keep, strict=True):
