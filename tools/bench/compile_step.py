@@ -76,6 +76,7 @@ def _private(model: Any, ids: Any, method: str, args: argparse.Namespace, work: 
     import torch
 
     from opake.dpsgd.bookkeeping import BatchedLoss, causal_lm_losses
+    from opake.dpsgd.sampling import padding_mask
     from opake.dpsgd.training import DPTraining
     from opake.functional import make_functional
 
@@ -89,13 +90,20 @@ def _private(model: Any, ids: Any, method: str, args: argparse.Namespace, work: 
 
     loss = BatchedLoss(batched, fmodel) if method == "opake-bk" else one
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    # fixed-shape sampling with B_max = the batch: every step computes ``work.batch`` rows, as
+    # the non-private step does (padding slots masked); half as many drawn on average, so a
+    # truncation practically never happens
+    pool = torch.randint(0, int(ids.max()) + 1, (100 * work.batch, ids.shape[1]))
+    pool = pool.to(ids.device)
     training = DPTraining(
         loss,
         opt,
         trainable,
         args=(frozen,),
-        dataset_size=100 * work.batch,
-        expected_batch_size=float(work.batch),
+        dataset_size=pool.shape[0],
+        expected_batch_size=work.batch / 2,
+        sampler="fixed",
+        max_batch_size=work.batch,
         noise_multiplier=SIGMA,
         delta=1e-5,
         clipping_norm=CLIP,
@@ -105,8 +113,12 @@ def _private(model: Any, ids: Any, method: str, args: argparse.Namespace, work: 
         accountant="rdp",
     )
 
+    drawn = training.batches()
+
     def step() -> None:
-        training.step(ids)
+        indices = next(drawn)
+        rows = torch.as_tensor(indices, device=pool.device)
+        training.step(pool[rows], example_mask=padding_mask(indices).to(pool.device))
 
     return step
 
