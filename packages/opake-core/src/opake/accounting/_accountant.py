@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from opake.accounting import _pld, _rdp
+from opake.accounting import _floor, _pld, _rdp
 from opake.accounting._phase import Phase, _make_phase
 from opake.accounting._validate import (
     check_delta,
@@ -295,7 +295,9 @@ class PLDAccountant(PrivacyAccountant):
 
     Both worst-case directions of add/remove adjacency are discretised pessimistically on a
     grid of ``value_discretization_interval`` nats and composed by FFT; ε(δ) is the larger of
-    the two. The result is an upper bound on the true ε that tightens as the interval shrinks.
+    the two. The discretisation is pessimistic, so the result bounds the true ε from above up
+    to the FFT's rounding, which is why δ below :meth:`delta_floor` (at least 1e-10) is
+    answered by the RDP bound of the same steps instead (``docs/guide/privacy.md``).
 
     Args:
         value_discretization_interval: grid step Δ of the privacy loss (default 1e-4, as
@@ -375,11 +377,28 @@ class PLDAccountant(PrivacyAccountant):
         self._composed = (groups, plds)
         return plds
 
+    def delta_floor(self) -> float:
+        """The smallest δ answered from the PLD itself; below it ε(δ) is the RDP bound of the
+        same steps, never below the PLD's ε at this floor (:mod:`opake.accounting._floor`:
+        the FFT composition's rounding can exceed a smaller δ)."""
+        if not self._history:
+            return _floor.PLD_DELTA_FLOOR
+        return _floor.delta_floor(max(pld.rounding for pld in self._plds()))
+
     def _poisson_epsilon(self, delta: float) -> float:
-        return max(pld.epsilon_for_delta(delta) for pld in self._plds())
+        floor = self.delta_floor()
+        at = max(delta, floor)
+        eps = max(pld.epsilon_for_delta(at) for pld in self._plds())
+        if delta >= floor:
+            return eps
+        return max(eps, _floor.rdp_epsilon(self._groups(), delta, floor))
 
     def _poisson_delta(self, epsilon: float) -> float:
-        return max(pld.delta_for_epsilon(epsilon) for pld in self._plds())
+        delta = max(pld.delta_for_epsilon(epsilon) for pld in self._plds())
+        floor = self.delta_floor()
+        if delta >= floor:
+            return delta
+        return min(floor, max(delta, _floor.rdp_delta(self._groups(), epsilon)))
 
     def options(self) -> dict[str, Any]:
         return {

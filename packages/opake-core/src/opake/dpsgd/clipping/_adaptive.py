@@ -51,9 +51,10 @@ class AdaptiveClipping(ClipState):
     ``σ_b = expected_batch_size / 20``.
 
     The count noise is the ``unit_noise`` :meth:`end_step` is given, times σ_b: ``DPTraining``
-    and the optimizers' ``logical_step`` pass ``DPOptimizer.count_noise(step)``, drawn from the
-    run's random source (secure unless the run is seeded; with several ranks drawn once and
-    shared). Without it, the OS entropy pool (``random.SystemRandom``). An integer ``seed``
+    and ``DistributedDPOptimizer.logical_step`` pass ``DPOptimizer.count_noise(step)``, drawn
+    from the run's random source (secure unless the run is seeded; with several ranks drawn
+    once and shared). Without it — ``DPOptimizer.logical_step``, or a ``grad_fn`` told
+    ``end_step=True`` — the OS entropy pool (``random.SystemRandom``). An integer ``seed``
     makes it reproducible and **not private** (derived from ``(seed, step)``: whoever knows
     the seed recovers each step's exact count from the clipping norms), so a run with secure
     noise refuses it. ``step`` counts
