@@ -102,3 +102,26 @@ def test_padding_via_labels_is_per_example(tiny_llama, token_batch):
     (_, full_aux), _ = grad_fn(params, token_batch, token_batch, state=state)
     torch.testing.assert_close(aux.loss_values[1:], full_aux.loss_values[1:])
     assert not torch.isclose(aux.loss_values[0], full_aux.loss_values[0])
+
+
+@pytest.mark.parametrize("engine", ["vmap", "auto"])
+def test_batchnorm_in_train_mode_is_refused_with_a_typed_error_and_its_statistics_kept(
+    engine: str,
+) -> None:
+    from opake.core.errors import OperationError
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    fmodel, params = make_functional(net)
+
+    def loss(p, x, y):
+        return (fmodel(p, x[None])[0, 0] - y) ** 2
+
+    before = net[1].running_mean.clone()
+    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, batch_argnums=(1, 2), engine=engine)
+    with pytest.raises(OperationError, match="BatchNorm's running statistics"):
+        grad_fn(params, torch.randn(4, 3), torch.randn(4), state=state)
+    assert torch.equal(net[1].running_mean, before)
+    net.eval()  # what the message says: in eval mode the same loss runs
+    grads, _ = grad_fn(params, torch.randn(4, 3), torch.randn(4), state=state)
+    assert set(grads) == set(params)

@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from opake.core.errors import ConfigurationError
+from opake.core.errors import ConfigurationError, OperationError
 from opake.dpsgd.certify import ETA, FINAL
 from opake.dpsgd.clipping._chunks import ChunkOut
 from opake.dpsgd.clipping._compiled import compiling, precision, sq_norms
@@ -87,6 +87,22 @@ def model_numel(
         for name, p in model.named_parameters()
         if name not in own and id(p) not in seen and p.is_floating_point()
     )
+
+
+def _typed(err: RuntimeError) -> RuntimeError:
+    """``err`` itself, or an :class:`OperationError` saying how to fix what torch refused."""
+    text = str(err)
+    if "in-place operation" in text and "captured Tensor" in text:
+        return OperationError(
+            "the per-example loss updates a tensor it does not own in place (typically "
+            "BatchNorm's running statistics in train mode, or a buffer a layer updates in its "
+            "forward), which torch.func's per-example gradients cannot run; batch statistics "
+            "also mix the examples, so one example's clipped gradient would not bound its "
+            "influence. Put such layers in eval mode (model.eval() keeps dropout off too; "
+            "re-enable it per module), or replace BatchNorm with GroupNorm or LayerNorm. "
+            f"torch said: {text.splitlines()[0]}"
+        )
+    return err
 
 
 def checked_loss(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
@@ -224,7 +240,10 @@ class VmapEngine:
                 self._vmapped = torch.func.vmap(
                     self.per_example_fn(), in_dims=in_dims, randomness=self.randomness
                 )
-            stacked = self._vmapped(*args)  # (grads, loss[, aux]) of every example
+            try:
+                stacked = self._vmapped(*args)  # (grads, loss[, aux]) of every example
+            except RuntimeError as err:
+                raise _typed(err) from err
             out = (stacked[0], stacked[1], stacked[2] if self.has_aux else None)
         grads, loss, aux = out
         if units is not None and not units.identity:
