@@ -243,7 +243,10 @@ class VmapEngine:
             try:
                 stacked = self._vmapped(*args)  # (grads, loss[, aux]) of every example
             except RuntimeError as err:
-                raise _typed(err) from err
+                typed = _typed(err)
+                if typed is err:
+                    raise
+                raise typed from err
             out = (stacked[0], stacked[1], stacked[2] if self.has_aux else None)
         grads, loss, aux = out
         if units is not None and not units.identity:
