@@ -373,3 +373,39 @@ def test_save_refuses_what_cannot_be_loaded_safely(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(TypeError):
         save_checkpoint(target, step=1, modle=make_net())  # type: ignore[call-arg]
+
+
+def test_a_refused_optimizer_state_restores_nothing_else(tmp_path: Path) -> None:
+    """A secure DP optimizer refuses to rewind its noise; the model given with it stays as it
+    was (the optimizer's state is checked before any component is restored)."""
+    from opake.dpsgd.clipping import clipped_grad
+    from opake.dpsgd.optimizer import DPOptimizer
+    from opake.functional import make_functional
+
+    net = torch.nn.Linear(3, 1)
+    fmodel, params = make_functional(net)
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fmodel(p, x[None]).square().sum()
+
+    grad_fn, state = clipped_grad(loss, clipping_norm=1.0)
+    opt = DPOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.1), params, noise_multiplier=1.0,
+        expected_batch_size=4.0,
+    )  # fmt: skip
+    acct = Counter(0)
+
+    def step() -> None:
+        grads, _ = grad_fn(params, torch.randn(4, 3), state=state)
+        opt.accumulate(grads)
+        opt.step()
+
+    step()
+    path = save_checkpoint(tmp_path / "c.pt", step=1, model=net, optimizer=opt, accountant=acct)
+    step()
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    acct.value = 7
+    with pytest.raises(CheckpointError, match="again"):
+        load_checkpoint(path, model=net, optimizer=opt, accountant=acct)
+    assert all(torch.equal(p, before[n]) for n, p in net.named_parameters())
+    assert acct.value == 7

@@ -196,6 +196,13 @@ class PrivacyAccountant(abc.ABC):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace the history with the one in ``state`` (from :meth:`state_dict`)."""
+        history = self.check_state_dict(state)
+        self._history = []
+        for phase in history:
+            self._append(phase)
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> list[Phase]:
+        """The history :meth:`load_state_dict` would restore; raises what it would refuse."""
         if not isinstance(state, Mapping):
             raise InputTypeError(f"state={type(state).__name__}: expected a mapping")
         for key in ("kind", "version", "options", "history"):
@@ -218,10 +225,7 @@ class PrivacyAccountant(abc.ABC):
                 f"accountant state has options {options} but this accountant has "
                 f"{self.options()}; build it with opake.accounting.accountant_from_state_dict"
             )
-        history = [Phase.from_dict(p) for p in state["history"]]
-        self._history = []
-        for phase in history:
-            self._append(phase)
+        return [Phase.from_dict(p) for p in state["history"]]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(steps={self.steps}, phases={len(self._history)})"

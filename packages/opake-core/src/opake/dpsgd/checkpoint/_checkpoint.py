@@ -35,7 +35,13 @@ from opake.dpsgd.checkpoint._file import (
     atomic_write,
 )
 
-__all__ = ["Checkpoint", "checkpoint_step", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "Checkpoint",
+    "checkpoint_step",
+    "load_checkpoint",
+    "prepare_load",
+    "save_checkpoint",
+]
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,35 @@ def load_checkpoint(
     Raises:
         CheckpointError: unreadable, damaged or foreign file; a mismatch with the live objects.
     """
+    return prepare_load(
+        path,
+        model=model,
+        optimizer=optimizer,
+        accountant=accountant,
+        sampler=sampler,
+        clip_state=clip_state,
+        rng=rng,
+        strict=strict,
+        map_location=map_location,
+    )()
+
+
+def prepare_load(
+    path: str | os.PathLike[str],
+    *,
+    model: Any = None,
+    optimizer: Any = None,
+    accountant: Any = None,
+    sampler: Any = None,
+    clip_state: Any = None,
+    rng: bool = True,
+    strict: bool = True,
+    map_location: Any = "cpu",
+) -> Callable[[], Checkpoint]:
+    """:func:`load_checkpoint` in two halves: read and validate everything now (raising what
+    it would), restore when the returned function is called — for a caller with more to
+    restore in between (the sharded loader restores the shards once the DP state is known to
+    fit)."""
     target = Path(path)
     payload = _read(target, map_location)
     components: dict[str, Any] = payload["components"]
@@ -231,12 +266,16 @@ def load_checkpoint(
         clip_state is not None or _self_describing(components["clip_state"])
     ):
         restored_clip = _decode_value(clip_state, components["clip_state"])
-    for apply in appliers:
-        apply()
-    return Checkpoint(
-        path=target,
-        step=payload["step"],
-        clip_state=restored_clip,
-        extra=payload["extra"],
-        components=tuple(components),
-    )
+
+    def finish() -> Checkpoint:
+        for apply in appliers:
+            apply()
+        return Checkpoint(
+            path=target,
+            step=payload["step"],
+            clip_state=restored_clip,
+            extra=payload["extra"],
+            components=tuple(components),
+        )
+
+    return finish

@@ -242,14 +242,25 @@ def _self_describing(saved: Any) -> bool:
 
 
 def _loader(obj: Any, state: Any, name: str) -> Callable[[], None]:
-    def apply() -> None:
+    """What restores ``obj`` from ``state``; an object with ``check_state_dict`` (Opake's DP
+    optimizers and accountants) is checked here, before any component is restored, so a
+    refused state (e.g. one that would rewind a secure noise source) changes nothing."""
+
+    def guarded(call: Callable[[Any], None]) -> None:
         try:
-            obj.load_state_dict(state)
+            call(state)
         except (KeyError, TypeError, ValueError) as err:
             if isinstance(err, ConfigurationError | InputTypeError):
                 raise CheckpointError(f"checkpoint {name} does not fit: {err}") from err
             raise CheckpointError(
                 f"checkpoint {name} does not fit {type(obj).__name__}: {err}"
             ) from err
+
+    check = getattr(obj, "check_state_dict", None)
+    if callable(check):
+        guarded(check)
+
+    def apply() -> None:
+        guarded(obj.load_state_dict)
 
     return apply

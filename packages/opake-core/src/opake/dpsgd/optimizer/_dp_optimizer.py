@@ -450,10 +450,15 @@ class DPOptimizer:
             "noise": noise_state,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (validated first; nothing changes on error)."""
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Raise what :meth:`load_state_dict` would refuse ``state`` for; change nothing."""
         saved = _checked_state(state, list(self._params), self.noise)
         check_sampler_rate(self._sampler_rate, saved.sample_rate, "the checkpoint's sample_rate")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (validated first; nothing changes on error)."""
+        self.check_state_dict(state)
+        saved = _checked_state(state, list(self._params), self.noise)
         self.optimizer.load_state_dict(state["optimizer"])
         if saved.noise is not None:
             self.noise.load_state_dict(saved.noise)

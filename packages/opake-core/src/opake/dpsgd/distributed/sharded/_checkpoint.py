@@ -9,7 +9,9 @@ A checkpoint is a directory:
 - ``dp.pt`` — written last by rank 0 alone, atomically (:func:`~opake.dpsgd.checkpoint.
   save_checkpoint`): the DP state every rank shares — the DP optimizer's step count and noise
   generator, the accountant's history, the clip state, the step — plus each rank's own sampler
-  position and RNG states, and the name of the shard folder written with it. It is the commit
+  position and RNG states, the name of the shard folder written with it and the SHA-256 of
+  each of its files (a load checks them, and that every rank read the same ``dp.pt``, before
+  anything is restored: :mod:`._integrity`). It is the commit
   marker: a directory without it is refused on load, and a save that stops before it leaves
   the previous ``dp.pt`` and the shards it names untouched (that earlier checkpoint is what
   loads; the new folder is removed by the next save that commits). Shard folders no ``dp.pt``
@@ -26,13 +28,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
 from opake.dpsgd.distributed._checkpoint import _check_ready, _local_rng, _set_local_rng
 from opake.dpsgd.distributed._replicas import _gather_rows
+from opake.dpsgd.distributed.sharded._integrity import (
+    agree,
+    check_files,
+    same_file_everywhere,
+    shard_manifest,
+)
 from opake.dpsgd.distributed.sharded._plan import mesh_group
 
 if TYPE_CHECKING:
@@ -56,6 +64,9 @@ class _DPState:
 
     def state_dict(self) -> dict[str, Any]:
         return {**self._opt.state_dict(), "optimizer": SHARDS}
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._opt.check_state_dict({**state, "optimizer": self._opt.optimizer.state_dict()})
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         # the wrapped optimizer was restored from DCP: validate and restore the rest around it
@@ -133,7 +144,8 @@ def save_sharded_checkpoint(
     folder: list[Any] = [f"{SHARDS}-{step}-{secrets.token_hex(4)}"]
     dist.broadcast_object_list(folder, src=dist.get_global_rank(group, 0), group=group)
     dcp_save(_sharded_state(model, optimizer), checkpoint_id=out / folder[0], process_group=group)
-    ranks = {**_rank_states(sampler, rng, group, world_size), "shards": folder[0]}
+    files = shard_manifest(out / folder[0], group, world_size, dist.get_rank(group))
+    ranks = {**_rank_states(sampler, rng, group, world_size), "shards": folder[0], "files": files}
     error: list[Any] = [None]
     if dist.get_rank(group) == 0:
         try:
@@ -202,7 +214,7 @@ def load_sharded_checkpoint(
     )
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    from opake.dpsgd.checkpoint import load_checkpoint
+    from opake.dpsgd.checkpoint._checkpoint import prepare_load
 
     group = mesh_group(model)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -216,19 +228,30 @@ def load_sharded_checkpoint(
             f"{missing}: the checkpoint is incomplete (a save that did not finish) or not on a "
             "filesystem every rank can read"
         )
-    mine, folder = _own_states(source, world_size, rank, sampler, strict)
+    same_file_everywhere(source / DP_FILE, group, world_size)
+    finish: Callable[[], Checkpoint] | None = None
+    problem = None
+    try:  # everything checked before anything is restored, on every rank
+        mine, folder, files = _own_states(source, world_size, rank, sampler, strict)
+        if files is not None:
+            problem = check_files(source / folder, files, world_size, rank)
+        finish = prepare_load(
+            source / DP_FILE,
+            optimizer=_DPState(optimizer),
+            accountant=accountant,
+            clip_state=clip_state,
+            rng=False,
+            strict=strict,
+        )
+    except Exception as exc:  # raised on every rank below
+        problem = f"{type(exc).__name__}: {exc}"
+    agree(problem, group, world_size)
     state = _sharded_state(model, optimizer)
     dcp_load(state, checkpoint_id=source / folder, process_group=group)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer.optimizer, state["optimizer"])
-    ckpt = load_checkpoint(
-        source / DP_FILE,
-        optimizer=_DPState(optimizer),
-        accountant=accountant,
-        clip_state=clip_state,
-        rng=False,
-        strict=strict,
-    )
+    assert finish is not None  # agree() raised otherwise
+    ckpt = finish()
     extra = dict(ckpt.extra)
     extra.pop(RANK_KEY, None)
     if sampler is not None:
@@ -240,9 +263,10 @@ def load_sharded_checkpoint(
 
 def _own_states(
     source: Path, world_size: int, rank: int, sampler: Any, strict: bool
-) -> tuple[dict[str, Any], str]:
-    """This rank's saved sampler and RNG states, checked before anything is restored, and the
-    shard folder written with them."""
+) -> tuple[dict[str, Any], str, dict[str, str] | None]:
+    """This rank's saved sampler and RNG states, checked before anything is restored, the
+    shard folder written with them and its files' digests (``None``: saved before they were
+    recorded)."""
     from opake.dpsgd.checkpoint._file import _read
 
     saved = _read(source / DP_FILE, "cpu")["extra"].get(RANK_KEY)
@@ -274,7 +298,16 @@ def _own_states(
             "load_sharded_checkpoint: the checkpoint holds each rank's sampler position; pass "
             "sampler= (a run resumed at another position re-samples its batches), or strict=False"
         )
-    return mine, folder
+    files = saved.get("files")
+    if files is not None and not (
+        isinstance(files, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+    ):
+        raise ConfigurationError(
+            f"load_sharded_checkpoint: {os.fspath(source / DP_FILE)!r} records its shard files "
+            "in a form this library does not write; the file is damaged or foreign"
+        )
+    return mine, folder, files
 
 
 def _flag(value: bool) -> torch.Tensor:
