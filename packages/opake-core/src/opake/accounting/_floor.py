@@ -5,8 +5,9 @@ The FFTs round: every computed mass carries an absolute error of about 10⁻¹�
 sums up to millions of them. Against an exact oracle (q = 1, where k steps compose into one
 Gaussian mechanism of noise multiplier σ/√k) the computed δ fell short of the true δ by up to
 5·10⁻¹⁴ (σ = 200, 20 000 steps): harmless at δ = 10⁻⁵, but at δ = 10⁻¹⁴ the reported ε was the
-ε of δ = 2.2·10⁻¹⁴, 1.4 % too small. No proven bound of that error is small enough to be
-useful (a worst-case FFT error bound, summed over the window, is of order 10⁻⁹).
+ε of δ = 2.2·10⁻¹⁴, 1.4 % too small. A worst-case bound of that error (the FFT's normwise
+rounding bound, propagated through k-fold powers and summed over the window) comes out of
+order 10⁻⁹ and more: too large to use.
 
 So the PLD's own answer is used only for δ at or above :func:`delta_floor`: the larger of
 :data:`PLD_DELTA_FLOOR` and 100 times the computation's own rounding estimate
