@@ -295,6 +295,16 @@ def test_label_smoothing_is_applied_within_each_example(tmp_path):
             },
             "reentrant",
         ),
+        (
+            {
+                "load_best_model_at_end": True,
+                "eval_strategy": "steps",
+                "save_strategy": "steps",
+                "eval_steps": 1,
+                "save_steps": 1,
+            },
+            "load_best_model_at_end=True.*un-noised evaluation metric",
+        ),
     ],
 )
 def test_features_that_would_break_dp_are_refused(tmp_path, options, match):

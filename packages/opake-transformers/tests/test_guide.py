@@ -49,6 +49,7 @@ def test_the_guide_names_every_refused_setting_and_no_missing_one_as_refused():
         "n_gpu": "DataParallel",
         "group_by_length": "`group_by_length`",
         "include_num_input_tokens_seen": "`include_num_input_tokens_seen`",
+        "load_best_model_at_end": "`load_best_model_at_end`",
     }
     assert set(spelled) == {name for name, _, _ in _REFUSED}
     for name in refused_settings():

@@ -42,6 +42,7 @@ from opake.transformers._hf_checks import make_checks_transform_safe
 from opake.transformers._losses import base_model, detect_task, has_dropout, per_example_losses
 from opake.transformers._microbatch import MicrobatchChoice, longest_example, trainer_microbatch
 from opake.transformers._refusals import SECOND_RUN, check_arguments, check_model
+from opake.transformers._released import ReleaseGuard
 from opake.transformers._rows import check_classifier_padding
 from opake.transformers._sampling import (
     trainer_fixed_slots,
@@ -60,13 +61,7 @@ from opake.transformers._train_loader import (
 )
 
 if TYPE_CHECKING:
-    from transformers import Trainer
-
     from opake.dpsgd.training import DPTraining
-
-    _Base = Trainer
-else:
-    _Base = object
 
 __all__ = ["DP_STATE_FILE", "DPTrainerMixin"]
 
@@ -74,7 +69,7 @@ __all__ = ["DP_STATE_FILE", "DPTrainerMixin"]
 _PLD_OPTIONS = dict(TRAINING_PLD_OPTIONS)
 
 
-class DPTrainerMixin(_Base):
+class DPTrainerMixin(ReleaseGuard):
     """DP-SGD training for a ``transformers.Trainer`` class (see the module docstring).
 
     Put it first in the bases: ``class DPTrainer(DPTrainerMixin, Trainer)``.

@@ -65,6 +65,16 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
             "stays secret); leave it 'no'"
         ),
     ),
+    (
+        "load_best_model_at_end",
+        lambda a: bool(a.load_best_model_at_end),
+        (
+            "it picks the released weights by the un-noised evaluation metric, so the model "
+            "would depend on the evaluation records through no noise; evaluate on public data "
+            "and pick the checkpoint yourself after training (every saved checkpoint is DP, and "
+            "choosing among them with public data is post-processing)"
+        ),
+    ),
     ("deepspeed", lambda a: bool(a.deepspeed), "not supported with per-example clipping"),
     (
         "fsdp",
