@@ -135,3 +135,13 @@ def test_save_model_and_save_state_between_steps_resume_after_a_budget_stop(tmp_
     first.save_state()
     resumed = _resumed_until_loaded(out, noise_multiplier=2.0, target_epsilon=1.5, max_steps=50)
     assert resumed.dp_training.steps == resumed.state.global_step == steps
+
+
+@pytest.mark.parametrize("changed", [{"noise_multiplier": 0.5}, {"per_sample_max_grad_norm": 10.0}])
+def test_resume_refuses_changed_noise_or_clipping(tmp_path, checkpoints, changed):
+    """The checkpoint's σ and C would be used and the ones given dropped without a word."""
+    resumed = _trainer(tmp_path, max_steps=6, **changed)
+    (name,) = changed
+    with pytest.raises(ConfigurationError, match=rf"{name}=.*the run was saved with"):
+        resumed.train(resume_from_checkpoint=str(checkpoints / "checkpoint-2"))
+    assert resumed.dp_training.steps == 0  # refused before anything was restored

@@ -73,9 +73,53 @@ def load_dp_state(dp: DPTraining, checkpoint: str, global_step: int, owner: str)
             f"or from a directory where {owner}.save_model() and save_state() were called "
             f"together between two steps"
         )
+    _check_settings(_settings(dp), _saved_settings(path), where)
     dp.load(path, rng=False, collective=False)
     if dp.steps != saved:  # a file whose components disagree with its own step
         raise ConfigurationError(
             f"{where}: its {DP_STATE_FILE} records step {saved} but restores {dp.steps} DP "
             f"steps: the file was not written by {owner}; resume from a checkpoint it wrote"
+        )
+
+
+def _settings(dp: DPTraining) -> dict[str, float | None]:
+    """σ and a fixed clipping norm C (``None`` for an adaptive one, which moves by design)."""
+    norm = getattr(dp.clip_state, "clipping_norm", None)
+    fixed = type(dp.clip_state).__name__ == "FixedClipping"
+    return {
+        "noise_multiplier": float(dp.noise_multiplier),
+        "per_sample_max_grad_norm": float(norm) if fixed and norm is not None else None,
+    }
+
+
+def _saved_settings(path: Path) -> dict[str, float | None]:
+    """:func:`_settings` of the run that wrote ``path`` (read, nothing restored)."""
+    from opake.dpsgd.checkpoint._file import _read
+
+    components = _read(path, "cpu")["components"]
+    sigma = components.get("optimizer", {}).get("state", {}).get("noise_multiplier")
+    clip = components.get("clip_state", {})
+    fixed = isinstance(clip, dict) and clip.get("type") == "FixedClipping"
+    norm = clip.get("state", {}).get("clipping_norm") if fixed else None
+    return {
+        "noise_multiplier": None if sigma is None else float(sigma),
+        "per_sample_max_grad_norm": None if norm is None else float(norm),
+    }
+
+
+def _check_settings(
+    given: dict[str, float | None], saved: dict[str, float | None], where: str
+) -> None:
+    """Refuse a resume whose DP arguments differ from the run's: the checkpoint's would be used
+    and the ones given silently dropped."""
+    changed = [
+        f"{name}={given[name]!r} (the run was saved with {saved[name]!r})"
+        for name in given
+        if given[name] is not None and saved[name] is not None and given[name] != saved[name]
+    ]
+    if changed:
+        raise ConfigurationError(
+            f"{where}: {', '.join(changed)}; a resumed run keeps the noise and clipping its "
+            "accountant counted. Resume with the run's own arguments, or start a new run "
+            "(its ε adds to this one's if both are released)"
         )
