@@ -255,7 +255,7 @@ def _print_points(
     print()
     print(
         "| d × p | T | ghost CPU ms | materialised CPU ms | mat./ghost (CPU) |"
-        " mat./ghost (wall) | faster | `auto` picks | ghost extra MiB (3BT², measured) |"
+        " mat./ghost (wall) | faster | `auto` picks | ghost extra MiB (2BT², measured) |"
         " materialised extra MiB (Bdp, measured) |"
     )
     print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|")
