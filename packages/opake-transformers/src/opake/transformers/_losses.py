@@ -22,8 +22,9 @@ def base_model(model: Any) -> Any:  # Any: a transformers model, read by attribu
 
 
 def has_dropout(model: Any) -> bool:
-    """Whether ``model`` has an active dropout probability (an ``nn.Dropout`` module or a float
-    ``*dropout*`` attribute that attention layers read): per-example gradients then need
+    """Whether ``model`` has an active random layer: an ``nn.Dropout`` module, or a float
+    ``*dropout*`` attribute that attention layers read, or ``*jitter*`` (a MoE router's
+    multiplicative noise, Mixtral's ``jitter_noise``) above 0: per-example gradients then need
     ``vmap(randomness="different")``, and the book-keeping engine's check cannot run."""
     import torch
 
@@ -31,7 +32,8 @@ def has_dropout(model: Any) -> bool:
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             return True
         for name, value in vars(module).items():
-            if "dropout" in name and isinstance(value, float) and value > 0:
+            random = "dropout" in name or "jitter" in name
+            if random and isinstance(value, float) and value > 0:
                 return True
     return False
 

@@ -145,14 +145,15 @@ class DivergenceWatch:
 
 def config_dropout(spec: str, is_directory: bool) -> dict[str, float]:
     """The dropout probabilities > 0 a model directory's config sets (``*dropout*``, ``*pdrop*``
-    keys); the named configs have none."""
+    keys, and a MoE router's ``*jitter*`` noise, random like dropout); the named configs have
+    none."""
     if not is_directory:
         return {}
     config = _read_config(spec)
     return {
         key: float(value)
         for key, value in sorted(config.items())
-        if ("dropout" in key or "pdrop" in key)
+        if ("dropout" in key or "pdrop" in key or "jitter" in key)
         and isinstance(value, int | float)
         and not isinstance(value, bool)
         and value > 0
@@ -161,7 +162,8 @@ def config_dropout(spec: str, is_directory: bool) -> dict[str, float]:
 
 def disable_dropout(model: Any) -> int:
     """Set every dropout probability of *model* to 0 (``nn.Dropout`` modules and the float
-    ``*dropout*`` attributes attention layers read); returns how many were changed."""
+    ``*dropout*`` attributes attention layers read, and a MoE router's ``*jitter*`` noise);
+    returns how many were changed."""
     import torch
 
     changed = 0
@@ -170,7 +172,8 @@ def disable_dropout(model: Any) -> int:
             module.p = 0.0
             changed += 1
         for name, value in list(vars(module).items()):
-            if "dropout" in name and isinstance(value, float) and value > 0:
+            random = "dropout" in name or "jitter" in name
+            if random and isinstance(value, float) and value > 0:
                 setattr(module, name, 0.0)
                 changed += 1
     return changed

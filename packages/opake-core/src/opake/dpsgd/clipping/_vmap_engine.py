@@ -102,6 +102,14 @@ def _typed(err: RuntimeError) -> RuntimeError:
             "re-enable it per module), or replace BatchNorm with GroupNorm or LayerNorm. "
             f"torch said: {text.splitlines()[0]}"
         )
+    if "random operation" in text and "randomness" in text:
+        return OperationError(
+            "the per-example loss draws random numbers (dropout, a MoE router's jitter, ... in "
+            "train mode) while per-example gradients run with randomness='error'; pass "
+            "randomness='different' (each example its own draw, what DP-SGD with dropout "
+            "means) or put the model in eval mode. "
+            f"torch said: {text.splitlines()[0]}"
+        )
     return err
 
 

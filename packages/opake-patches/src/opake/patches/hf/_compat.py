@@ -143,7 +143,8 @@ def _routed_enable(
 
 def dropout_status(model: Any) -> list[str]:
     """Names of dropout that is active when the model trains (modules with ``p > 0`` and
-    ``*dropout*`` config fields above 0).
+    ``*dropout*`` config fields above 0), and of a MoE router's jitter (``*jitter*`` fields
+    above 0: multiplicative noise drawn while training, random like dropout).
 
     >>> import torch
     >>> dropout_status(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1)))
@@ -160,7 +161,7 @@ def dropout_status(model: Any) -> list[str]:
     if config is not None and hasattr(config, "to_dict"):
         for key, value in sorted(config.to_dict().items()):
             if (
-                "dropout" in key
+                ("dropout" in key or "jitter" in key)
                 and isinstance(value, (int, float))
                 and not isinstance(value, bool)
                 and value > 0
