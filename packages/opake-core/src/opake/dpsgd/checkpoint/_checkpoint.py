@@ -218,27 +218,7 @@ def prepare_load(
         "sampler": sampler,
         "clip_state": clip_state,
     }
-    absent = [name for name, obj in given.items() if obj is not None and name not in components]
-    if absent:
-        raise CheckpointError(
-            f"{str(target)!r} holds no {', '.join(absent)} (it has "
-            f"{', '.join(components) or 'nothing'}); save them with save_checkpoint or do not "
-            "pass them"
-        )
-    if strict:
-        unrestored = [
-            name
-            for name in components
-            if name in given
-            and given[name] is None
-            and not (name == "clip_state" and _self_describing(components[name]))
-        ]
-        if unrestored:
-            raise CheckpointError(
-                f"{str(target)!r} holds {', '.join(unrestored)} but load_checkpoint was not given "
-                f"{'it' if len(unrestored) == 1 else 'them'}; pass every saved component (a "
-                "run resumed without its accountant would under-report ε), or strict=False"
-            )
+    _check_given(target, components, given, strict)
     appliers: list[Callable[[], None]] = []
     if model is not None:
         appliers.append(_restore_model(model, components["model"]))
@@ -279,3 +259,30 @@ def prepare_load(
         )
 
     return finish
+
+
+def _check_given(
+    target: Path, components: dict[str, Any], given: dict[str, Any], strict: bool
+) -> None:
+    """Every component given is in the file; with ``strict``, every saved one is given."""
+    absent = [name for name, obj in given.items() if obj is not None and name not in components]
+    if absent:
+        raise CheckpointError(
+            f"{str(target)!r} holds no {', '.join(absent)} (it has "
+            f"{', '.join(components) or 'nothing'}); save them with save_checkpoint or do not "
+            "pass them"
+        )
+    if strict:
+        unrestored = [
+            name
+            for name in components
+            if name in given
+            and given[name] is None
+            and not (name == "clip_state" and _self_describing(components[name]))
+        ]
+        if unrestored:
+            raise CheckpointError(
+                f"{str(target)!r} holds {', '.join(unrestored)} but load_checkpoint was not given "
+                f"{'it' if len(unrestored) == 1 else 'them'}; pass every saved component (a "
+                "run resumed without its accountant would under-report ε), or strict=False"
+            )
