@@ -96,7 +96,8 @@ def _saved_settings(path: Path) -> dict[str, float | None]:
     """:func:`_settings` of the run that wrote ``path`` (read, nothing restored)."""
     from opake.dpsgd.checkpoint._file import _read
 
-    components = _read(path, "cpu")["components"]
+    # memory-mapped, as checkpoint_step reads it: the tensors are not read here (dp.load does)
+    components = _read(path, "cpu", mmap=True)["components"]
     sigma = components.get("optimizer", {}).get("state", {}).get("noise_multiplier")
     clip = components.get("clip_state", {})
     fixed = isinstance(clip, dict) and clip.get("type") == "FixedClipping"

@@ -34,7 +34,7 @@ from opake.dpsgd.optimizer._physical import (
     checked_grads,
 )
 from opake.dpsgd.optimizer._report import StepReport
-from opake.dpsgd.optimizer._state import _STATE_VERSION, _checked_state
+from opake.dpsgd.optimizer._state import _STATE_VERSION, _checked_state, _SavedState
 from opake.dpsgd.optimizer._unused import UnusedCheck
 
 if TYPE_CHECKING:
@@ -452,13 +452,16 @@ class DPOptimizer:
 
     def check_state_dict(self, state: Mapping[str, Any]) -> None:
         """Raise what :meth:`load_state_dict` would refuse ``state`` for; change nothing."""
+        self._checked(state)
+
+    def _checked(self, state: Mapping[str, Any]) -> _SavedState:
         saved = _checked_state(state, list(self._params), self.noise)
         check_sampler_rate(self._sampler_rate, saved.sample_rate, "the checkpoint's sample_rate")
+        return saved
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (validated first; nothing changes on error)."""
-        self.check_state_dict(state)
-        saved = _checked_state(state, list(self._params), self.noise)
+        saved = self._checked(state)
         self.optimizer.load_state_dict(state["optimizer"])
         if saved.noise is not None:
             self.noise.load_state_dict(saved.noise)
