@@ -153,7 +153,6 @@ def test_an_empty_batch_contributes_zeros(eager_backend):
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"engine": "bookkeeping", "microbatch_size": 4}, "book-keeping"),
         ({"privacy_units": list(range(N)), "microbatch_size": 4}, "privacy_units"),
         (
             {
@@ -166,7 +165,7 @@ def test_an_empty_batch_contributes_zeros(eager_backend):
         ),
         ({}, "microbatch_size"),
     ],
-    ids=["bookkeeping", "units", "adaptive", "poisson-without-chunks"],
+    ids=["units", "adaptive", "poisson-without-chunks"],
 )
 def test_what_cannot_compile_is_refused_at_construction(options, match):
     with pytest.raises(ConfigurationError, match=match):

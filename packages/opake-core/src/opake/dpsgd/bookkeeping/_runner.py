@@ -32,6 +32,7 @@ from opake.dpsgd.bookkeeping._check import (
     verify,
 )
 from opake.dpsgd.bookkeeping._chunk import BookkeepingChunk
+from opake.dpsgd.bookkeeping._compiled import CompiledRecording
 from opake.dpsgd.bookkeeping._loss import BatchedLoss
 from opake.dpsgd.bookkeeping._pieces import Implicit, Piece
 from opake.dpsgd.bookkeeping._plan import BookkeepingPlan, bookkeeping_plan
@@ -116,6 +117,13 @@ class BookkeepingRunner:
         self.disabled: str | None = None  # set when the check failed (auto falls back)
         #: why privacy units cannot run here (an implicit piece): unit calls use vmap
         self.units_refused: str | None = None
+        #: the compiled recording (``DPTraining(compile=True)``), else ``None``: eager
+        self.compiled: CompiledRecording | None = None
+
+    def compile_recording(self) -> None:
+        """Record with a compiled forward and backward from now on (:mod:`._compiled`)."""
+        if self.compiled is None:
+            self.compiled = CompiledRecording(self)
 
     def plan(self, names: tuple[str, ...]) -> BookkeepingPlan:
         """The (cached) plan for these differentiated names."""
@@ -158,6 +166,7 @@ class BookkeepingRunner:
                     args = (x.expand(self._batch, *x.shape[1:]), *args[1:])
                     output = output.expand(self._batch, *output.shape[1:])
             use = LayerUse(layer, module, args, kwargs, params, self._batch)
+            use.shape, use.dtype = tuple(output.shape), output.dtype
             if spec.keeps_output:
                 use.output = output.detach()
             self._uses.append(use)
@@ -207,24 +216,7 @@ class BookkeepingRunner:
         token = _RECORDING.set(self)
         try:
             with torch.enable_grad():
-                out = self.loss.fn(*args)
-                if self.has_aux:
-                    if not (isinstance(out, tuple) and len(out) == 2):
-                        raise ConfigurationError(
-                            f"BatchedLoss fn returned a {type(out).__name__}; with has_aux=True "
-                            "it must return a pair (losses [B], aux)"
-                        )
-                    losses, aux = out
-                else:
-                    losses, aux = out, None
-                if not isinstance(losses, torch.Tensor) or tuple(losses.shape) != (batch,):
-                    shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else losses
-                    raise ConfigurationError(
-                        f"BatchedLoss fn returned {shape} for a batch of {batch}; expected "
-                        f"per-example losses of shape [{batch}] (reduce over each example's "
-                        "tokens only: causal_lm_losses(logits, labels), or a patched model's "
-                        "loss_only=True, per_example_loss=True)"
-                    )
+                losses, aux = self._split(self.loss.fn(*args), batch)
                 self._recording = False
                 if losses.requires_grad:
                     with self._hold(module):
@@ -237,12 +229,41 @@ class BookkeepingRunner:
             for handle in handles:
                 handle.remove()
         uses, self._uses = self._uses, []
-        self._layout = tuple(use.layer.module for use in uses)
         self._diff = {}
-        # half-precision activations (autocast, or a half model): the first-call check compares
-        # with per-example autograd at half-precision tolerance
-        self._half = any(use.grad_dtype in (torch.float16, torch.bfloat16) for use in uses)
+        self._note(uses)
         return losses.detach(), aux, uses
+
+    def _split(self, out: Any, batch: int) -> tuple[torch.Tensor, Any]:
+        """The batched loss's output as ``(losses [batch], aux)``, checked."""
+        import torch
+
+        if self.has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise ConfigurationError(
+                    f"BatchedLoss fn returned a {type(out).__name__}; with has_aux=True "
+                    "it must return a pair (losses [B], aux)"
+                )
+            losses, aux = out
+        else:
+            losses, aux = out, None
+        if not isinstance(losses, torch.Tensor) or tuple(losses.shape) != (batch,):
+            shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else losses
+            raise ConfigurationError(
+                f"BatchedLoss fn returned {shape} for a batch of {batch}; expected "
+                f"per-example losses of shape [{batch}] (reduce over each example's "
+                "tokens only: causal_lm_losses(logits, labels), or a patched model's "
+                "loss_only=True, per_example_loss=True)"
+            )
+        return losses, aux
+
+    def _note(self, uses: list[LayerUse]) -> None:
+        """What a recording's uses tell the check: the layers used, in order, and whether
+        activations are half precision (autocast, or a half model: the first-call check
+        compares with per-example autograd at half-precision tolerance)."""
+        import torch
+
+        self._layout = tuple(use.layer.module for use in uses)
+        self._half = any(use.grad_dtype in (torch.float16, torch.bfloat16) for use in uses)
 
     # ------------------------------------------------------------------ pieces
     @staticmethod
@@ -303,7 +324,8 @@ class BookkeepingRunner:
 
         diff = args[self.argnums]
         names = tuple(diff)
-        losses, aux, uses = self._forward_backward(args, batch)
+        record = self._forward_backward if self.compiled is None else self.compiled.forward_backward
+        losses, aux, uses = record(args, batch)
         pieces: dict[str, list[Piece]] = {}
         if units is not None:
             pieces = self._unit_pieces(uses, batch, units)

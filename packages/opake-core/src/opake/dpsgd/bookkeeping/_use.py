@@ -59,6 +59,9 @@ class LayerUse:
     #: are then released); see ``eager`` in :class:`~opake.core.plugins.BookkeepingRule`
     built: list[tuple[str, Any]] | None = None
     grad_dtype: torch.dtype | None = None  # the output gradient's dtype (kept when released)
+    #: the tapped output's shape and dtype (a hooked call; what a compiled recording probes)
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
 
     @property
     def attrs(self) -> dict[str, str]:

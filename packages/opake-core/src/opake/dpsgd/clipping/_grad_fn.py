@@ -157,6 +157,23 @@ class ClippedGradFn:
         diff = sum(v.numel() for v in tree.leaves.values())
         return vmap_engine.small_fraction(diff, other)
 
+    def compiled_engine(self, args: tuple[Any, ...]) -> str:
+        """The engine a compiled step runs (``DPTraining(compile=True)``) for calls like
+        ``grad_fn(*args)``: ``"bookkeeping"`` (its batched forward and backward compiled) where
+        an eager call would run book-keeping on differentiated parameters that are not a small
+        part of the model, else ``"vmap"`` (the call compiled whole: faster for adapters)."""
+        if self._bookkeeping is None or self.requested_engine == "vmap":
+            return "vmap"
+        if self.requested_engine == "bookkeeping":
+            return "bookkeeping"
+        tree = DiffTree.of(args[self.argnums], argnums=self.argnums)
+        if not tree.plain or self._prefer_expanded(args, False):
+            return "vmap"
+        runner, _ = choose_engine(
+            self._bookkeeping, "auto", tree.names, differentiable=False, randomness=self.randomness
+        )
+        return "vmap" if runner is None else "bookkeeping"
+
     def _choose(
         self, tree: DiffTree, small: bool, differentiable: bool, units: bool = False
     ) -> BookkeepingRunner | None:

@@ -10,9 +10,12 @@ sums are added before the optimizer sees them. What the compiled graph computes 
 vmap engine's math (the certified norms are the eager code itself, see
 ``opake.dpsgd.clipping._compiled``), so the per-example bound holds as proven.
 
-Refused at construction, with the reason: the book-keeping engine, privacy units and
-adaptive clipping (none of them traces in one graph). Group clipping compiles with one graph
-break (its group lookup), so it is compiled without ``fullgraph``.
+The book-keeping engine (a ``BatchedLoss`` whose differentiated parameters are not a small part
+of the model, or ``engine="bookkeeping"``) compiles its batched forward and backward instead
+(``opake.dpsgd.bookkeeping._compiled``): norms, bounds and the clipped sum stay the eager code.
+Refused at construction, with the reason: privacy units and adaptive clipping (neither traces
+in one graph). Group clipping compiles with one graph break (its group lookup), so it is
+compiled without ``fullgraph``.
 """
 
 from __future__ import annotations
@@ -81,12 +84,6 @@ def check_compile(
         raise InputTypeError(f"compile={compile!r}: expected True or False")
     if not compile:
         return engine, microbatch_size, True
-    if engine == "bookkeeping":
-        raise ConfigurationError(
-            "compile=True with engine='bookkeeping': the book-keeping engine's forward and "
-            "backward hooks do not trace into one graph; use engine='vmap' (or 'auto') to "
-            "compile, or compile=False to keep book-keeping"
-        )
     if units is not None:
         raise ConfigurationError(
             "compile=True with privacy_units: the plan that keeps each unit's rows in one chunk "
@@ -108,13 +105,15 @@ def check_compile(
             "microbatch_size=m (each physical batch runs as chunks of m rows, the last one "
             "padded and masked), or use sampler='fixed'"
         )
-    if engine == "auto":
-        _LOG.info("compile=True: engine='auto' uses the vmap engine (book-keeping does not trace)")
-    return "vmap", rows, not isinstance(clipping_norm, GroupClipping)
+    return engine, rows, not isinstance(clipping_norm, GroupClipping)
 
 
 class CompiledStep:
     """Call a ``clipped_grad`` function compiled once, on chunks of ``rows`` rows.
+
+    The engine is chosen at the first call (:meth:`route`): the book-keeping engine, its
+    recording compiled, where ``grad_fn`` would run book-keeping on a model whose differentiated
+    parameters are not a small part of it; otherwise the vmap engine, ``grad_fn`` compiled whole.
 
     Args:
         grad_fn: the eager ``grad_fn`` (``return_aux=True``, one chunk per call).
@@ -126,8 +125,27 @@ class CompiledStep:
         import torch
 
         self.rows = rows
+        self._grad_fn = grad_fn
         self._compiled = torch.compile(grad_fn, fullgraph=fullgraph, dynamic=False)
         self._first = True
+        #: ``"bookkeeping"`` (recording compiled) or ``"vmap"`` (compiled whole); set by the
+        #: first call
+        self.engine: str | None = None
+
+    def route(self, args: tuple[Any, ...]) -> Callable[..., Any]:
+        """What every call runs: chosen once, from the first call's arguments (logged)."""
+        if self.engine is None:
+            choose = getattr(self._grad_fn, "compiled_engine", None)
+            self.engine = "vmap" if choose is None else choose(args)
+            if self.engine == "bookkeeping":
+                self._grad_fn._bookkeeping.compile_recording()  # type: ignore[attr-defined]
+                _LOG.info(
+                    "compile=True: the book-keeping engine, its batched forward and backward "
+                    "compiled (norms, bounds and the clipped sum eager)"
+                )
+            else:
+                _LOG.info("compile=True: the vmap engine, the clipped-gradient call compiled")
+        return self._grad_fn if self.engine == "bookkeeping" else self._compiled
 
     def __call__(
         self,
@@ -165,7 +183,8 @@ class CompiledStep:
         start = time.perf_counter()
         try:
             # grad_fn's ((grads, aux), state): return_aux=True, a flat dict of params
-            out: tuple[tuple[ClippedGrads, ClipAux], ClipState] = self._compiled(*args, **kwargs)
+            call = self.route(args)
+            out: tuple[tuple[ClippedGrads, ClipAux], ClipState] = call(*args, **kwargs)
         except Exception as err:
             failure = _compile_failure(err)
             if failure is None:
@@ -174,7 +193,10 @@ class CompiledStep:
         if self._first:
             self._first = False
             _LOG.info(
-                "compile=True: the DP step compiled for chunks of %d rows in %.1f s",
+                "compile=True: %s for chunks of %d rows in %.1f s",
+                "the DP step compiled"
+                if self.engine == "vmap"
+                else "the first chunk recorded eagerly (the next one compiles the recording)",
                 self.rows,
                 time.perf_counter() - start,
             )
