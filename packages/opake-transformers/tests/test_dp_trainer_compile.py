@@ -71,9 +71,10 @@ def test_compiled_steps_equal_the_eager_steps_in_one_graph_and_the_model_is_not_
     compiled.train()
     dp = compiled.dp_training
     assert dp.compiled
-    assert dp.grad_fn.engine == "vmap"
-    assert "engine 'auto' uses the vmap engine" in caplog.text
-    assert "compiled for chunks of 4 rows" in caplog.text  # per_device_train_batch_size
+    assert dp.grad_fn.engine == "bookkeeping"
+    assert dp._compiled.engine == "bookkeeping"
+    assert "book-keeping engine, its batched forward and backward compiled" in caplog.text
+    assert "for chunks of 4 rows" in caplog.text  # per_device_train_batch_size
     # the physical batches had other sizes than the chunks (some ran as two chunks) and the
     # examples 3 to 10 tokens, yet one graph was compiled: one shape
     sizes = {len(part) for t in range(2) for part in _physical(dp, t)}
@@ -103,7 +104,6 @@ def _physical(dp: Any, step: int) -> list[list[int]]:
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"engine": "bookkeeping"}, "engine='bookkeeping': the book-keeping engine's"),
         ({"privacy_unit_column": "user"}, "privacy_unit_column='user'"),
         ({"torch_compile_backend": "eager"}, "torch_compile_backend='eager'"),
         ({"torch_compile_mode": "max-autotune"}, "torch_compile_mode='max-autotune'"),

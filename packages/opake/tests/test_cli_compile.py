@@ -17,7 +17,6 @@ from opake.core.errors import ConfigurationError
 @pytest.mark.parametrize(
     ("options", "advice"),
     [
-        ({"engine": "bookkeeping"}, "use --engine vmap or auto"),
         ({"data": "u.jsonl", "privacy_unit": "user"}, "without --compile"),
         ({"checkpointing": True}, "drop one of them"),
         ({"kernels": "torch"}, "use --kernels none"),
@@ -36,7 +35,10 @@ def test_the_chunk_is_the_microbatch_or_the_largest_likely_poisson_batch():
     whole = compiled_choice(MicrobatchChoice(None, "whole batch at once"), largest=22)
     assert whole.microbatch == 22
     assert "one chunk of 22 rows" in whole.reason
-    assert "(--engine auto: book-keeping does not trace" in compile_line("auto", 22, None)
+    assert "book-keeping engine's batched forward and backward (the whole step on the vmap" in (
+        compile_line("auto", 22, None)
+    )
+    assert "of the DP step on the vmap engine" in compile_line("vmap", None, 40)
     assert "chunks of 40 rows" in compile_line("vmap", None, 40)  # fixed sampler: B_max
 
 
@@ -55,14 +57,14 @@ def test_a_compiled_run_equals_the_eager_one(tiny_args, tmp_path, capsys, monkey
 
     monkeypatch.setattr(torch, "compile", compile_eagerly)
     fixed = ("--reproducible", "--steps", "3", "--microbatch", "3", "--no-plots")
-    eager = ("--engine", "vmap", "--kernels", "none")  # what the compiled run runs, uncompiled
+    eager = ("--kernels", "none")  # what the compiled run runs (book-keeping), uncompiled
     assert main(tiny_args(*fixed, *eager, out=tmp_path / "eager")) == 0
     capsys.readouterr()
     assert main(tiny_args(*fixed, "--compile", out=tmp_path / "compiled")) == 0
     err = capsys.readouterr().err
-    assert "compile   torch.compile of the DP step on the vmap engine (--engine auto" in err
+    assert "compile   torch.compile of the book-keeping engine's batched forward" in err
     assert "chunks of 3 rows" in err
-    assert "the first step compiles" in err
+    assert "the first steps compile" in err
     assert "--compile: the model runs unpatched" in err  # the patched forward does not trace
     assert calls == [{"fullgraph": True, "dynamic": False}]  # one graph, one shape
 

@@ -2,9 +2,10 @@
 
 The Hugging Face Trainer applies ``torch_compile`` by giving accelerate a dynamo plugin, which
 wraps the prepared model in ``torch.compile`` for the Trainer's own forward passes. The DP step
-never calls that forward: it differentiates the model functionally, example by example, so it
-compiles its clipped-gradient computation itself (``DPTraining(compile=True)``: the vmap engine,
-one graph, one batch shape). The trainer therefore asks accelerate for no model compile
+never calls that forward: it differentiates the model functionally, so it compiles its own
+clipped-gradient computation (``DPTraining(compile=True)``, one batch shape: the book-keeping
+engine's batched forward and backward for a full model, the vmap engine's whole step for
+adapters or with dropout). The trainer therefore asks accelerate for no model compile
 (:func:`accelerator_args_without_compile`; evaluation runs eager) and gives the DP step one
 shape:
 
@@ -17,8 +18,8 @@ shape:
   one, and torch gives up on a whole-graph function after eight.
 
 What does not compile is refused at construction
-(:func:`opake.transformers._refusals.check_compile`): the book-keeping engine, privacy units,
-a backend or mode other than the default.
+(:func:`opake.transformers._refusals.check_compile`): privacy units, a backend or mode other
+than the default.
 """
 
 from __future__ import annotations
@@ -40,15 +41,15 @@ logger = logging.getLogger("opake.transformers")
 
 
 def dp_engine(args: Any) -> str:
-    """The per-example engine of the DP step: with ``torch_compile``, ``"auto"`` is the vmap
-    engine (logged; book-keeping does not trace into one graph)."""
+    """The per-example engine of the DP step (``engine``); with ``torch_compile`` the DP step
+    says at its first call which one it compiled (logged on ``opake.core``)."""
     engine: str = args.engine
     if getattr(args, "torch_compile", False) and engine == "auto":
         logger.info(
-            "torch_compile=True: engine 'auto' uses the vmap engine for the compiled DP step "
-            "(the book-keeping engine's hooks do not trace into one graph)"
+            "torch_compile=True: engine 'auto' compiles the book-keeping engine's batched "
+            "forward and backward for a full model, the vmap engine's whole step for adapters "
+            "or with dropout (chosen at the first step)"
         )
-        return "vmap"
     return engine
 
 

@@ -159,16 +159,10 @@ _COMPILE_DEFAULTS = {
 
 
 def check_compile(args: Any) -> None:
-    """With ``torch_compile``: refuse what the compiled DP step cannot do (the book-keeping
-    engine, privacy units, a backend or mode other than torch.compile's defaults)."""
+    """With ``torch_compile``: refuse what the compiled DP step cannot do (privacy units, a
+    backend or mode other than torch.compile's defaults)."""
     if not getattr(args, "torch_compile", False):
         return
-    if args.engine == "bookkeeping":
-        raise ConfigurationError(
-            "DPTrainer: torch_compile=True with engine='bookkeeping': the book-keeping engine's "
-            "forward and backward hooks do not trace into one graph; use engine='vmap' (or "
-            "'auto', which compiles with vmap), or torch_compile=False to keep book-keeping"
-        )
     column = getattr(args, "privacy_unit_column", None)
     if column is not None:
         raise ConfigurationError(

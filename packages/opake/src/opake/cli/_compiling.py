@@ -1,14 +1,15 @@
 """``opake train --compile``: the DP step compiled with ``torch.compile``.
 
-The library compiles (``DPTraining(compile=True)``, see the clipping guide): the vmap engine's
-clipped-gradient computation is traced once for one batch shape, and every physical batch runs
-as chunks of that many rows, the last one padded with masked rows that add exactly zero. What is
-the command's own:
+The library compiles (``DPTraining(compile=True)``, see the clipping guide): for one batch
+shape, the book-keeping engine's batched forward and backward (a full model), or the vmap
+engine's whole clipped-gradient computation (adapters, ``--engine vmap``, dropout); every
+physical batch runs as chunks of that many rows, the last one padded with masked rows that add
+exactly zero. What is the command's own:
 
-- the refusals, before the plan, of what does not trace into one graph (the book-keeping
-  engine, privacy units, activation checkpointing, a kernel backend named with ``--kernels``,
-  DPO's pairs clipped as one unit), each saying what to do; ``--kernels auto`` runs the model
-  unpatched (a note says so);
+- the refusals, before the plan, of what does not trace into one graph (privacy units,
+  activation checkpointing, a kernel backend named with ``--kernels``, DPO's pairs clipped as
+  one unit), each saying what to do; ``--kernels auto`` runs the model unpatched (a note says
+  so);
 - the chunk rows: the microbatch ``--microbatch`` or the memory-aware default chose; when the
   whole Poisson batch runs at once, its largest likely size (one chunk per step, padded); with
   ``--sampler fixed`` and no microbatch, the sampler's ``B_max`` slots;
@@ -39,12 +40,7 @@ def check_compile(settings: Any) -> None:
     if not settings.compile:
         return
     why = None
-    if settings.engine == "bookkeeping":
-        why = (
-            "--engine bookkeeping: its forward and backward hooks do not trace into one graph; "
-            "use --engine vmap or auto (auto uses vmap when compiling), or drop --compile"
-        )
-    elif settings.privacy_unit is not None:
+    if settings.privacy_unit is not None:
         why = (
             f"--privacy-unit {settings.privacy_unit}: the plan that keeps each unit's blocks in "
             "one chunk runs on the host and does not trace; train user-level DP without --compile"
@@ -105,17 +101,23 @@ def compiled_choice(choice: MicrobatchChoice, *, largest: int) -> MicrobatchChoi
     return dataclasses.replace(choice, microbatch=rows, reason=reason)
 
 
-def compile_line(engine_given: str, rows: int | None, max_batch: int | None) -> str:
-    """The plan's ``compile`` line: the engine, the chunk rows (``DPTraining`` falls back to
-    the fixed-shape sampler's *max_batch* slots), and that the first step compiles."""
+def compile_line(engine: str, rows: int | None, max_batch: int | None) -> str:
+    """The plan's ``compile`` line: what is compiled for the run's *engine*, the chunk rows
+    (``DPTraining`` falls back to the fixed-shape sampler's *max_batch* slots), and that the
+    first steps compile."""
     from opake.dpsgd.training._compile import compiled_rows
 
     chunk, _ = compiled_rows(rows, fixed_rows=max_batch)
-    engine = "the vmap engine"
-    if engine_given == "auto":
-        engine += " (--engine auto: book-keeping does not trace into one graph)"
+    what = {
+        "vmap": "the DP step on the vmap engine",
+        "bookkeeping": "the book-keeping engine's batched forward and backward",
+        "auto": (
+            "the book-keeping engine's batched forward and backward (the whole step on the "
+            "vmap engine where few parameters train, e.g. LoRA)"
+        ),
+    }[engine]
     return (
-        f"compile   torch.compile of the DP step on {engine}: chunks of {chunk} rows, the last "
-        "padded with masked rows that add exactly zero; the first step compiles (seconds to "
-        "minutes), the next ones reuse the graph"
+        f"compile   torch.compile of {what}: chunks of {chunk} rows, the last padded with "
+        "masked rows that add exactly zero; the first steps compile (seconds to minutes), the "
+        "next ones reuse the graph"
     )

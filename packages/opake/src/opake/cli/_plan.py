@@ -405,7 +405,7 @@ def _engine(
     settings: TrainSettings, model_source: Any, model_is_dir: bool, notes: list[str]
 ) -> tuple[str, bool]:
     """The clipping engine (fp16 and dropout need vmap) and whether dropout stays active."""
-    engine = "vmap" if settings.compile else settings.engine  # book-keeping does not trace
+    engine = settings.engine
     if settings.precision == "fp16":
         # fp16 needs a loss scale removed from each example's gradient before clipping:
         # autocast_loss does that around the vmap engine's one-example loss

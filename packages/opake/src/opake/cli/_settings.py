@@ -247,9 +247,9 @@ class TrainSettings:
     compile: bool = option(
         False,
         group=_SPEED,
-        help="compile the DP step with torch.compile (vmap engine): each batch runs as chunks "
-        "of one shape (the microbatch, padded and masked), the first step compiles (seconds to "
-        "minutes); privacy-neutral",
+        help="compile the DP step with torch.compile (book-keeping: its forward and backward; "
+        "vmap: the whole step): each batch runs as chunks of one shape (the microbatch, padded "
+        "and masked), the first steps compile (seconds to minutes); privacy-neutral",
     )
     shard: bool = option(
         False,

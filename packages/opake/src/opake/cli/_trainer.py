@@ -267,7 +267,7 @@ def _microbatch(
         print(f"memory    {choice.reason}", file=sys.stderr, flush=True)
     s = plan.settings
     if ctx.is_main and s.compile:
-        print(compile_line(s.engine, choice.microbatch, plan.max_batch_size), file=sys.stderr)
+        print(compile_line(plan.engine, choice.microbatch, plan.max_batch_size), file=sys.stderr)
     return choice
 
 

@@ -183,7 +183,8 @@ class ClippedGradFn:
                 raise refuse(
                     "engine='bookkeeping'",
                     "its taps are forward/backward hooks recording into a ContextVar, with "
-                    "host-side checks; use engine='vmap' or 'auto' (vmap when compiled)",
+                    "host-side checks; use engine='vmap' or 'auto' (vmap when compiled), or "
+                    "DPTraining(compile=True), which compiles book-keeping's forward and backward",
                 )
             return None
         if self._bookkeeping is not None and not tree.plain:

@@ -122,15 +122,14 @@ class CompiledStep:
     """
 
     def __init__(self, grad_fn: Callable[..., Any], rows: int, *, fullgraph: bool) -> None:
-        import torch
-
         self.rows = rows
         self._grad_fn = grad_fn
-        self._compiled = torch.compile(grad_fn, fullgraph=fullgraph, dynamic=False)
+        self._fullgraph = fullgraph
         self._first = True
         #: ``"bookkeeping"`` (recording compiled) or ``"vmap"`` (compiled whole); set by the
         #: first call
         self.engine: str | None = None
+        self._compiled: Callable[..., Any] = grad_fn  # the vmap route's compiled grad_fn
 
     def route(self, args: tuple[Any, ...]) -> Callable[..., Any]:
         """What every call runs: chosen once, from the first call's arguments (logged)."""
@@ -144,7 +143,12 @@ class CompiledStep:
                     "compiled (norms, bounds and the clipped sum eager)"
                 )
             else:
+                import torch
+
                 _LOG.info("compile=True: the vmap engine, the clipped-gradient call compiled")
+                self._compiled = torch.compile(
+                    self._grad_fn, fullgraph=self._fullgraph, dynamic=False
+                )
         return self._grad_fn if self.engine == "bookkeeping" else self._compiled
 
     def __call__(
