@@ -39,6 +39,7 @@ step bk-loss-only 150 python3 tools/bench/bk_loss_only.py --device cuda --hidden
   --methods nonprivate nonprivate-lossonly bk-logits bk-lossonly --json "$OUT/bk_loss_only.json"
 step checkpoint-memory 120 python3 tools/bench/checkpoint_memory.py --device cuda --offload --json "$OUT/ckpt_cuda.json"
 step compile 200 python3 tools/bench/compile_step.py --device cuda --steps 5 --warmup 2 \
+  --methods nonprivate nonprivate-compiled opake-bk opake-compiled opake-bk-compiled \
   --json "$OUT/compile.json"
 # the real model's DP step (SmolLM2-135M's architecture, random weights: no download) vs non-private
 step smollm2-step 240 python3 tools/bench/dpsgd_step.py --device cuda --model smollm2-shape \
