@@ -242,3 +242,41 @@ def test_dp_training_compiles_book_keeping_for_a_full_model(caplog):
     for name, value in results[0].items():
         torch.testing.assert_close(results[1][name], value, atol=1e-5, rtol=1e-5)
     assert "book-keeping engine, its batched forward and backward compiled" in caplog.text
+
+
+@pytest.fixture
+def compiled_runners(monkeypatch):
+    """Every ``clipped_grad`` of the conformance harness records with a compiled forward and
+    backward; yields the runners it made."""
+    import opake.dpsgd.clipping as clipping
+
+    real = clipping.clipped_grad
+    runners = []
+
+    def compiling(*args, **kwargs):
+        grad_fn, state = real(*args, **kwargs)
+        grad_fn._bookkeeping.compile_recording()
+        runners.append(grad_fn._bookkeeping)
+        return grad_fn, state
+
+    monkeypatch.setattr(clipping, "clipped_grad", compiling)
+    return runners
+
+
+CASES = testing.rule_example_cases()
+
+
+@pytest.mark.parametrize(("name", "index"), CASES, ids=[f"{n}-{i}" for n, i in CASES])
+def test_every_rule_keeps_the_bound_with_a_compiled_recording(name, index, compiled_runners):
+    """The conformance harness's checks (each contribution ≤ C exactly, the sum is the sum of
+    the contributions) on an adversarial batch, the contributions recorded compiled (the
+    harness's first, whole-batch call records eagerly)."""
+    attack = [
+        ("random", "random", 0.0, 0.0, 0.0),
+        ("repeated", "alternating", 0.0, 15.0, -12.0),
+        ("cancelling", "random", 0.0, 0.0, -8.0),
+    ]
+    assert testing.check_rule_example(name, index, attack, 1.0, 0) <= 1.0 + 1e-12
+    (runner,) = compiled_runners
+    recording = runner.compiled
+    assert recording.calls == len(attack) or recording.eager is not None, recording.eager

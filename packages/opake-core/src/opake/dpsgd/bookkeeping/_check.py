@@ -36,6 +36,7 @@ __all__ = [
     "compare_norms",
     "low_precision",
     "row_norms",
+    "settings_key",
     "verify",
 ]
 
@@ -56,6 +57,42 @@ class BookkeepingUnsupportedError(BookkeepingMismatchError):
 #: calls between two checks of an already verified structure
 RECHECK_EVERY = 64
 INCONCLUSIVE = "inconclusive"
+
+#: the non-batched arguments' plain values a check is keyed on (other objects: their type)
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+
+def settings_key(
+    module: torch.nn.Module, args: Sequence[Any], skip: Iterable[int]
+) -> tuple[bytes, tuple[Any, ...]]:
+    """What else a passed check holds for: every submodule's training flag, and the
+    arguments at positions not in ``skip`` (the differentiated and batched ones) — their plain
+    values, tensors' shapes and dtypes, other objects' types. A change of any (``train()``
+    after the check, a Python flag the loss branches on) makes the next call a structure to
+    check again: a model can mix examples in one mode or setting only.
+
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())
+    >>> settings_key(net.eval(), ({}, 1.5, torch.zeros(3)), skip=(0,))
+    (b'\\x00\\x00\\x00', (1.5, ((3,), 'torch.float32')))
+    """
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    modes = bytes(m.training for m in module.modules())
+    skipped = set(skip)
+    values: list[Any] = []
+    for pos, arg in enumerate(args):
+        if pos in skipped:
+            continue
+        for leaf in tree_leaves(arg):
+            if isinstance(leaf, torch.Tensor):
+                values.append((tuple(leaf.shape), str(leaf.dtype)))
+            elif isinstance(leaf, _PLAIN):
+                values.append(leaf)
+            else:
+                values.append(type(leaf).__qualname__)
+    return modes, tuple(values)
 
 
 def check_examples(chunk: BookkeepingChunk) -> list[int]:

@@ -66,6 +66,8 @@ class CompiledRecording:
         self.eager: str | None = None
         #: the calls recorded by the compiled forward and backward
         self.calls = 0
+        #: whether the last call compiled a new graph (its check is due whatever its structure)
+        self.fresh = False
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, index: int, layer: LayerRule) -> Callable[..., Any]:
@@ -155,6 +157,7 @@ class CompiledRecording:
         import torch
 
         runner = self._runner
+        self.fresh = False
         diff = args[runner.argnums]
         names = tuple(diff)
         key = (names, *runner.structure(args)[:2], batch)
@@ -179,11 +182,17 @@ class CompiledRecording:
         self._batch = batch
         grads: tuple[torch.Tensor | None, ...] = (None,) * len(probes)
         with torch.enable_grad():
+            graphs = _graphs()
             try:
                 out, records = self._compiled(probes, *call)
+                self.fresh = _graphs() != graphs
             except _dynamo_errors() as err:  # the model does not trace: eager from now on
-                self.eager = f"torch.compile failed on the batched forward ({type(err).__name__})"
-                _LOG.warning("compile=True: book-keeping records eagerly: %s: %s", self.eager, err)
+                first = next((line for line in str(err).splitlines() if line.strip()), "")
+                self.eager = (
+                    f"torch.compile failed on the batched forward ({type(err).__name__}: "
+                    f"{first.strip()[:200]})"
+                )
+                _LOG.warning("compile=True: book-keeping records eagerly: %s", self.eager)
                 return runner._forward_backward(args, batch)
             losses, aux = runner._split(out, batch)
             self._check(records, layout, detached)
@@ -233,3 +242,11 @@ def _dynamo_errors() -> tuple[type[BaseException], ...]:
     import torch._dynamo.exc as dynamo
 
     return (dynamo.TorchDynamoException,)
+
+
+def _graphs() -> int:
+    """How many graphs Dynamo has compiled in this process (a call that changes it traced a
+    new one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

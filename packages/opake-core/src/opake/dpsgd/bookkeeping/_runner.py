@@ -29,6 +29,7 @@ from opake.dpsgd.bookkeeping._check import (
     BookkeepingMismatchError,
     BookkeepingUnsupportedError,
     check_examples,
+    settings_key,
     verify,
 )
 from opake.dpsgd.bookkeeping._chunk import BookkeepingChunk
@@ -385,7 +386,8 @@ class BookkeepingRunner:
 
     def structure(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """What a passed check covers: the differentiated names and dtypes, the batched
-        arguments' shapes and dtypes (batch dimension excluded) and the recorded layer uses."""
+        arguments' shapes and dtypes (batch dimension excluded), the recorded layer uses, and
+        the modules' training flags and other arguments (:func:`~._check.settings_key`)."""
         import torch
         from torch.utils._pytree import tree_leaves
 
@@ -397,7 +399,8 @@ class BookkeepingRunner:
             if isinstance(x, torch.Tensor)
         )
         dtypes = tuple((name, str(value.dtype)) for name, value in diff.items())
-        return dtypes, batched, self._layout
+        skip = (self.argnums, *self.batch_argnums)
+        return dtypes, batched, self._layout, settings_key(self.loss.module, args, skip)
 
     def run_checked(
         self,
@@ -432,7 +435,10 @@ class BookkeepingRunner:
         self._calls += 1
         key = (*self.structure(args), units is not None)
         last = self._verified.get(key)
-        if last is not None and self._calls - last < RECHECK_EVERY:
+        # a call whose recording compiled a new graph is checked whatever its structure: the
+        # compiled trace may differ from the eager one (a torch.compiler.is_compiling() branch)
+        fresh = self.compiled is not None and self.compiled.fresh
+        if last is not None and not fresh and self._calls - last < RECHECK_EVERY:
             return chunk
         compared = 0
         for index in check_examples(chunk):
@@ -453,7 +459,10 @@ class BookkeepingRunner:
                 "book-keeping check inconclusive: no example of this batch has a finite, "
                 "non-zero gradient that per-example autograd could compare"
             )
+        self._verified.pop(key, None)
         self._verified[key] = self._calls
+        if len(self._verified) > 256:  # settings that change every call: keep the newest keys
+            del self._verified[next(iter(self._verified))]
         self.verified = True
         return chunk
 
