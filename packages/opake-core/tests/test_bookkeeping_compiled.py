@@ -280,3 +280,37 @@ def test_every_rule_keeps_the_bound_with_a_compiled_recording(name, index, compi
     (runner,) = compiled_runners
     recording = runner.compiled
     assert recording.calls == len(attack) or recording.eager is not None, recording.eager
+
+
+def test_a_deep_copy_made_after_the_hooks_records_nothing():
+    """A reference model copied from the trained one after its hooks were installed (e.g. a
+    frozen teacher) carries the hooks along; they record only the module they were made for."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())
+    fmodel, params = make_functional(model)
+    teachers: list[torch.nn.Module] = []
+
+    def losses(p, x, y):
+        out = fmodel(p, x)
+        if teachers:
+            with torch.no_grad():
+                y = y + teachers[0](x)
+        return ((out - y) ** 2).sum(dim=(1, 2))
+
+    options = {"clipping_norm": 0.5, "batch_argnums": (1, 2), "engine": "bookkeeping"}
+    grad_fn, state = clipped_grad(BatchedLoss(losses, fmodel), **options)
+    grad_fn._bookkeeping.compile_recording()
+    x, y = torch.randn(4, STEPS, WIDTH), torch.randn(4, STEPS, WIDTH)
+    for _ in range(2):
+        grad_fn(params, x, y, state=state)
+    teachers.append(copy.deepcopy(model))
+    got, _ = grad_fn(params, x, y, state=state)
+    eager, _ = clipped_grad(BatchedLoss(losses, fmodel), **options)
+    want, _ = eager(params, x, y, state=state)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, atol=1e-6, rtol=1e-5)
+    recording = grad_fn._bookkeeping.compiled
+    assert recording.calls == 2
+    assert grad_fn._bookkeeping.disabled is None

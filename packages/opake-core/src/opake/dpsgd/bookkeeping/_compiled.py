@@ -70,7 +70,7 @@ class CompiledRecording:
         self.fresh = False
 
     # ------------------------------------------------------------------ hooks
-    def _hook(self, index: int, layer: LayerRule) -> Callable[..., Any]:
+    def _hook(self, index: int, layer: LayerRule, owner: torch.nn.Module) -> Callable[..., Any]:
         import torch
 
         spec = layer.spec
@@ -79,7 +79,7 @@ class CompiledRecording:
         def hook(
             module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> Any:
-            if not self._active:
+            if not self._active or module is not owner:  # a deep copy carries the hook along
                 return None
             if spec.broadcast and self._batch > 1 and args:
                 x = args[0]
@@ -107,7 +107,9 @@ class CompiledRecording:
         by_name = dict(module.named_modules(remove_duplicate=False))
         self._layers = tuple(self._runner.plan(names).layers)
         self._handles = [
-            by_name[layer.module].register_forward_hook(self._hook(i, layer), with_kwargs=True)
+            by_name[layer.module].register_forward_hook(
+                self._hook(i, layer, by_name[layer.module]), with_kwargs=True
+            )
             for i, layer in enumerate(self._layers)
         ]
         self._names = names
