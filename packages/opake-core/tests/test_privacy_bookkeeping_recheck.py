@@ -157,3 +157,80 @@ def test_unchanged_calls_are_not_checked_again(monkeypatch):
     assert recording.calls == 3
     assert not recording.fresh
     assert 2 <= len(checks) <= 6  # the eager and the first compiled call (≤ 3 examples each)
+
+
+def _centring_model() -> torch.nn.Module:
+    class Centring(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8)
+            self.b = torch.nn.Linear(8, 3)
+            self.centre = False  # a public setting on the model, off when checked
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if self.centre:
+                h = h - h.mean(dim=(0, 1), keepdim=True)
+            return self.b(torch.tanh(h))
+
+    return Centring()
+
+
+def test_a_changed_module_attribute_is_checked_again():
+    """Round 20: eager, a flag set on the model after the check (7.9·C unchecked)."""
+    torch.manual_seed(0)
+    model = _centring_model()
+    grad_fn, state, params = _grad_fn(model, compiled=False)
+    x, y = _batch()
+    for _ in range(2):
+        grad_fn(params, x, y, state=state)
+    model.centre = True
+    with pytest.raises(BookkeepingMismatchError):
+        grad_fn(params, x, y, state=state)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_changed_scalar_tensor_setting_is_checked_again(compiled):
+    """Round 20: a setting held in a small tensor was keyed by its shape only (6.9·C)."""
+
+    def gated(fmodel):
+        def losses(p, x, y, lam):
+            out = fmodel(p, x)
+            return ((out - y - lam * out.mean(dim=0, keepdim=True)) ** 2).sum(dim=(1, 2))
+
+        return losses
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    fmodel, params = make_functional(model)
+    grad_fn, state = _checked(BatchedLoss(gated(fmodel), fmodel), compiled=compiled)
+    x, y = _batch()
+    for _ in range(3):
+        grad_fn(params, x, y, torch.zeros(()), state=state)
+    with pytest.raises(BookkeepingMismatchError):
+        grad_fn(params, x, y, torch.tensor(50.0), state=state)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_mixing_that_keeps_every_norm_is_caught(compiled):
+    """Round 20: one sign for the whole batch, set by its largest row, turns the other
+    examples' gradients without changing any norm; the check compared norms only and passed
+    (a canary then moved the sum by 15.5·C). It now compares the gradient vectors too."""
+
+    def signed(fmodel):
+        def losses(p, x, y):
+            s = torch.sign(x[:, 0, 0].sum()).detach()
+            return (s * fmodel(p, x) * y).sum(dim=(1, 2))
+
+        return losses
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    fmodel, params = make_functional(model)
+    grad_fn, state = _checked(BatchedLoss(signed(fmodel), fmodel), compiled=compiled)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(B, T, 8, generator=gen), torch.randn(B, T, 3, generator=gen)
+    x[:, 0, 0] = -1.0
+    x[0, 0, 0] = 100.0  # the batch's sign is row 0's; every other row alone has the other
+    with pytest.raises(BookkeepingMismatchError, match="away from per-example autograd"):
+        grad_fn(params, x, y, state=state)

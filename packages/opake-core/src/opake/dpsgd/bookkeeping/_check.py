@@ -37,6 +37,7 @@ __all__ = [
     "low_precision",
     "row_norms",
     "settings_key",
+    "vector_gap",
     "verify",
 ]
 
@@ -62,37 +63,48 @@ INCONCLUSIVE = "inconclusive"
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 
 
+#: a non-batched tensor of at most this many entries is keyed by its values (a setting)
+_SETTING_NUMEL = 8
+
+
 def settings_key(
     module: torch.nn.Module, args: Sequence[Any], skip: Iterable[int]
-) -> tuple[bytes, tuple[Any, ...]]:
-    """What else a passed check holds for: every submodule's training flag, and the
-    arguments at positions not in ``skip`` (the differentiated and batched ones) — their plain
-    values, tensors' shapes and dtypes, other objects' types. A change of any (``train()``
-    after the check, a Python flag the loss branches on) makes the next call a structure to
-    check again: a model can mix examples in one mode or setting only.
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """What else a passed check holds for: every submodule's public plain attributes (its
+    training flag among them), and the arguments at positions not in ``skip`` (the
+    differentiated and batched ones) — their plain values, small tensors' values (at most
+    :data:`_SETTING_NUMEL` entries), other tensors' shapes and dtypes, other objects' types. A
+    change of any (``train()`` after the check, a flag set on a layer, a Python or scalar-tensor
+    setting the loss branches on) makes the next call a structure to check again: a model can
+    mix examples in one mode or setting only.
 
     >>> import torch
-    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())
-    >>> settings_key(net.eval(), ({}, 1.5, torch.zeros(3)), skip=(0,))
-    (b'\\x00\\x00\\x00', (1.5, ((3,), 'torch.float32')))
+    >>> net = torch.nn.Sequential(torch.nn.Dropout(0.5))
+    >>> settings_key(net.eval(), ({}, 1.5, torch.ones(1), torch.zeros(9)), skip=(0,))[1]
+    (1.5, (1.0,), ((9,), 'torch.float32'))
     """
     import torch
     from torch.utils._pytree import tree_leaves
 
-    modes = bytes(m.training for m in module.modules())
+    attrs = tuple(
+        tuple((k, v) for k, v in vars(m).items() if k[0] != "_" and isinstance(v, _PLAIN))
+        for m in module.modules()
+    )
     skipped = set(skip)
     values: list[Any] = []
     for pos, arg in enumerate(args):
         if pos in skipped:
             continue
         for leaf in tree_leaves(arg):
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, torch.Tensor) and leaf.numel() <= _SETTING_NUMEL:
+                values.append(tuple(leaf.detach().flatten().tolist()))
+            elif isinstance(leaf, torch.Tensor):
                 values.append((tuple(leaf.shape), str(leaf.dtype)))
             elif isinstance(leaf, _PLAIN):
                 values.append(leaf)
             else:
                 values.append(type(leaf).__qualname__)
-    return modes, tuple(values)
+    return attrs, tuple(values)
 
 
 def check_examples(chunk: BookkeepingChunk) -> list[int]:
@@ -155,7 +167,58 @@ def verify(
     have, bounds, rounding = row_norms(chunk, index)
     what = f"{'example' if rows is None else 'unit'} {index}"
     low = low_precision(runner, diff)
-    return compare_norms(diff, want, have, bounds, rounding, scale=scale, low=low, what=what)
+    norms = compare_norms(diff, want, have, bounds, rounding, scale=scale, low=low, what=what)
+    if norms is not None:
+        return norms
+    tol = (5e-2 if low else 1e-4) * max(scale, 1e-12)
+    for k, name in enumerate(diff):
+        own = chunk.pieces.get(name)
+        if not own:  # book-keeping's gradient is zero: the norms decided
+            continue
+        gap = vector_gap(own, index, total[k], tuple(diff[name].shape))
+        slack = max(math.sqrt(bounds[k]) - math.sqrt(have[k]), 0.0)
+        allowance = tol + slack + (rounding[k] if math.isfinite(rounding[k]) else 0.0)
+        if gap > allowance:
+            return (
+                f"{what}, {name!r}: book-keeping's gradient is {gap:.6g} away from per-example "
+                f"autograd's (norms {math.sqrt(have[k]):.6g} and {math.sqrt(want[k]):.6g})"
+            )
+    return None
+
+
+def vector_gap(
+    pieces: Sequence[Any], index: int, reference: torch.Tensor | None, shape: tuple[int, ...]
+) -> float:
+    """``‖G − reference‖`` for example ``index``'s leaf gradient ``G`` held by ``pieces``
+    (fp64 rows, block by block: the exact route's :func:`~._pieces.example_rows`), against
+    per-example autograd's fp64 gradient (``None``: zero). Norms alone cannot see a loss that
+    mixes examples by turning gradients (a sign set by another example): the check compares
+    the vectors too.
+
+    >>> import torch
+    >>> from opake.dpsgd.bookkeeping._pieces import Dense
+    >>> vector_gap([Dense(torch.tensor([[3.0, 4.0]]))], 0, -torch.tensor([3.0, 4.0]), (2,))
+    10.0
+    """
+    import torch
+
+    from opake.dpsgd.bookkeeping._pieces import example_rows
+
+    rows = shape[0] if shape else 1
+    width = max(1, math.prod(shape[1:]))
+    ref = None if reference is None else reference.double().reshape(rows, width)
+    step = max(1, (1 << 22) // width)  # about 4 M fp64 entries per block
+    sq = 0.0
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        block = example_rows(pieces[0], index, start, stop)
+        for piece in pieces[1:]:
+            block = block + example_rows(piece, index, start, stop)
+        block = block.reshape(stop - start, width)
+        if ref is not None:
+            block = block - ref[start:stop].to(block.device)
+        sq += float(torch.sum(block * block))
+    return math.sqrt(sq)
 
 
 def row_norms(chunk: BookkeepingChunk, index: int) -> tuple[list[float], list[float], list[float]]:
