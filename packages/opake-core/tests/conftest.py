@@ -74,3 +74,13 @@ def ranks_launcher() -> ModuleType:
     module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A test that traces from scratch (with or without opake-patches' runtime patches, which
+    other tests of the suite may have installed: compiled transforms trace either way). Use
+    with ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -24,17 +24,11 @@ from opake.dpsgd.clipping import AdaptiveClipping, AutoSClipping, GroupClipping,
 from opake.functional import make_functional
 
 # Inductor's CPU backend touches torch.jit internals that warn on torch 2.13
-pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.*is deprecated:DeprecationWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*torch.jit.*is deprecated:DeprecationWarning"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 EXACT = 1.0 + 1e-12  # the oracle's fp64 rounding of a norm: the bound is proven, not modelled
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Each test traces from scratch (with or without opake-patches' runtime patches, which
-    other tests of the suite may have installed: compiled transforms trace either way)."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _mlp():
@@ -132,9 +126,12 @@ def _bounded(grad_fn, state, args, bound):
     ],
     ids=["overflow-cancelling", "underflow-nonfinite-zero"],
 )
-def test_proven_clipping_holds_compiled(examples, clip, kind):
-    """Adversarial examples (from the clipping-proof tests' patterns) through the compiled
-    ``grad_fn``: each example's contribution alone is within the bound, exactly."""
+@pytest.mark.parametrize("engine", ["vmap", "bookkeeping"])
+def test_proven_clipping_holds_compiled(examples, clip, kind, engine):
+    """Adversarial examples (from the clipping-proof tests' patterns) compiled: the vmap
+    engine's ``grad_fn`` compiled whole, or the book-keeping engine with its recording compiled
+    (``DPTraining(compile=True)``'s route for a full model; after a benign call, which records
+    eagerly): each example's contribution alone is within the bound, exactly."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(8, 3)
     fmodel, params = make_functional(layer)
@@ -145,9 +142,15 @@ def test_proven_clipping_holds_compiled(examples, clip, kind):
     )
     state = clip if kind == "fixed" else AutoSClipping(clip, 0.01)
     grad_fn, state = clipped_grad(
-        loss, clipping_norm=state, batch_argnums=(1, 2), engine="vmap", check_unused=False
+        loss, clipping_norm=state, batch_argnums=(1, 2), engine=engine, check_unused=False
     )
-    _bounded(torch.compile(grad_fn, fullgraph=True), state, (params, x, y), clip)
+    if engine == "vmap":
+        _bounded(torch.compile(grad_fn, fullgraph=True), state, (params, x, y), clip)
+        return
+    grad_fn._bookkeeping.compile_recording()
+    grad_fn(params, torch.randn_like(x) * 0.1, torch.randn_like(y) * 0.1, state=state)
+    _bounded(grad_fn, state, (params, x, y), clip)
+    assert grad_fn._bookkeeping.compiled.calls == x.shape[0]
 
 
 @pytest.mark.parametrize("clip", [1.0, 0.5])

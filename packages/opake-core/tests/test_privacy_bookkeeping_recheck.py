@@ -28,14 +28,10 @@ from opake.dpsgd.clipping import clipped_grad
 from opake.functional import make_functional
 
 B, T, C = 8, 5, 0.01
-pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.*is deprecated:DeprecationWarning")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*torch.jit.*is deprecated:DeprecationWarning"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

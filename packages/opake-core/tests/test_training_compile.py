@@ -18,14 +18,10 @@ from opake.dpsgd.training import DPTraining
 from opake.functional import make_functional
 
 N, C = 40, 0.5
-pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.*is deprecated:DeprecationWarning")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*torch.jit.*is deprecated:DeprecationWarning"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 
 
 @pytest.fixture
