@@ -81,6 +81,11 @@ def _build_model(plan: RunPlan, device: torch.device) -> tuple[Any, Any, Any]:
         )
     model = loaded.model.to(device)
     _check_positions(model, s.model)
+    from opake.patches.runtime._hf import install_transformers_patch
+
+    # transformers' checks of input values (GPT-2's padding warning) are skipped inside the
+    # per-example transforms, whichever runtime patches this process holds (idempotent)
+    install_transformers_patch()
     report = None
     if plan.patch:
         from opake.patches import apply_model_patches

@@ -305,6 +305,7 @@ def remove_runtime_patches() -> None:
     with _registry.lock:
         for name in reversed(PATCH_NAMES):
             _disable(name)
+        _transformers_patch(False)  # also when installed on its own (``opake train`` does)
 
 
 def is_runtime_patched(name: str | None = None) -> bool:
