@@ -170,7 +170,7 @@ def verify(
     norms = compare_norms(diff, want, have, bounds, rounding, scale=scale, low=low, what=what)
     if norms is not None:
         return norms
-    tol = (5e-2 if low else 1e-4) * max(scale, 1e-12)
+    tol = _tolerance(scale, low)
     for k, name in enumerate(diff):
         own = chunk.pieces.get(name)
         if not own:  # book-keeping's gradient is zero: the norms decided
@@ -261,7 +261,7 @@ def compare_norms(
         return INCONCLUSIVE
     if not (sum(want) > 0.0 or sum(have) > 0.0):  # zero on both sides proves nothing
         return INCONCLUSIVE
-    tol = (5e-2 if low else 1e-4) * max(scale, 1e-12)
+    tol = _tolerance(scale, low)
     for name, w, h, b, r in zip(names, want, have, bounds, rounding, strict=True):
         got_norm, norm, bound = math.sqrt(w), math.sqrt(h), math.sqrt(b)
         margin = tol + (r if math.isfinite(r) else 0.0)  # autograd's own fp32 rounding
@@ -271,6 +271,12 @@ def compare_norms(
                 f"bound {bound:.6g}), per-example autograd norm {got_norm:.6g}"
             )
     return None
+
+
+def _tolerance(scale: float, low: bool) -> float:
+    """What two fp32 (``low``: half-precision) computations of a model may differ by, for a
+    gradient of norm ``scale``."""
+    return (5e-2 if low else 1e-4) * max(scale, 1e-12)
 
 
 def _autograd(

@@ -162,12 +162,11 @@ class CompiledRecording:
         runner = self._runner
         self.fresh = False
         diff = args[runner.argnums]
-        names = tuple(diff)
-        key = (names, *runner.structure(args)[:2], batch)
+        key = (*runner.shapes(args), batch)  # the names among the shapes
         if self.eager is not None or key not in self._layouts:
             losses, aux, uses = runner._forward_backward(args, batch)
             if self.eager is None:
-                self._install(names)
+                self._install(tuple(diff))
                 self._layouts[key] = self._layout(uses)
             return losses, aux, uses
         layout = self._layouts[key]

@@ -384,10 +384,8 @@ class BookkeepingRunner:
                 chunk.parts[(i, j)] = parts
         return chunk
 
-    def structure(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """What a passed check covers: the differentiated names and dtypes, the batched
-        arguments' shapes and dtypes (batch dimension excluded), the recorded layer uses, and
-        the modules' training flags and other arguments (:func:`~._check.settings_key`)."""
+    def shapes(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Differentiated names and dtypes; batched arguments' shapes (no batch) and dtypes."""
         import torch
         from torch.utils._pytree import tree_leaves
 
@@ -398,9 +396,13 @@ class BookkeepingRunner:
             for x in tree_leaves(args[pos])
             if isinstance(x, torch.Tensor)
         )
-        dtypes = tuple((name, str(value.dtype)) for name, value in diff.items())
+        return tuple((name, str(value.dtype)) for name, value in diff.items()), batched
+
+    def structure(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """What a passed check covers: :meth:`shapes`, the recorded layer uses, and the
+        modules' plain attributes and other arguments (:func:`~._check.settings_key`)."""
         skip = (self.argnums, *self.batch_argnums)
-        return dtypes, batched, self._layout, settings_key(self.loss.module, args, skip)
+        return *self.shapes(args), self._layout, settings_key(self.loss.module, args, skip)
 
     def run_checked(
         self,
@@ -435,8 +437,7 @@ class BookkeepingRunner:
         self._calls += 1
         key = (*self.structure(args), units is not None)
         last = self._verified.get(key)
-        # a call whose recording compiled a new graph is checked whatever its structure: the
-        # compiled trace may differ from the eager one (a torch.compiler.is_compiling() branch)
+        # a newly compiled graph is checked whatever the key: its trace may differ from eager
         fresh = self.compiled is not None and self.compiled.fresh
         if last is not None and not fresh and self._calls - last < RECHECK_EVERY:
             return chunk
