@@ -28,6 +28,8 @@ medians over rounds, ratios taken within each round. Threads: torch's default un
     python tools/bench/compile_step.py --modes lora --rounds 3
     python tools/bench/compile_step.py --model smollm2 --batch 8 --seq 128 --modes lora
     python tools/bench/compile_step.py --device cuda --json out.json   # on a GPU
+    python tools/bench/compile_step.py --paired --modes full --steps 15 \
+        --methods nonprivate nonprivate-compiled opake-bk opake-bk-compiled   # paired ratios
 """
 
 from __future__ import annotations
@@ -172,6 +174,42 @@ def worker(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def paired(mode: str, args: argparse.Namespace) -> None:
+    """``--paired``: every method of ``mode`` built in this one process, their steps
+    interleaved (A, B, C, A, B, C, ...): the ratios are taken step by step, so they do not
+    carry the drift between processes a shared machine shows. First steps (compilations) and
+    peak memory are not separated here: use the default mode for those."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    work = _workload(args)
+    steps: dict[str, Any] = {}
+    for method in args.methods:
+        model, ids = build(mode, work)
+        if method.startswith("nonprivate"):
+            steps[method] = _nonprivate(model, ids, compiled=method.endswith("compiled"))
+        else:
+            steps[method] = _private(model, ids, method, args, work)
+        for _ in range(1 + args.warmup):
+            steps[method]()
+    times: dict[str, list[float]] = {method: [] for method in args.methods}
+    for _ in range(args.steps):
+        for method, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[method].append(time.perf_counter() - start)
+    base = args.methods[0]
+    print(f"| mode | method | step ms (median) | × {base} (median of paired ratios) |")
+    print("|---|---|---|---|")
+    for method, samples in times.items():
+        ratios = [t / b for t, b in zip(samples, times[base], strict=True)]
+        print(
+            f"| {mode} | {method} | {1e3 * statistics.median(samples):.0f} "
+            f"| {statistics.median(ratios):.3f}× |"
+        )
+
+
 def _run(mode: str, method: str, args: argparse.Namespace) -> dict[str, Any] | str:
     cmd = [sys.executable, str(SCRIPT), "--worker", mode, method, "--device", args.device]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -233,12 +271,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int)
     parser.add_argument("--seq", type=int)
     parser.add_argument("--json", type=Path, help="also write every run here")
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="all methods in one process, steps interleaved: paired ratios to the first method",
+    )
     args = parser.parse_args(argv)
     if args.steps < 3:
         parser.error("--steps must be at least 3 (a median)")
     if args.worker:
         mode, method = args.worker
         print(json.dumps(worker(mode, method, args)))
+        return 0
+    if args.paired:
+        machine = f"{platform.machine()} {os.cpu_count()} CPUs"
+        print(f"# compile_step --paired: {machine}, {args.steps} interleaved steps")
+        for mode in args.modes:
+            paired(mode, args)
         return 0
     print(
         f"# compile_step: {platform.machine()} {os.cpu_count()} CPUs, device {args.device}, "

@@ -50,12 +50,12 @@ def _wrap(owner: Any, name: str, label: str, acc: dict[str, float], clock: Any) 
 def _instrument(acc: dict[str, float], clock: Any) -> None:
     import torch
 
-    from opake.dpsgd.bookkeeping import _chunk, _runner
+    from opake.dpsgd.bookkeeping import _chunk, _fused, _runner
     from opake.dpsgd.optimizer import DPOptimizer
 
     _wrap(_runner.BookkeepingRunner, "_forward_backward", "forward + backward", acc, clock)
     _wrap(_runner.BookkeepingRunner, "_pieces", "pieces", acc, clock)
-    _wrap(_runner, "leaf_bounds", "certified bounds", acc, clock)
+    _wrap(_fused.LeafBoundsFn, "__call__", "certified bounds", acc, clock)
     _wrap(_runner, "measure_blocks", "exact route (measure)", acc, clock)
     _wrap(_chunk.BookkeepingChunk, "accumulate", "clipped sum", acc, clock)
     _wrap(DPOptimizer, "step", "noise + update", acc, clock)

@@ -28,7 +28,7 @@ import moe_step
 #: (module, attribute) timed inside each book-keeping step
 BREAKDOWN = (
     ("opake.dpsgd.bookkeeping._runner", "BookkeepingRunner._forward_backward"),
-    ("opake.dpsgd.bookkeeping._runner", "leaf_bounds"),
+    ("opake.dpsgd.bookkeeping._fused", "LeafBoundsFn.__call__"),
     ("opake.dpsgd.bookkeeping._chunk", "BookkeepingChunk.accumulate"),
     ("opake.models.bookkeeping._record", "experts_forward"),
     ("opake.models.bookkeeping._record", "_Saved.build"),

@@ -238,17 +238,17 @@ def test_audit_catches_an_engine_that_trusts_its_gram_norm(tiny_args, tmp_path, 
     clipping whole and ``opake audit`` reports a violation of the claimed ε."""
     import torch
 
-    import opake.dpsgd.bookkeeping._runner as bookkeeping_engine
     from opake.dpsgd.bookkeeping._certify import LeafBounds
+    from opake.dpsgd.bookkeeping._fused import LeafBoundsFn
 
-    original = bookkeeping_engine.leaf_bounds
+    original = LeafBoundsFn.__call__  # what the runner asks for every leaf's bounds
 
-    def leaf_bounds(*args, **kwargs):
-        leaf = original(*args, **kwargs)
+    def leaf_bounds(self, *args, **kwargs):
+        leaf = original(self, *args, **kwargs)
         zero = torch.zeros_like(leaf.sq)
         return LeafBounds(leaf.sq, leaf.sq.sqrt(), zero, zero > 0, leaf.rounding)
 
-    monkeypatch.setattr(bookkeeping_engine, "leaf_bounds", leaf_bounds)
+    monkeypatch.setattr(LeafBoundsFn, "__call__", leaf_bounds)
     out = tmp_path / "audit"
     args = _audit_args(tiny_args, out, "--no-plots", "--reproducible", "--target-epsilon", "1")
     args[args.index("--batch-size") + 1] = "100"  # q ≈ 0.3: every canary drawn a few times

@@ -52,7 +52,7 @@ def test_a_compiled_run_equals_the_eager_one(tiny_args, tmp_path, capsys, monkey
     real = torch.compile
 
     def compile_eagerly(fn, **options):
-        calls.append(options)
+        calls.append({"fn": getattr(fn, "__name__", "?"), **options})
         return real(fn, backend="eager", **options)
 
     monkeypatch.setattr(torch, "compile", compile_eagerly)
@@ -66,7 +66,9 @@ def test_a_compiled_run_equals_the_eager_one(tiny_args, tmp_path, capsys, monkey
     assert "chunks of 3 rows" in err
     assert "the first steps compile" in err
     assert "--compile: the model runs unpatched" in err  # the patched forward does not trace
-    assert calls == [{"fullgraph": True, "dynamic": False}]  # one graph, one shape
+    # one shape, two graphs: the batched forward and backward, and the bound arithmetic
+    assert sorted(call.pop("fn") == "leaf_arith" for call in calls) == [False, True]
+    assert calls == [{"fullgraph": True, "dynamic": False}] * 2
 
     def losses(run: str) -> list[float]:
         with (tmp_path / run / "metrics.csv").open() as handle:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from opake.core.errors import OperationError
 from opake.dpsgd.bookkeeping._pieces import (
@@ -55,6 +55,8 @@ from opake.dpsgd.certify import (
     GramCache,
     GramTerms,
     contraction_error,
+    contraction_factors,
+    contraction_from,
     dense_sq_norms,
     diagonal_norms,
     entry_error,
@@ -81,7 +83,10 @@ __all__ = [
     "certify",
     "certify_inner",
     "exact_block",
+    "finish",
+    "ghost_cert",
     "leaf_bounds",
+    "token_sums",
 ]
 
 #: take the exact route where the certified bound exceeds the computed norm by more than this
@@ -172,16 +177,15 @@ def _outer(piece: OuterSum, cache: GramCache | None) -> PieceCert:
     else:
         alpha = token_norms(piece.a) if ga is None else _norms_from(ga, piece.a, rows)
         a_err = entry_error(rows, piece.a.dtype, wide(piece.a))
-    widen = 1.0 + 2.0 * gamma64(steps + 2)  # the fp64 sums over tokens round too
-    s = (alpha * beta).sum(dim=1) * widen
-    pa, pb = alpha.sum(dim=1) * widen, beta.sum(dim=1) * widen
-    rel, abs_ = contraction_error(s, pa, pb, steps=steps, rows=batch * steps, shape=(rows, cols))
     b_err = entry_error(cols, piece.b.dtype, wide(piece.b))
-    terms = GramTerms.of((s, pa, pb), steps, a_err, b_err)
+    factors = contraction_factors(steps=steps, rows=batch * steps, shape=(rows, cols))
     if ga is not None and gb is not None:
-        sq = ga.mul_(gb).sum(dim=(1, 2))
-        err = error_bound(terms, terms)
+        sq, err, rel, abs_, (s, pa, pb) = ghost_cert(
+            ga, gb, alpha, beta, factors=factors, a_err=a_err, b_err=b_err
+        )
     else:  # materialised (in fp64 when tiny): its distance to G is a contraction over T
+        s, pa, pb = token_sums(alpha, beta)
+        rel, abs_ = contraction_from(s, pa, pb, factors)
         small = batch * steps * rows * cols <= _WIDE_MATERIALISE
         g = materialise(piece, wide=small)
         sq, up = dense_sq_norms(g.reshape(batch, -1))
@@ -194,6 +198,35 @@ def _outer(piece: OuterSum, cache: GramCache | None) -> PieceCert:
         norm = up.sqrt() + d_rel + d_abs
         err = (norm.square() - sq).clamp(min=0.0) * (1.0 + SAFE)
     return PieceCert(sq, err, rel, abs_, steps, (s, pa, pb), s)
+
+
+def token_sums(alpha: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Upper bounds of ``(S, Pa, Pb) = (Σ_t α_tβ_t, Σ_t α_t, Σ_t β_t)`` per example from
+    token-norm bounds ``[B, T]``: the fp64 sums over tokens round too (``γ64(T + 2)``)."""
+    widen = 1.0 + 2.0 * gamma64(int(alpha.shape[1]) + 2)
+    return (alpha * beta).sum(dim=1) * widen, alpha.sum(dim=1) * widen, beta.sum(dim=1) * widen
+
+
+def ghost_cert(
+    ga: torch.Tensor,
+    gb: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    factors: tuple[Any, Any, Any, Any],
+    a_err: tuple[Any, Any],
+    b_err: tuple[Any, Any],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The Gram route's certificate of an OuterSum from its Gram matrices ``[B, T, T]`` and
+    token-norm bounds ``[B, T]``: ``(sq, err, rel, abs, (S, Pa, Pb))``. Pure tensor arithmetic
+    (the constants: :func:`~opake.dpsgd.certify.contraction_factors` and the two sides'
+    :func:`~opake.dpsgd.certify.entry_error`, floats or fp64 0-d tensors), so a compiled
+    caller (:mod:`._fused`) evaluates the very same formulas."""
+    s, pa, pb = token_sums(alpha, beta)
+    rel, abs_ = contraction_from(s, pa, pb, factors)
+    terms = GramTerms.of((s, pa, pb), int(gb.shape[1]), a_err, b_err)
+    sq = (ga * gb).sum(dim=(1, 2))
+    return sq, error_bound(terms, terms), rel, abs_, (s, pa, pb)
 
 
 def _dense(piece: Dense) -> PieceCert:
@@ -373,8 +406,6 @@ def leaf_bounds(
     pieces: Sequence[Piece], numel: int, cache: GramCache | None = None, *, trusted: bool = False
 ) -> LeafBounds:
     """Combine a leaf's pieces into its :class:`LeafBounds` (see the module docstring)."""
-    import torch
-
     certs = [certify(p, cache, trusted=trusted) for p in pieces]
     sq = certs[0].sq.double()
     err = certs[0].err.double()
@@ -395,17 +426,33 @@ def leaf_bounds(
             default=1,
         )
         slack = slack + mix * slack + len(certs) * rows * ETA * math.sqrt(numel)
-    norm = (sq.clamp(min=0.0) + err).sqrt()
-    bound = (norm + rel) * FINAL
-    slack = (slack + ETA * math.sqrt(numel)) * FINAL
-    computed = sq.clamp(min=0.0).sqrt()
-    loose = bound > computed * (1.0 + LOOSE) + TINY
-    loose = loose | (~torch.isfinite(bound) & torch.isfinite(rel))
     rounding = sum(
         (gamma32(c.steps + 2) * (c.norm_up if c.scale is None else c.scale) for c in certs[1:]),
         gamma32(certs[0].steps + 2)
         * (certs[0].norm_up if certs[0].scale is None else certs[0].scale),
     )
+    return finish(sq, err, rel, slack, tail=ETA * math.sqrt(numel), rounding=rounding)
+
+
+def finish(
+    sq: torch.Tensor,
+    err: torch.Tensor,
+    rel: torch.Tensor,
+    slack: torch.Tensor,
+    *,
+    tail: Any,
+    rounding: torch.Tensor,
+) -> LeafBounds:
+    """A leaf's :class:`LeafBounds` from its summed squared norm, error bound, ``rel`` and
+    slack (``tail``: ``ETA·√numel``, a float or an fp64 0-d tensor)."""
+    import torch
+
+    norm = (sq.clamp(min=0.0) + err).sqrt()
+    bound = (norm + rel) * FINAL
+    slack = (slack + tail) * FINAL
+    computed = sq.clamp(min=0.0).sqrt()
+    loose = bound > computed * (1.0 + LOOSE) + TINY
+    loose = loose | (~torch.isfinite(bound) & torch.isfinite(rel))
     return LeafBounds(sq.clamp(min=0.0), bound, slack, loose, rounding)
 
 

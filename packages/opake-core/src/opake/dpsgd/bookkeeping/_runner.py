@@ -17,11 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, OperationError
-from opake.dpsgd.bookkeeping._certify import (
-    certified_operator,
-    exact_block,
-    leaf_bounds,
-)
+from opake.dpsgd.bookkeeping._certify import certified_operator, exact_block
 from opake.dpsgd.bookkeeping._check import (
     INCONCLUSIVE,
     RECHECK_EVERY,
@@ -34,6 +30,7 @@ from opake.dpsgd.bookkeeping._check import (
 )
 from opake.dpsgd.bookkeeping._chunk import BookkeepingChunk
 from opake.dpsgd.bookkeeping._compiled import CompiledRecording
+from opake.dpsgd.bookkeeping._fused import LeafBoundsFn
 from opake.dpsgd.bookkeeping._loss import BatchedLoss
 from opake.dpsgd.bookkeeping._pieces import Implicit, Piece
 from opake.dpsgd.bookkeeping._plan import BookkeepingPlan, bookkeeping_plan
@@ -47,13 +44,7 @@ from opake.dpsgd.bookkeeping._recording import (
 from opake.dpsgd.bookkeeping._trust import TRUST_ENV, trusted_names
 from opake.dpsgd.bookkeeping._units import RowUnits, UnitsUnsupportedError, regroup
 from opake.dpsgd.bookkeeping._use import LayerRule, LayerUse
-from opake.dpsgd.certify import (
-    FINAL,
-    GramCache,
-    full_precision,
-    measure_blocks,
-    scaled_add_error,
-)
+from opake.dpsgd.certify import FINAL, GramCache, full_precision, measure_blocks, scaled_add_error
 
 if TYPE_CHECKING:
     import torch
@@ -120,11 +111,13 @@ class BookkeepingRunner:
         self.units_refused: str | None = None
         #: the compiled recording (``DPTraining(compile=True)``), else ``None``: eager
         self.compiled: CompiledRecording | None = None
+        self.bounds = LeafBoundsFn()  # compiled with the recording
 
     def compile_recording(self) -> None:
         """Record with a compiled forward and backward from now on (:mod:`._compiled`)."""
         if self.compiled is None:
             self.compiled = CompiledRecording(self)
+            self.bounds = LeafBoundsFn(compiled=True)
 
     def plan(self, names: tuple[str, ...]) -> BookkeepingPlan:
         """The (cached) plan for these differentiated names."""
@@ -350,7 +343,7 @@ class BookkeepingRunner:
                     loose.append(zeros > 0)
                     rounding.append(zeros)
                     continue
-                leaf = leaf_bounds(own, diff[name].numel(), grams, trusted=True)
+                leaf = self.bounds(own, diff[name].numel(), grams)
                 sq.append(leaf.sq)
                 bound.append(leaf.bound)
                 slack.append(leaf.slack)

@@ -14,6 +14,11 @@ of that proof that both engines use:
 - :func:`measure_blocks`, :func:`guarded_add` — the exact route, which adds exactly what it
   measured.
 
+:func:`diagonal_norms` and :func:`contraction_error` also come as their constants
+(:func:`diagonal_factors`, :func:`contraction_factors`) and the formula applied to them
+(:func:`diagonal_from`, :func:`contraction_from`): a compiled caller passes the constants as
+fp64 tensors, so one graph evaluates the very same formula for every layer shape.
+
 The privacy guide's "Proof of the clipping bound" page walks through the argument with
 pointers here. See ``README.md`` beside this file.
 
@@ -43,6 +48,8 @@ from opake.dpsgd.certify._gram import (
     WIDE_MACS,
     GramCache,
     GramTerms,
+    diagonal_factors,
+    diagonal_from,
     diagonal_norms,
     entry_error,
     error_bound,
@@ -53,6 +60,8 @@ from opake.dpsgd.certify._sums import (
     FINAL,
     adjust_factors,
     contraction_error,
+    contraction_factors,
+    contraction_from,
     division_slack,
     divisor_up,
     scaled_add_error,
@@ -71,7 +80,11 @@ __all__ = [
     "GramTerms",
     "adjust_factors",
     "contraction_error",
+    "contraction_factors",
+    "contraction_from",
     "dense_sq_norms",
+    "diagonal_factors",
+    "diagonal_from",
     "diagonal_norms",
     "division_slack",
     "divisor_up",

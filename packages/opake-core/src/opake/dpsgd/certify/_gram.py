@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from opake.dpsgd.certify._float import BLOCK, ETA, SAFE, U64, gamma32, gamma64
 
@@ -41,6 +41,8 @@ __all__ = [
     "WIDE_MACS",
     "GramCache",
     "GramTerms",
+    "diagonal_factors",
+    "diagonal_from",
     "diagonal_norms",
     "entry_error",
     "error_bound",
@@ -58,7 +60,8 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
 
 
 #: a Gram matrix of at most this many multiply-adds is formed in fp64 (products of fp32 numbers
-#: exact, so its rounding is fp64's): negligible time, and no fp32 slack on small layers
+#: exact, so its rounding is fp64's): about twice an fp32 product's time on CPU, and no fp32
+#: slack on small layers (fp32's would clip up to ~1e-5 harder, more where tokens cancel)
 WIDE_MACS = 1 << 23
 
 
@@ -89,9 +92,11 @@ def gram(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
     """
     import torch
 
-    y = x if y is None else y
     if wide(x, y):
-        return torch.bmm(x.double(), y.double().transpose(1, 2))
+        xd = x.double()
+        yd = xd if y is None or y is x else y.double()  # one conversion for x·xᵀ
+        return torch.bmm(xd, yd.transpose(1, 2))
+    y = x if y is None else y
     x, y = _wide(x), _wide(y)
     d = int(x.shape[-1])
     if d <= BLOCK:
@@ -130,6 +135,34 @@ def entry_error(d: int, dtype: torch.dtype, wide: bool = False) -> tuple[float, 
     return root, max(k / root, math.sqrt(m))
 
 
+def diagonal_factors(d: int, dtype: torch.dtype, wide: bool) -> tuple[float, float, float, float]:
+    """``(p, m, q, r)`` with ``‖x_t‖² ≤ ((ĝ + p)·m + q)/r`` for the diagonal ``ĝ`` of
+    ``gram(x)`` over ``d`` features of ``dtype`` (``wide``: formed in fp64); see
+    :func:`diagonal_norms`. The unused terms are an exact ``+ 0`` and ``/ 1``.
+
+    >>> diagonal_factors(0, __import__("torch").float32, True)
+    (0.0, 0.0, 0.0, 1.0)
+    """
+    import torch
+
+    if d == 0:
+        return 0.0, 0.0, 0.0, 1.0
+    if dtype == torch.float64:
+        return 2.0 * d * ETA64, 1.0 + 2.0 * gamma64(d + 1), 0.0, 1.0
+    if wide:
+        return 0.0, 1.0 + 2.0 * gamma64(d), d * ETA * ETA, 1.0
+    return 0.0, 1.0 + 2.0 * gamma64(d), 3.0 * d * ETA, 1.0 - gamma32(min(d, BLOCK))
+
+
+def diagonal_from(g: torch.Tensor, factors: tuple[Any, Any, Any, Any]) -> torch.Tensor:
+    """:func:`diagonal_norms` from :func:`diagonal_factors` (floats, or fp64 0-d tensors: the
+    form a compiled caller passes, one graph for every ``d``)."""
+    p, m, q, r = factors
+    diag = g.flatten(1)[:, :: int(g.shape[1]) + 1].clamp(min=0.0)  # the diagonals, [B, T]
+    out: torch.Tensor = (((diag + p) * m + q) / r).sqrt() * (1.0 + SAFE)
+    return out
+
+
 def diagonal_norms(g: torch.Tensor, d: int, dtype: torch.dtype, wide: bool) -> torch.Tensor:
     """Certified bounds of ``‖x_t‖`` ``[B, T]`` (fp64) from the diagonal of ``g = gram(x)``.
 
@@ -137,26 +170,16 @@ def diagonal_norms(g: torch.Tensor, d: int, dtype: torch.dtype, wide: bool) -> t
     fp32, each block's sum ``ŝ ≥ (1 − γ32(BLOCK))·s − 2·BLOCK·ETA`` and the fp64 sum over the
     blocks within ``γ64(blocks)``, a subnormal input read as zero losing less than ``ETA²``:
     ``‖x‖² ≤ (ĝ·(1 + 2γ64(d)) + 3·d·ETA)/(1 − γ32(BLOCK))``; fp64 products of fp32 inputs:
-    ``ĝ·(1 + 2γ64(d)) + d·ETA²``; fp64 inputs: ``(ĝ + 2·d·2⁻¹⁰²²)·(1 + 2γ64(d + 1))``. A
-    non-finite diagonal (a block that overflowed) stays non-finite: recompute those tokens.
+    ``ĝ·(1 + 2γ64(d)) + d·ETA²``; fp64 inputs: ``(ĝ + 2·d·2⁻¹⁰²²)·(1 + 2γ64(d + 1))``
+    (:func:`diagonal_factors`). A non-finite diagonal (a block that overflowed) stays
+    non-finite: recompute those tokens.
 
     >>> import torch
     >>> x = torch.tensor([[[3.0, 4.0]]])
     >>> 5.0 <= float(diagonal_norms(gram(x), 2, x.dtype, True)[0, 0]) < 5.0 + 1e-9
     True
     """
-    import torch
-
-    diag = g.diagonal(dim1=1, dim2=2).clamp(min=0.0)
-    if d == 0:
-        return diag * 0.0
-    if dtype == torch.float64:
-        up = (diag + 2.0 * d * ETA64) * (1.0 + 2.0 * gamma64(d + 1))
-    elif wide:
-        up = diag * (1.0 + 2.0 * gamma64(d)) + d * ETA * ETA
-    else:
-        up = (diag * (1.0 + 2.0 * gamma64(d)) + 3.0 * d * ETA) / (1.0 - gamma32(min(d, BLOCK)))
-    return up.sqrt() * (1.0 + SAFE)
+    return diagonal_from(g, diagonal_factors(d, dtype, wide))
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ takes it off the factor instead, so that ``w'·bound + abs ≤ w·bound``.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from opake.dpsgd.certify._float import ETA, SAFE, U32, gamma32
 
@@ -32,6 +32,8 @@ __all__ = [
     "FINAL",
     "adjust_factors",
     "contraction_error",
+    "contraction_factors",
+    "contraction_from",
     "division_slack",
     "divisor_up",
     "scaled_add_error",
@@ -91,10 +93,31 @@ def contraction_error(
     >>> float(rel[0]) < 4e-7, float(abs_[0]) < 1e-36
     (True, True)
     """
+    return contraction_from(s, pa, pb, contraction_factors(steps=steps, rows=rows, shape=shape))
+
+
+def contraction_factors(
+    *, steps: int, rows: int, shape: tuple[int, int]
+) -> tuple[float, float, float, float]:
+    """``(γ32(steps + 3), √R, √C, 4·rows·ETA·√R·√C)``: the constants of
+    :func:`contraction_error`.
+
+    >>> contraction_factors(steps=1, rows=1, shape=(4, 9))[1:3]
+    (2.0, 3.0)
+    """
     rows_r, cols = shape
     root_r, root_c = math.sqrt(rows_r), math.sqrt(cols)
-    rel = s * gamma32(steps + 3) + (pa * root_c + pb * root_r) * (2.0 * ETA)
-    abs_ = (pb * root_r + pa * root_c) * (3.0 * ETA) + 4.0 * rows * ETA * root_r * root_c
+    return gamma32(steps + 3), root_r, root_c, 4.0 * rows * ETA * root_r * root_c
+
+
+def contraction_from(
+    s: torch.Tensor, pa: torch.Tensor, pb: torch.Tensor, factors: tuple[Any, Any, Any, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`contraction_error` from :func:`contraction_factors` (floats, or fp64 0-d
+    tensors: the form a compiled caller passes, one graph for every layer shape)."""
+    g, root_r, root_c, flush = factors
+    rel = s * g + (pa * root_c + pb * root_r) * (2.0 * ETA)
+    abs_ = (pb * root_r + pa * root_c) * (3.0 * ETA) + flush
     return rel * (1.0 + SAFE), abs_ * (1.0 + SAFE)
 
 
