@@ -84,3 +84,50 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+class _CppFlags:
+    """The floating-point flags of every C++ build Inductor ran (see ``unsafe_inductor``)."""
+
+    def __init__(self) -> None:
+        self.builds: list[list[str]] = []
+
+    def check(self) -> None:
+        """Every build ran without unsafe math and without floating-point contraction."""
+        assert self.builds, "no C++ code was built"
+        for flags in self.builds:
+            assert "fno-unsafe-math-optimizations" in flags, flags
+            assert flags.index("fno-unsafe-math-optimizations") > flags.index(
+                "funsafe-math-optimizations"
+            ), flags
+            assert "ffp-contract=off" in flags, flags
+            assert "ffp-contract=fast" not in flags, flags
+
+
+@pytest.fixture
+def unsafe_inductor(monkeypatch):
+    """Inductor configured as ``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1`` and
+    ``TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG=fast`` would (caches off, so the C++
+    code is built in the test); yields a :class:`_CppFlags` recording every build's flags."""
+    import warnings
+
+    import torch._inductor.config as inductor
+    import torch._inductor.cpp_builder as builder
+
+    record = _CppFlags()
+    original = builder._get_ffast_math_flags
+
+    def spy() -> list[str]:
+        flags = original()
+        record.builds.append(list(flags))
+        return flags
+
+    monkeypatch.setattr(builder, "_get_ffast_math_flags", spy)
+    unsafe = {
+        "cpp.enable_unsafe_math_opt_flag": True,
+        "cpp.enable_floating_point_contract_flag": "fast",
+        "force_disable_caches": True,
+    }
+    with inductor.patch(unsafe), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "dynamo_pgo force disabled", UserWarning)
+        yield record

@@ -235,3 +235,12 @@ def test_the_compiled_recording_compiles_the_bound_arithmetic_too():
     assert not runner.bounds.compiled
     runner.compile_recording()
     assert runner.bounds.compiled
+
+
+@pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled:UserWarning")
+def test_the_compiled_arithmetic_pins_ieee_flags_whatever_the_environment(unsafe_inductor):
+    with full_precision():
+        fused = LeafBoundsFn(compiled=True)
+        fused([_layer()], 96 * 64, GramCache())
+    assert fused.compiled
+    unsafe_inductor.check()

@@ -190,11 +190,14 @@ def test_a_loss_that_does_not_trace_is_an_opake_error(eager_backend):
     assert training.steps == 0
 
 
-def test_inductor_compiled_step_equals_eager():
+def test_inductor_compiled_step_equals_eager(unsafe_inductor):
+    """Compiled with Inductor, whatever unsafe math or contraction the environment asks for:
+    the compiled clipped-gradient call pins IEEE flags (``ieee_compile_options``)."""
     eager, _ = _run(2, microbatch_size=8)
     compiled, _ = _run(2, microbatch_size=8, compile=True)
     for name, value in eager.items():
         torch.testing.assert_close(compiled[name], value, atol=1e-5, rtol=1e-5)
+    unsafe_inductor.check()
 
 
 def test_units_per_call_are_refused_compiled(eager_backend):

@@ -37,6 +37,7 @@ from opake.dpsgd.certify import (
     entry_error,
     gamma32,
     gram,
+    ieee_compile_options,
     wide,
 )
 
@@ -130,7 +131,9 @@ class LeafBoundsFn:
         if compiled:
             import torch
 
-            self._fn = torch.compile(leaf_arith, dynamic=False, fullgraph=True)
+            self._fn = torch.compile(
+                leaf_arith, dynamic=False, fullgraph=True, options=ieee_compile_options()
+            )
         self.compiled = compiled
         self._constants: dict[tuple[Any, ...], torch.Tensor] = {}
 

@@ -42,6 +42,7 @@ from opake.dpsgd.certify._float import (
     full_precision,
     gamma32,
     gamma64,
+    ieee_compile_options,
     token_norms,
 )
 from opake.dpsgd.certify._gram import (
@@ -95,6 +96,7 @@ __all__ = [
     "gamma64",
     "gram",
     "guarded_add",
+    "ieee_compile_options",
     "measure_blocks",
     "row_blocks",
     "scaled_add_error",

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
+from opake.dpsgd.certify import ieee_compile_options
 
 if TYPE_CHECKING:
     import torch
@@ -147,7 +148,10 @@ class CompiledStep:
 
                 _LOG.info("compile=True: the vmap engine, the clipped-gradient call compiled")
                 self._compiled = torch.compile(
-                    self._grad_fn, fullgraph=self._fullgraph, dynamic=False
+                    self._grad_fn,
+                    fullgraph=self._fullgraph,
+                    dynamic=False,
+                    options=ieee_compile_options(),
                 )
         return self._grad_fn if self.engine == "bookkeeping" else self._compiled
 
