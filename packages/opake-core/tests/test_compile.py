@@ -293,3 +293,27 @@ def test_fullgraph_tiny_llama_equals_eager():
     got, _ = torch.compile(grad_fn, fullgraph=True)(params, ids, state=state)
     want, _ = grad_fn(params, ids, state=state)
     _close(got, want, atol=1e-6)
+
+
+def test_compiled_factors_still_round_toward_zero():
+    """The fp32 clip factors round toward zero under Inductor too: the cast round trip
+    ``fp64 → fp32 → fp64`` that detects a rounded-up factor must not be folded away (a torch
+    release whose Inductor dropped it would let a factor grow by half an ulp, several parts
+    per million for a subnormal one)."""
+    from opake.dpsgd.certify import ieee_compile_options
+    from opake.dpsgd.clipping._base import _fp32_toward_zero
+
+    gen = torch.Generator().manual_seed(11)
+    exponents = torch.randint(-148, 2, (4096,), generator=gen).double()
+    factor = torch.rand(4096, generator=gen, dtype=torch.float64).add(1.0) * 2.0**exponents
+    # half an fp32 ulp and more above fp32 numbers: round to nearest goes up
+    base = factor.float()
+    above = torch.nextafter(base, torch.full_like(base, 2.0)).double()
+    factor = torch.cat([factor, base.double() * 0.25 + above * 0.75]).clamp(max=1.0)
+    compiled = torch.compile(
+        _fp32_toward_zero, fullgraph=True, dynamic=False, options=ieee_compile_options()
+    )
+    got = compiled(factor)
+    assert bool((got.double() <= factor).all())
+    assert torch.equal(got, _fp32_toward_zero(factor))
+    assert bool((factor.float().double() > factor).any())  # the cases round up to nearest

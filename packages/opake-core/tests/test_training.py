@@ -257,6 +257,43 @@ def test_resume_refuses_other_privacy_settings(tmp_path):
         other.load_state_dict(state)
 
 
+def _resume(training, how, state, path):
+    """Resume ``training`` from a state dict or from a checkpoint file."""
+    if how == "state_dict":
+        training.load_state_dict(state)
+    else:
+        training.load(path)
+
+
+@pytest.mark.parametrize("how", ["state_dict", "file"])
+def test_resume_refuses_other_clipping_instead_of_ignoring_it(tmp_path, how):
+    # the saved state used to replace the new clipping norm without a word
+    from opake.dpsgd.checkpoint import CheckpointError
+    from opake.dpsgd.clipping import AutoSClipping
+
+    x, y = T.data(N)
+    _, first = _training()
+    first.step(x[:3], y[:3])
+    state, path = first.state_dict(), first.save(tmp_path / "run.pt")
+    cases = [
+        (2.0 * C, f"FixedClipping\\(clipping_norm={C}\\), this training with .*={2.0 * C}"),
+        (AutoSClipping(C), "clips with FixedClipping, this training with AutoSClipping"),
+    ]
+    if how == "file":  # the checkpoint's own loader refuses another method first
+        cases[1] = (AutoSClipping(C), "FixedClipping but the template given is a AutoSClipping")
+    for clipping, match in cases:
+        _, other = _training(clipping_norm=clipping)
+        with pytest.raises((ConfigurationError, CheckpointError), match=match):
+            _resume(other, how, state, path)
+        assert other.clip_state.to_dict() != first.clip_state.to_dict()
+        if how == "state_dict":  # validated before anything is restored
+            assert other.steps == 0
+            assert other.epsilon() == 0.0
+    _, same = _training()
+    same.load(path)  # the saved settings resume
+    assert same.steps == first.steps
+
+
 def test_state_is_refused_mid_step_and_accumulation_can_be_dropped():
     x, y = T.data(N)
     _, training = _training()

@@ -91,6 +91,27 @@ def _check_config(mine: Mapping[str, Any], saved: Any) -> None:
         )
 
 
+def _check_clip(mine: ClipState, saved: ClipState | None) -> None:
+    """A resumed training clips as it was built to: the saved clipping method, and for a
+    method that does not change from step to step (fixed C, groups, AUTO-S) the same
+    settings — the loaded state would otherwise replace the new ones unnoticed."""
+    from opake.dpsgd.clipping import ClipState as Base
+
+    if saved is None:
+        return
+    if type(saved) is not type(mine):
+        raise ConfigurationError(
+            f"the saved training state clips with {type(saved).__name__}, this training with "
+            f"{type(mine).__name__}; resume with the saved clipping method"
+        )
+    if type(mine).advance is Base.advance and saved.to_dict() != mine.to_dict():
+        raise ConfigurationError(
+            f"the saved training state clips with {saved!r}, this training with {mine!r}; "
+            "resume with the saved clipping settings, or start a new training to clip "
+            "otherwise"
+        )
+
+
 #: why a sharded training has no state dict (its state is one shard per rank)
 _SHARDED = (
     "with shard=True: each rank holds its shards of the parameters and optimizer state; use "
@@ -133,6 +154,7 @@ def load_state_dict(parts: Parts, state: Mapping[str, Any]) -> ClipState:
         )
     _check_config(parts.config, state.get("config"))
     clip = clip_state_from_dict(state["clip_state"])
+    _check_clip(parts.clip_state, clip)
     parts.optimizer.load_state_dict(state["optimizer"])
     parts.accountant.load_state_dict(state["accountant"])
     parts.sampler.load_state_dict(state["sampler"])
@@ -257,6 +279,7 @@ def load(
     config = extra.pop(_CONFIG_KEY, None)
     if config is not None:
         _check_config(parts.config, config)
+    _check_clip(parts.clip_state, ckpt.clip_state)
     # else: a checkpoint of the same components written without DPTraining (e.g. an
     # earlier opake train): the optimizer, sampler and accountant were each validated and
     # restored above (a file without an accountant is refused), so nothing is forgotten
@@ -283,7 +306,12 @@ class TrainingState(TrainingViews, abc.ABC):
         return state_dict(parts_of(self))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the next step equals the uninterrupted run's (seeded)."""
+        """Restore :meth:`state_dict`; the next step equals the uninterrupted run's (seeded).
+
+        Refused (:class:`~opake.core.errors.ConfigurationError`, nothing restored) when the
+        state was made with other privacy settings or another clipping: another method, or a
+        fixed method (fixed C, groups, AUTO-S) with other settings.
+        """
         self._clip_state = load_state_dict(parts_of(self), state)
         self._after_load()
 
@@ -320,6 +348,8 @@ class TrainingState(TrainingViews, abc.ABC):
         """Restore what :meth:`save` wrote (every rank); returns the saved ``extra``.
 
         ``collective=False`` reads without collectives (each rank may call it on its own).
+        Refused as :meth:`load_state_dict` is when the file was made with other privacy or
+        clipping settings.
         """
         extra, clip = load(parts_of(self), path, model=model, rng=rng, collective=collective)
         if clip is not None:
