@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    name = args.model or "benchmark Llama"  # (the workload resolves args.model to a path)
     work = compile_step._workload(args)
     steps: dict[str, Callable[[], None]] = {}
     for method in METHODS:
@@ -100,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
             totals[method].append(time.perf_counter() - start)
             for stage in STAGES if method.startswith("opake") else ():
                 stages[method, stage].append(acc[stage])
-    name = args.model or "benchmark Llama"
     threads = torch.get_num_threads()
     print(
         f"{name}, full fine-tuning, batch {work.batch} × {work.seq}, chunks of "
