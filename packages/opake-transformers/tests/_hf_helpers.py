@@ -94,7 +94,7 @@ def count_compiled_graphs(monkeypatch: Any) -> list[Any]:
 
     graphs: list[Any] = []
 
-    def backend(gm: Any, example_inputs: Any) -> Any:
+    def backend(gm: Any, example_inputs: Any, **options: Any) -> Any:  # options: Inductor's
         graphs.append(gm)
         return gm.forward
 
