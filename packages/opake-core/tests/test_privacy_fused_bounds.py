@@ -244,3 +244,28 @@ def test_the_compiled_arithmetic_pins_ieee_flags_whatever_the_environment(unsafe
         fused([_layer()], 96 * 64, GramCache())
     assert fused.compiled
     unsafe_inductor.check()
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("cpp.march", "native -ffast-math -ffp-contract=fast"),  # TORCHINDUCTOR_CPP_MARCH
+        ("cpp.march", "-Ofast"),
+        ("cpp.cxx", (None, "g++ -ffast-math")),  # CXX with flags
+    ],
+)
+def test_compiler_settings_that_add_flags_are_refused(setting, value):
+    import torch._inductor.config as inductor
+
+    from opake.core.errors import ConfigurationError
+
+    with inductor.patch({setting: value}), pytest.raises(ConfigurationError, match="IEEE"):
+        LeafBoundsFn(compiled=True)
+
+
+@pytest.mark.parametrize("march", [None, "", "native", "x86-64-v3", "armv8.6-a+sve"])
+def test_architecture_names_pass(march):
+    import torch._inductor.config as inductor
+
+    with inductor.patch({"cpp.march": march}):
+        assert LeafBoundsFn(compiled=True).compiled

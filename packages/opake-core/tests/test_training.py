@@ -286,12 +286,49 @@ def test_resume_refuses_other_clipping_instead_of_ignoring_it(tmp_path, how):
         with pytest.raises((ConfigurationError, CheckpointError), match=match):
             _resume(other, how, state, path)
         assert other.clip_state.to_dict() != first.clip_state.to_dict()
-        if how == "state_dict":  # validated before anything is restored
-            assert other.steps == 0
-            assert other.epsilon() == 0.0
+        assert other.steps == 0  # validated before anything is restored
+        assert other.epsilon() == 0.0
     _, same = _training()
     same.load(path)  # the saved settings resume
     assert same.steps == first.steps
+
+
+@pytest.mark.parametrize("how", ["state_dict", "file"])
+def test_a_refused_resume_never_winds_the_accounting_back(tmp_path, how):
+    # a load refused only after restoring put a 5-step training's accountant, sampler and
+    # noise counter back to the file's 3 steps, under a model that kept all 5
+    x, y = T.data(N)
+    _, early = _training()
+    for _ in range(3):
+        early.step(x[:3], y[:3])
+    state, path = early.state_dict(), early.save(tmp_path / "early.pt")
+    _, later = _training(clipping_norm=2.0 * C)
+    for _ in range(5):
+        later.step(x[:3], y[:3])
+    spent, noise = later.epsilon(), copy.deepcopy(later.optimizer.state_dict())
+    with pytest.raises(ConfigurationError, match="clips with"):
+        _resume(later, how, state, path)
+    assert later.steps == later.accountant.steps == 5
+    assert later.epsilon() == spent
+    assert later.optimizer.state_dict()["noise"] == noise["noise"]
+
+
+@pytest.mark.parametrize("damaged", ["accountant", "optimizer"])
+def test_a_damaged_state_dict_restores_nothing(damaged):
+    x, y = T.data(N)
+    _, first = _training()
+    for _ in range(3):
+        first.step(x[:3], y[:3])
+    state = copy.deepcopy(first.state_dict())
+    state[damaged] = {"not": "a state"}
+    _, other = _training()
+    other.step(x[:3], y[:3])
+    before = (copy.deepcopy(other.optimizer.state_dict()["noise"]), other.sampler.state_dict())
+    with pytest.raises((ConfigurationError, KeyError, TypeError, ValueError)):
+        other.load_state_dict(state)
+    assert other.steps == other.accountant.steps == 1
+    assert other.optimizer.state_dict()["noise"] == before[0]
+    assert other.sampler.state_dict() == before[1]
 
 
 def test_state_is_refused_mid_step_and_accumulation_can_be_dropped():

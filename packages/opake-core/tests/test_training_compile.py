@@ -260,3 +260,17 @@ def _past_the_recompile_limit():
         training.step(torch.randn(4, length, 8), y)
     with pytest.raises(OperationError, match="pad every batch"):
         training.step(torch.randn(4, 3, 8), y)
+
+
+def test_a_compiler_that_adds_flags_is_refused_before_anything_is_noised():
+    # TORCHINDUCTOR_CPP_MARCH="native -ffast-math" put -ffinite-math-only into the compiled
+    # step: its non-finite checks vanished and a NaN reached the clipped sum
+    import torch._inductor.config as inductor
+
+    x, y = _data()
+    _, training = _training(microbatch_size=8, compile=True)
+    unsafe = inductor.patch({"cpp.march": "native -ffast-math"})
+    with unsafe, pytest.raises(ConfigurationError, match="TORCHINDUCTOR_CPP_MARCH"):
+        training.step(x[:5], y[:5])
+    assert training.steps == 0
+    assert training.epsilon() == 0.0

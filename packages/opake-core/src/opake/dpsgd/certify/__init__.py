@@ -31,6 +31,7 @@ True
 
 from __future__ import annotations
 
+from opake.dpsgd.certify._compiler import ieee_compile_options
 from opake.dpsgd.certify._exact import ROW_BLOCK, guarded_add, measure_blocks, row_blocks
 from opake.dpsgd.certify._float import (
     BLOCK,
@@ -42,7 +43,6 @@ from opake.dpsgd.certify._float import (
     full_precision,
     gamma32,
     gamma64,
-    ieee_compile_options,
     token_norms,
 )
 from opake.dpsgd.certify._gram import (

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,6 @@ __all__ = [
     "full_precision",
     "gamma32",
     "gamma64",
-    "ieee_compile_options",
     "token_norms",
 ]
 
@@ -80,23 +79,6 @@ def gamma64(n: float) -> float:
     True
     """
     return _gamma(n, U64)
-
-
-def ieee_compile_options() -> dict[str, Any]:
-    """The Inductor settings (``torch.compile(options=...)``) every compiled evaluation of the
-    clipping arithmetic pins, whatever the environment or ``torch._inductor.config`` set: no
-    unsafe math optimisations (reassociation, reciprocal approximations: outside the model
-    above) and no floating-point contraction in Inductor's C++ code. A fused multiply-add is
-    inside the model (one rounding instead of two: a special case of the two operations'
-    bound), so contraction is pinned off only to match what the proof's page states.
-
-    >>> sorted(ieee_compile_options())
-    ['cpp.enable_floating_point_contract_flag', 'cpp.enable_unsafe_math_opt_flag']
-    """
-    return {
-        "cpp.enable_unsafe_math_opt_flag": False,
-        "cpp.enable_floating_point_contract_flag": "off",
-    }
 
 
 @contextlib.contextmanager

@@ -112,6 +112,32 @@ def _check_clip(mine: ClipState, saved: ClipState | None) -> None:
         )
 
 
+def _check_saved(parts: Parts, path: Path) -> None:
+    """The saved settings and clipping of the file at ``path`` (a sharded training's DP state
+    file in that directory), checked before any loader restores anything: a refusal after the
+    restore would leave the accountant, sampler and noise counter wound back. A file this rank
+    cannot see is left to the loader, which reports it on every rank together."""
+    from opake.dpsgd.checkpoint._components import _decode_value, _self_describing
+    from opake.dpsgd.checkpoint._file import _read
+
+    if parts.sharded is not None:
+        from opake.dpsgd.distributed.sharded._checkpoint import DP_FILE
+
+        path = path / DP_FILE
+    if not path.is_file():
+        return
+    payload = _read(path, "cpu", mmap=True)  # the header; the tensors stay on disk
+    config = payload["extra"].get(_CONFIG_KEY)
+    if config is not None:
+        _check_config(parts.config, config)
+    # else: a checkpoint of the same components written without DPTraining (e.g. an
+    # earlier opake train): the optimizer, sampler and accountant are each validated and
+    # restored by the loader (a file without an accountant is refused), so nothing is forgotten
+    saved = payload["components"].get("clip_state")
+    if saved is not None and _self_describing(saved):
+        _check_clip(parts.clip_state, _decode_value(parts.clip_state, saved))
+
+
 #: why a sharded training has no state dict (its state is one shard per rank)
 _SHARDED = (
     "with shard=True: each rank holds its shards of the parameters and optimizer state; use "
@@ -155,9 +181,15 @@ def load_state_dict(parts: Parts, state: Mapping[str, Any]) -> ClipState:
     _check_config(parts.config, state.get("config"))
     clip = clip_state_from_dict(state["clip_state"])
     _check_clip(parts.clip_state, clip)
+    # nothing restored until everything is known to fit: the components that can check a
+    # state do, the one that cannot (the sampler) is restored first
+    for part, key in ((parts.optimizer, "optimizer"), (parts.accountant, "accountant")):
+        check = getattr(part, "check_state_dict", None)
+        if callable(check):
+            check(state[key])
+    parts.sampler.load_state_dict(state["sampler"])
     parts.optimizer.load_state_dict(state["optimizer"])
     parts.accountant.load_state_dict(state["accountant"])
-    parts.sampler.load_state_dict(state["sampler"])
     return clip
 
 
@@ -269,6 +301,7 @@ def load(
         "rng": rng,
         "strict": model is not None,
     }
+    _check_saved(parts, Path(path))
     if parts.sharded is not None:
         ckpt = load_sharded(parts, path, model=model, rng=rng, collective=collective)
     elif collective:
@@ -277,12 +310,9 @@ def load(
         ckpt = load_checkpoint(path, **common)
     extra = dict(ckpt.extra)
     config = extra.pop(_CONFIG_KEY, None)
-    if config is not None:
+    if config is not None:  # checked before the restore (_check_saved); again, as restored
         _check_config(parts.config, config)
     _check_clip(parts.clip_state, ckpt.clip_state)
-    # else: a checkpoint of the same components written without DPTraining (e.g. an
-    # earlier opake train): the optimizer, sampler and accountant were each validated and
-    # restored above (a file without an accountant is refused), so nothing is forgotten
     return extra, ckpt.clip_state
 
 
