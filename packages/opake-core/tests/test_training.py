@@ -331,6 +331,28 @@ def test_a_damaged_state_dict_restores_nothing(damaged):
     assert other.sampler.state_dict() == before[1]
 
 
+def test_adaptive_clipping_resumes_its_moved_bound_but_not_other_settings():
+    x, y = T.data(N)
+
+    def adaptive(sigma_b):
+        state = AdaptiveClipping(1.0, count_noise_multiplier=sigma_b, expected_batch_size=B)
+        sigma = gradient_noise_multiplier(SIGMA, count_noise_multiplier=sigma_b)
+        return _training(clipping_norm=state, noise_multiplier=sigma)[1]
+
+    first = adaptive(5.0)
+    for _, idx in zip(range(2), first.batches(), strict=False):
+        first.step(x[idx], y[idx])
+    state = first.state_dict()
+    same = adaptive(5.0)
+    same.load_state_dict(state)  # the bound moved: the saved one is taken
+    assert same.clip_state.clipping_norm == first.clip_state.clipping_norm != 1.0
+    assert same.clip_state.step == 2
+    other = adaptive(1000.0)  # used to be taken, then refused at the next step's count noise
+    with pytest.raises(ConfigurationError, match="clips with"):
+        other.load_state_dict(state)
+    assert other.steps == 0
+
+
 def test_state_is_refused_mid_step_and_accumulation_can_be_dropped():
     x, y = T.data(N)
     _, training = _training()

@@ -69,6 +69,7 @@ class AdaptiveClipping(ClipState):
     """
 
     kind: ClassVar[str] = "adaptive"
+    evolving: ClassVar[frozenset[str]] = frozenset({"clipping_norm", "step", "pending_count"})
     clipping_norm: float
     target_quantile: float = 0.5
     learning_rate: float = 0.2

@@ -168,11 +168,15 @@ class ClipState(abc.ABC):
     A subclass declares ``kind`` (its name in :meth:`to_dict`; registered for
     :func:`~opake.dpsgd.clipping.clip_state_from_dict`) and implements :attr:`sensitivity`,
     :meth:`factors`, :meth:`to_dict` and :meth:`from_dict`. Optional: :meth:`leaf_groups`
-    (per-group methods), :meth:`advance` (methods that change from step to step),
+    (per-group methods), :meth:`advance` (methods that change from step to step, naming the
+    :meth:`to_dict` keys that change in :attr:`evolving`),
     :attr:`count_noise_multiplier` (methods that release a noisy statistic of their own).
     """
 
     kind: ClassVar[str]
+    #: keys of :meth:`to_dict` that change from step to step (a resumed training takes the
+    #: saved values; every other key is a setting the resuming training must share)
+    evolving: ClassVar[frozenset[str]] = frozenset()
     #: σ of a noisy count this method releases besides the gradient (``None``: none)
     count_noise_multiplier: float | None = None
 

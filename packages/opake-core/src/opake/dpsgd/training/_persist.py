@@ -11,7 +11,7 @@ import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from opake.core.errors import ConfigurationError, OperationError
 from opake.dpsgd.training._views import TrainingViews
@@ -92,11 +92,9 @@ def _check_config(mine: Mapping[str, Any], saved: Any) -> None:
 
 
 def _check_clip(mine: ClipState, saved: ClipState | None) -> None:
-    """A resumed training clips as it was built to: the saved clipping method, and for a
-    method that does not change from step to step (fixed C, groups, AUTO-S) the same
-    settings — the loaded state would otherwise replace the new ones unnoticed."""
-    from opake.dpsgd.clipping import ClipState as Base
-
+    """A resumed training clips as it was built to: the saved clipping method with the same
+    settings (all but the values that change from step to step, ``ClipState.evolving``: an
+    adaptive C) — the loaded state would otherwise replace the new ones unnoticed."""
     if saved is None:
         return
     if type(saved) is not type(mine):
@@ -104,7 +102,9 @@ def _check_clip(mine: ClipState, saved: ClipState | None) -> None:
             f"the saved training state clips with {type(saved).__name__}, this training with "
             f"{type(mine).__name__}; resume with the saved clipping method"
         )
-    if type(mine).advance is Base.advance and saved.to_dict() != mine.to_dict():
+    evolving = type(mine).evolving
+    settings = [{k: v for k, v in s.to_dict().items() if k not in evolving} for s in (saved, mine)]
+    if settings[0] != settings[1]:
         raise ConfigurationError(
             f"the saved training state clips with {saved!r}, this training with {mine!r}; "
             "resume with the saved clipping settings, or start a new training to clip "
@@ -135,7 +135,8 @@ def _check_saved(parts: Parts, path: Path) -> None:
     # restored by the loader (a file without an accountant is refused), so nothing is forgotten
     saved = payload["components"].get("clip_state")
     if saved is not None and _self_describing(saved):
-        _check_clip(parts.clip_state, _decode_value(parts.clip_state, saved))
+        decoded = _decode_value(parts.clip_state, saved)  # an Opake clip state (self-describing)
+        _check_clip(parts.clip_state, cast("ClipState", decoded))
 
 
 #: why a sharded training has no state dict (its state is one shard per rank)
@@ -339,8 +340,8 @@ class TrainingState(TrainingViews, abc.ABC):
         """Restore :meth:`state_dict`; the next step equals the uninterrupted run's (seeded).
 
         Refused (:class:`~opake.core.errors.ConfigurationError`, nothing restored) when the
-        state was made with other privacy settings or another clipping: another method, or a
-        fixed method (fixed C, groups, AUTO-S) with other settings.
+        state was made with other privacy settings or another clipping: another method, or
+        the same method with other settings (an adaptive C's moved bound is taken).
         """
         self._clip_state = load_state_dict(parts_of(self), state)
         self._after_load()
