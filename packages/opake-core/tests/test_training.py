@@ -313,6 +313,35 @@ def test_a_refused_resume_never_winds_the_accounting_back(tmp_path, how):
     assert later.optimizer.state_dict()["noise"] == noise["noise"]
 
 
+@pytest.mark.parametrize("edit", ["plain clip state", "damaged sampler", "damaged rng"])
+def test_a_damaged_file_never_winds_the_accounting_back(tmp_path, edit):
+    from opake.dpsgd.checkpoint import CheckpointError
+
+    x, y = T.data(N)
+    early_model, early = _training()
+    for _ in range(3):
+        early.step(x[:3], y[:3])
+    path = early.save(tmp_path / "early.pt", model=early_model)
+    payload = torch.load(path, weights_only=True)
+    parts = payload["components"]
+    if edit == "plain clip state":  # kind "plain" used to skip the clipping check
+        parts["clip_state"] = {"kind": "plain", "type": "dict", "state": {"clipping_norm": 9.0}}
+    elif edit == "damaged sampler":  # the sampler cannot check a state before restoring it
+        parts["sampler"]["state"] = {"kind": "?"}
+    else:
+        parts["rng"]["torch"] = torch.zeros(3, dtype=torch.uint8)
+    torch.save(payload, path)
+    model, later = _training()
+    for _ in range(5):
+        later.step(x[:3], y[:3])
+    spent, noise = later.epsilon(), copy.deepcopy(later.optimizer.state_dict()["noise"])
+    with pytest.raises((ConfigurationError, CheckpointError, RuntimeError)):
+        later.load(path, model=model)
+    assert later.steps == later.accountant.steps == 5
+    assert later.epsilon() == spent
+    assert later.optimizer.state_dict()["noise"] == noise
+
+
 @pytest.mark.parametrize("damaged", ["accountant", "optimizer"])
 def test_a_damaged_state_dict_restores_nothing(damaged):
     x, y = T.data(N)

@@ -222,6 +222,7 @@ def prepare_load(
     appliers: list[Callable[[], None]] = []
     if model is not None:
         appliers.append(_restore_model(model, components["model"]))
+    loaders: dict[str, Callable[[], None]] = {}
     for name in _STATEFUL:
         obj = given[name]
         if obj is None:
@@ -238,9 +239,15 @@ def prepare_load(
                 f"checkpoint {name} was saved from a {saved.get('kind')} but is being restored "
                 f"into a {type(obj).__name__}; use the same kind of object"
             )
-        appliers.append(_loader(obj, saved["state"], name))
+        loaders[name] = _loader(obj, saved["state"], name)
+    # the parts that cannot check a state before restoring it (the sampler, the RNG) go
+    # first; the noise counter (optimizer) and the accountant, checked above, go last: a
+    # refusal part-way never leaves them wound back under a model that kept later steps
+    last = ("optimizer", "accountant")
+    appliers += [loader for name, loader in loaders.items() if name not in last]
     if rng and "rng" in components:
         appliers.append(_restore_rng(components["rng"]))
+    appliers += [loaders[name] for name in last if name in loaders]
     restored_clip = None
     if "clip_state" in components and (
         clip_state is not None or _self_describing(components["clip_state"])

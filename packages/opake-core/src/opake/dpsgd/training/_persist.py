@@ -134,7 +134,12 @@ def _check_saved(parts: Parts, path: Path) -> None:
     # earlier opake train): the optimizer, sampler and accountant are each validated and
     # restored by the loader (a file without an accountant is refused), so nothing is forgotten
     saved = payload["components"].get("clip_state")
-    if saved is not None and _self_describing(saved):
+    if saved is not None and not _self_describing(saved):
+        raise ConfigurationError(
+            "the saved training state's clipping is not an Opake clip state (a damaged or "
+            "foreign file); resume from a file DPTraining.save() wrote"
+        )
+    if saved is not None:
         decoded = _decode_value(parts.clip_state, saved)  # an Opake clip state (self-describing)
         _check_clip(parts.clip_state, cast("ClipState", decoded))
 
