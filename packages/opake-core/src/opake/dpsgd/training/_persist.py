@@ -315,10 +315,7 @@ def load(
     else:
         ckpt = load_checkpoint(path, **common)
     extra = dict(ckpt.extra)
-    config = extra.pop(_CONFIG_KEY, None)
-    if config is not None:  # checked before the restore (_check_saved); again, as restored
-        _check_config(parts.config, config)
-    _check_clip(parts.clip_state, ckpt.clip_state)
+    extra.pop(_CONFIG_KEY, None)  # checked before the restore (_check_saved)
     return extra, ckpt.clip_state
 
 
