@@ -432,7 +432,9 @@ def misconfigurations(rank: int, world_size: int) -> dict[str, str | None]:
     return out
 
 
-def _drift_training(rank: int, world_size: int) -> tuple[Any, torch.nn.Module, torch.Tensor]:
+def _drift_training(
+    rank: int, world_size: int, sigma: float = 1e-3
+) -> tuple[Any, torch.nn.Module, torch.Tensor]:
     """The red-team's probe of finding F3: example k's gradient is 5·e_k (clipped to e_k), so
     coordinate k of the released sum counts how often example k is in one logical step."""
     from opake.dpsgd.training import DPTraining
@@ -453,7 +455,7 @@ def _drift_training(rank: int, world_size: int) -> tuple[Any, torch.nn.Module, t
         module=model,
         dataset_size=n,
         sample_rate=0.5,
-        noise_multiplier=1e-3,
+        noise_multiplier=sigma,
         delta=1e-5,
         accountant="rdp",
         clipping_norm=1.0,
@@ -526,6 +528,20 @@ def sampler_drift(rank: int, world_size: int) -> dict[str, Any]:
     out["sigma"] = _error(lambda: train_step_zero(opt, model))
     out["sigma_after"] = {"steps": opt.steps, "pending": opt.pending_batches}
     return out
+
+
+def lopsided_load(rank: int, world_size: int, out: Path) -> dict[str, Any]:
+    """``DPTraining.load`` refused on rank 0 only (its file says another σ; rank 1 sees no
+    file): every rank must raise before anything is restored, none wait in the loader."""
+    first, _, x = _drift_training(rank, world_size)
+    first.step(x[next(first.batches())])
+    path = first.save(out / "lopsided.pt")
+    resumed, _, _ = _drift_training(rank, world_size, sigma=2e-3)
+    seen = path if rank == 0 else out / "not-on-this-rank.pt"
+    return {
+        "error": _error(lambda: resumed.load(seen)),
+        "after": {"steps": resumed.steps, "accounted": resumed.accountant.steps},
+    }
 
 
 def _drop_live(result: dict[str, Any]) -> dict[str, Any]:
@@ -611,6 +627,7 @@ def scenario_train(rank: int, world_size: int, out: Path) -> None:
     results["errors"] = timed("errors", lambda: misconfigurations(rank, world_size))
     results["secure"] = timed("secure", lambda: secure_defaults(rank, world_size))
     results["drift"] = timed("drift", lambda: sampler_drift(rank, world_size))
+    results["lopsided"] = timed("lopsided", lambda: lopsided_load(rank, world_size, out))
     results["guide"] = timed("guide", lambda: run_guide_script(out / "guide"))
 
     # checkpoint: rank 0 writes; every rank restores into fresh objects (own RNG state back)

@@ -311,6 +311,20 @@ def test_noise_multipliers_that_differ_across_ranks_raise_on_every_rank(train):
         assert rank["drift"]["sigma_after"] == {"steps": 0, "pending": 0}
 
 
+def test_a_resume_refused_on_one_rank_raises_on_every_rank_before_restoring(train):
+    # the file (saved with another σ) is visible on rank 0 only: rank 0 refused it while rank 1
+    # went on into the loader's collectives, waiting for a rank that had left
+    for index, rank in enumerate(train):
+        message = rank["lopsided"]["error"]
+        assert message is not None, "the refused resume went ahead"
+        assert message.startswith("ConfigurationError:"), message
+        if index == 0:
+            assert "noises with noise_multiplier=0.001" in message, message
+        else:
+            assert "refused on rank(s) [0]" in message, message
+        assert rank["lopsided"]["after"] == {"steps": 0, "accounted": 0}
+
+
 def test_default_randomness_is_one_secure_key_shared_by_the_ranks(train):
     # noise: a secure key drawn on rank 0 and shared (replicated noise, no broadcast, no seed);
     # sampling: shared_randomness() gives every rank the same global batch

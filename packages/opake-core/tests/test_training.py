@@ -293,6 +293,37 @@ def test_resume_refuses_other_clipping_instead_of_ignoring_it(tmp_path, how):
     assert same.steps == first.steps
 
 
+@pytest.mark.parametrize("how", ["state_dict", "file", "plain file"])
+def test_resume_refuses_another_noise_multiplier_instead_of_adopting_it(tmp_path, how):
+    # the saved σ used to replace the one this training was built with, without a word (ε was
+    # right — the accountant records the σ used — but the setting given was ignored)
+    from opake.dpsgd.checkpoint import save_checkpoint
+
+    x, y = T.data(N)
+    _, first = _training()
+    first.step(x[:3], y[:3])
+    state, path = first.state_dict(), first.save(tmp_path / "run.pt")
+    if how == "plain file":  # written without DPTraining's settings: σ is still compared
+        path = tmp_path / "plain.pt"
+        parts = {"optimizer": first.optimizer, "sampler": first.sampler}
+        save_checkpoint(path, step=1, accountant=first.accountant, **parts)
+    loads = "file" if how != "state_dict" else how
+    _, other = _training(noise_multiplier=2.0 * SIGMA)
+    with pytest.raises(ConfigurationError, match=f"noise_multiplier={SIGMA}, this .* {2 * SIGMA}"):
+        _resume(other, loads, state, path)
+    assert other.noise_multiplier == 2.0 * SIGMA
+    assert other.steps == other.accountant.steps == 0
+    # σ calibrated from a target ε for another number of steps is another σ: refused too
+    _, planned = _training(noise_multiplier=None, target_epsilon=3.0, steps=40)
+    planned.step(x[:3], y[:3])
+    _, longer = _training(noise_multiplier=None, target_epsilon=3.0, steps=80)
+    with pytest.raises(ConfigurationError, match="target_epsilon and steps"):
+        longer.load_state_dict(planned.state_dict())
+    _, same = _training(noise_multiplier=None, target_epsilon=3.0, steps=40)
+    same.load_state_dict(planned.state_dict())
+    assert same.steps == 1
+
+
 @pytest.mark.parametrize("how", ["state_dict", "file"])
 def test_a_refused_resume_never_winds_the_accounting_back(tmp_path, how):
     # a load refused only after restoring put a 5-step training's accountant, sampler and

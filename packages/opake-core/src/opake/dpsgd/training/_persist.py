@@ -37,6 +37,7 @@ class Parts:
     """
 
     config: dict[str, Any]
+    noise_multiplier: float
     steps: int
     pending: bool
     optimizer: Any
@@ -52,6 +53,7 @@ def parts_of(training: TrainingViews) -> Parts:
     views."""
     return Parts(
         config=config_of(training),
+        noise_multiplier=training.noise_multiplier,
         steps=training.steps,
         pending=training.pending_batches > 0,
         optimizer=training.optimizer,
@@ -88,6 +90,19 @@ def _check_config(mine: Mapping[str, Any], saved: Any) -> None:
             "the saved training state was made with other settings: "
             + "; ".join(diffs)
             + "; resume with the saved settings (they decide the privacy accounting)"
+        )
+
+
+def _check_sigma(mine: float, saved: Any) -> None:
+    """A resumed training noises as it was built to: the DP optimizer's saved σ (``saved``: its
+    state dict) would otherwise replace this training's unnoticed (ε stays right — the accountant
+    records the σ used — but the setting given is ignored)."""
+    sigma = saved.get("noise_multiplier") if isinstance(saved, Mapping) else None
+    if sigma is not None and sigma != mine:
+        raise ConfigurationError(
+            f"the saved training state noises with noise_multiplier={sigma!r}, this training "
+            f"with {mine!r}; resume with noise_multiplier={sigma!r} (or the target_epsilon and "
+            "steps that calibrated it), or start a new training to noise otherwise"
         )
 
 
@@ -130,9 +145,10 @@ def _check_saved(parts: Parts, path: Path) -> None:
     config = payload["extra"].get(_CONFIG_KEY)
     if config is not None:
         _check_config(parts.config, config)
-    # else: a checkpoint of the same components written without DPTraining (e.g. an
-    # earlier opake train): the optimizer, sampler and accountant are each validated and
-    # restored by the loader (a file without an accountant is refused), so nothing is forgotten
+    # else: a checkpoint of the same components written without DPTraining: σ is compared
+    # below, the sampler's N and q and the noise's secure-or-seeded mode by their loaders, and
+    # a file without an accountant is refused; δ and a target ε only decide what is reported
+    # (ε of the whole restored history), so nothing spent is forgotten
     saved = payload["components"].get("clip_state")
     if saved is not None and not _self_describing(saved):
         raise ConfigurationError(
@@ -142,6 +158,38 @@ def _check_saved(parts: Parts, path: Path) -> None:
     if saved is not None:
         decoded = _decode_value(parts.clip_state, saved)  # an Opake clip state (self-describing)
         _check_clip(parts.clip_state, cast("ClipState", decoded))
+    optimizer = payload["components"].get("optimizer")
+    if isinstance(optimizer, Mapping):
+        _check_sigma(parts.noise_multiplier, optimizer.get("state"))
+
+
+def _check_saved_together(parts: Parts, path: Path, *, collective: bool) -> None:
+    """:func:`_check_saved` on every rank at once: under a process group one all-gather shares
+    each rank's verdict, so a refusal on some ranks only (a file only they can see, a rank
+    built with other settings) raises on every rank before anything is restored — no rank goes
+    on into the loader's collectives to wait for one that has left."""
+    problem: Exception | None = None
+    try:
+        _check_saved(parts, path)
+    except Exception as err:  # any failure: the other ranks must hear of it
+        problem = err
+    world_size = parts.config["world_size"] if collective else 1
+    if world_size > 1:
+        import torch
+
+        from opake.dpsgd.distributed._replicas import _gather_rows
+
+        verdict = torch.tensor([0.0 if problem is None else 1.0], dtype=torch.float64)
+        rows = _gather_rows(verdict, group=parts.group, world_size=world_size)
+        refused = [rank for rank in range(world_size) if rows[rank, 0] != 0]
+        if problem is None and refused:
+            raise ConfigurationError(
+                f"the saved training state was refused on rank(s) {refused} (their error says "
+                "why): nothing was restored on any rank; put the checkpoint where every rank "
+                "reads the same file, and build every rank's training with the same settings"
+            )
+    if problem is not None:
+        raise problem
 
 
 #: why a sharded training has no state dict (its state is one shard per rank)
@@ -187,6 +235,7 @@ def load_state_dict(parts: Parts, state: Mapping[str, Any]) -> ClipState:
     _check_config(parts.config, state.get("config"))
     clip = clip_state_from_dict(state["clip_state"])
     _check_clip(parts.clip_state, clip)
+    _check_sigma(parts.noise_multiplier, state.get("optimizer"))
     # nothing restored until everything is known to fit: the components that can check a
     # state do, the one that cannot (the sampler) is restored first
     for part, key in ((parts.optimizer, "optimizer"), (parts.accountant, "accountant")):
@@ -307,7 +356,7 @@ def load(
         "rng": rng,
         "strict": model is not None,
     }
-    _check_saved(parts, Path(path))
+    _check_saved_together(parts, Path(path), collective=collective)
     if parts.sharded is not None:
         ckpt = load_sharded(parts, path, model=model, rng=rng, collective=collective)
     elif collective:
@@ -342,8 +391,10 @@ class TrainingState(TrainingViews, abc.ABC):
         """Restore :meth:`state_dict`; the next step equals the uninterrupted run's (seeded).
 
         Refused (:class:`~opake.core.errors.ConfigurationError`, nothing restored) when the
-        state was made with other privacy settings or another clipping: another method, or
-        the same method with other settings (an adaptive C's moved bound is taken).
+        state was made with other privacy settings, another noise multiplier σ (a σ calibrated
+        from ``target_epsilon`` for another number of ``steps`` included), or another
+        clipping: another method, or the same method with other settings (an adaptive C's
+        moved bound is taken).
         """
         self._clip_state = load_state_dict(parts_of(self), state)
         self._after_load()
@@ -381,8 +432,9 @@ class TrainingState(TrainingViews, abc.ABC):
         """Restore what :meth:`save` wrote (every rank); returns the saved ``extra``.
 
         ``collective=False`` reads without collectives (each rank may call it on its own).
-        Refused as :meth:`load_state_dict` is when the file was made with other privacy or
-        clipping settings.
+        Refused as :meth:`load_state_dict` is when the file was made with other privacy,
+        noise or clipping settings; with ``collective=True`` under a process group, a file
+        refused on any rank makes every rank raise before anything is restored.
         """
         extra, clip = load(parts_of(self), path, model=model, rng=rng, collective=collective)
         if clip is not None:
