@@ -544,6 +544,51 @@ def lopsided_load(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     }
 
 
+def lopsided_components(rank: int, world_size: int, out: Path) -> dict[str, Any]:
+    """``load_checkpoint_distributed`` of a file that rank 1 refuses (the file holds an RDP
+    accountant, rank 1 passes a PLD one) while rank 0 accepts it: every rank must raise before
+    anything is restored, and rank 0 must not go on alone."""
+    from opake.accounting import PLDAccountant, RDPAccountant
+    from opake.dpsgd.distributed import load_checkpoint_distributed, save_checkpoint_distributed
+    from opake.dpsgd.sampling import PoissonSampler
+
+    trained = train_mlp(rank, world_size, steps=2)
+    path = save_checkpoint_distributed(
+        out / "lopsided_components.pt",
+        step=2,
+        model=trained["model"],
+        optimizer=trained["optimizer"],
+        accountant=trained["accountant"],
+        sampler=trained["sampler"],
+    )
+    model = make_mlp(seed=rank)
+    sampler = PoissonSampler(N, Q, seed=SAMPLER_SEED, rank=rank, world_size=world_size)
+    opt = _optimizer_cls(world_size)(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        model,
+        sampler=sampler,
+        accountant=RDPAccountant(),
+        delta=1e-5,
+        noise_multiplier=SIGMA,
+        seed=NOISE_SEED,
+    )
+    accountant = PLDAccountant() if rank == 1 else RDPAccountant()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    error = _error(
+        lambda: load_checkpoint_distributed(
+            path, model=model, optimizer=opt, accountant=accountant, sampler=sampler
+        )
+    )
+    return {
+        "error": error,
+        "after": {
+            "steps": opt.steps,
+            "accounted": accountant.steps,
+            "model_unchanged": all(torch.equal(p, before[n]) for n, p in model.named_parameters()),
+        },
+    }
+
+
 def _drop_live(result: dict[str, Any]) -> dict[str, Any]:
     return {
         k: v for k, v in result.items() if k not in {"model", "optimizer", "accountant", "sampler"}
@@ -628,6 +673,9 @@ def scenario_train(rank: int, world_size: int, out: Path) -> None:
     results["secure"] = timed("secure", lambda: secure_defaults(rank, world_size))
     results["drift"] = timed("drift", lambda: sampler_drift(rank, world_size))
     results["lopsided"] = timed("lopsided", lambda: lopsided_load(rank, world_size, out))
+    results["lopsided_components"] = timed(
+        "lopsided_components", lambda: lopsided_components(rank, world_size, out)
+    )
     results["guide"] = timed("guide", lambda: run_guide_script(out / "guide"))
 
     # checkpoint: rank 0 writes; every rank restores into fresh objects (own RNG state back)

@@ -325,6 +325,23 @@ def test_a_resume_refused_on_one_rank_raises_on_every_rank_before_restoring(trai
         assert rank["lopsided"]["after"] == {"steps": 0, "accounted": 0}
 
 
+def test_a_checkpoint_refused_on_one_rank_raises_on_every_rank_before_restoring(train):
+    # load_checkpoint_distributed: the file holds an RDP accountant, rank 1 passes a PLD one;
+    # rank 0 accepted the file and must neither restore it nor go on training alone
+    for index, rank in enumerate(train):
+        message = rank["lopsided_components"]["error"]
+        assert message is not None, "the refused checkpoint was restored"
+        if index == 1:
+            assert message.startswith(("CheckpointError:", "ConfigurationError:")), message
+            assert "accountant" in message, message
+        else:
+            assert message.startswith("ConfigurationError:"), message
+            assert "refused on rank(s) [1]" in message, message
+            assert "nothing was restored" in message, message
+        after = rank["lopsided_components"]["after"]
+        assert after == {"steps": 0, "accounted": 0, "model_unchanged": True}, after
+
+
 def test_default_randomness_is_one_secure_key_shared_by_the_ranks(train):
     # noise: a secure key drawn on rank 0 and shared (replicated noise, no broadcast, no seed);
     # sampling: shared_randomness() gives every rank the same global batch

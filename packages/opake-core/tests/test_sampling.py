@@ -341,6 +341,34 @@ def test_load_state_dict_refuses_mismatches() -> None:
     assert other.seed == 1
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"position": -1},
+        {"position": True},
+        {"seed": "x"},
+        {"truncated_steps": -2},
+        {"config": {"dataset_size": 61}},
+    ],
+)
+def test_a_refused_state_changes_nothing_and_check_state_dict_says_so_first(edit) -> None:
+    # a checkpoint loader checks every part before restoring any: check_state_dict refuses
+    # exactly what load_state_dict refuses, and a refused load leaves the sampler as it was
+    saved = FixedShapePoissonSampler(60, 0.1, 12, seed=1)
+    for _ in zip(range(3), saved, strict=False):
+        pass
+    state = {**saved.state_dict(), **edit}
+    live = FixedShapePoissonSampler(60, 0.1, 12, seed=2)
+    next(iter(live))
+    before = live.state_dict()
+    with pytest.raises((ConfigurationError, InputTypeError)):
+        live.check_state_dict(state)
+    with pytest.raises((ConfigurationError, InputTypeError)):
+        live.load_state_dict(state)
+    assert live.state_dict() == before
+    assert live.check_state_dict(saved.state_dict()) == 3
+
+
 # -- bad input ------------------------------------------------------------------------------
 
 

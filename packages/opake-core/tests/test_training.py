@@ -344,7 +344,10 @@ def test_a_refused_resume_never_winds_the_accounting_back(tmp_path, how):
     assert later.optimizer.state_dict()["noise"] == noise["noise"]
 
 
-@pytest.mark.parametrize("edit", ["plain clip state", "damaged sampler", "damaged rng"])
+@pytest.mark.parametrize(
+    "edit",
+    ["plain clip state", "damaged sampler", "damaged rng", "damaged numpy rng", "damaged position"],
+)
 def test_a_damaged_file_never_winds_the_accounting_back(tmp_path, edit):
     from opake.dpsgd.checkpoint import CheckpointError
 
@@ -359,18 +362,29 @@ def test_a_damaged_file_never_winds_the_accounting_back(tmp_path, edit):
         parts["clip_state"] = {"kind": "plain", "type": "dict", "state": {"clipping_norm": 9.0}}
     elif edit == "damaged sampler":  # the sampler cannot check a state before restoring it
         parts["sampler"]["state"] = {"kind": "?"}
-    else:
+    elif edit == "damaged rng":
         parts["rng"]["torch"] = torch.zeros(3, dtype=torch.uint8)
+    elif edit == "damaged numpy rng":
+        parts["rng"]["numpy"]["keys"] = torch.zeros(3, dtype=torch.int64)
+    else:
+        parts["sampler"]["state"]["position"] = -1
     torch.save(payload, path)
     model, later = _training()
     for _ in range(5):
         later.step(x[:3], y[:3])
     spent, noise = later.epsilon(), copy.deepcopy(later.optimizer.state_dict()["noise"])
-    with pytest.raises((ConfigurationError, CheckpointError, RuntimeError)):
+    weights, sampler = T.params(model), later.sampler.state_dict()
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    with pytest.raises((ConfigurationError, CheckpointError)):
         later.load(path, model=model)
     assert later.steps == later.accountant.steps == 5
     assert later.epsilon() == spent
     assert later.optimizer.state_dict()["noise"] == noise
+    # every part is checked before any is restored: the model, sampler and RNG are untouched
+    assert all(torch.equal(T.params(model)[n], w) for n, w in weights.items())
+    assert later.sampler.state_dict() == sampler
+    assert torch.equal(torch.get_rng_state(), rng)
 
 
 @pytest.mark.parametrize("damaged", ["accountant", "optimizer"])

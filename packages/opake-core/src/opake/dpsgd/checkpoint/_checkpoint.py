@@ -240,9 +240,10 @@ def prepare_load(
                 f"into a {type(obj).__name__}; use the same kind of object"
             )
         loaders[name] = _loader(obj, saved["state"], name)
-    # the parts that cannot check a state before restoring it (the sampler, the RNG) go
-    # first; the noise counter (optimizer) and the accountant, checked above, go last: a
-    # refusal part-way never leaves them wound back under a model that kept later steps
+    # every part was checked above (an object's check_state_dict, the RNG on throwaway
+    # generators); a part without a check (a user's sampler) goes first and the noise counter
+    # (optimizer) and the accountant last: a refusal part-way never leaves them wound back
+    # under a model that kept later steps
     last = ("optimizer", "accountant")
     appliers += [loader for name, loader in loaders.items() if name not in last]
     if rng and "rng" in components:

@@ -217,21 +217,34 @@ def _restore_rng(saved: Any) -> Callable[[], None]:
     def to_tuple(value: Any) -> Any:  # Any: random.setstate's nested tuple, untyped
         return tuple(to_tuple(v) for v in value) if isinstance(value, list | tuple) else value
 
+    def numpy_state() -> tuple[Any, ...]:
+        np_saved = saved["numpy"]
+        return (
+            np_saved["name"],
+            np_saved["keys"].numpy().astype(np.uint32),
+            np_saved["pos"],
+            np_saved["has_gauss"],
+            np_saved["cached_gaussian"],
+        )
+
+    cuda = saved["cuda"]
+    try:  # each state set on a throwaway generator first: a refusal restores nothing
+        torch.Generator().set_state(saved["torch"])
+        random.Random().setstate(to_tuple(saved["python"]))
+        np.random.RandomState().set_state(numpy_state())
+        if cuda is not None and not (
+            isinstance(cuda, list | tuple) and all(isinstance(t, torch.Tensor) for t in cuda)
+        ):
+            raise TypeError(f"CUDA states {type(cuda).__name__}: expected a list of tensors")
+    except (LookupError, TypeError, ValueError, RuntimeError, AttributeError) as err:
+        raise CheckpointError(f"checkpoint component 'rng' is malformed: {err}") from err
+
     def apply() -> None:
         torch.set_rng_state(saved["torch"])
         random.setstate(to_tuple(saved["python"]))
-        np_saved = saved["numpy"]
-        np.random.set_state(
-            (
-                np_saved["name"],
-                np_saved["keys"].numpy().astype(np.uint32),
-                np_saved["pos"],
-                np_saved["has_gauss"],
-                np_saved["cached_gaussian"],
-            )
-        )
-        if saved["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(saved["cuda"])
+        np.random.set_state(numpy_state())
+        if cuda is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda)
 
     return apply
 

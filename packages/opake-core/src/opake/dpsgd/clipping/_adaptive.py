@@ -227,8 +227,19 @@ class AdaptiveClipping(ClipState):
             expected_batch_size=data["expected_batch_size"],
             seed=data["seed"],
             step=data["step"],
-            pending_count=float(data.get("pending_count", 0.0)),
+            pending_count=_pending(data.get("pending_count", 0.0)),
         )
+
+
+def _pending(value: Any) -> float:
+    """A saved pending count: a finite number (NaN or ∞ would make the next bound NaN after
+    the step was accounted)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigurationError(
+            f"AdaptiveClipping pending_count={value!r}: expected a finite number (the state of "
+            "to_dict())"
+        )
+    return float(value)
 
 
 @dataclass(frozen=True)

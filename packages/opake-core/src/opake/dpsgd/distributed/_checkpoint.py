@@ -20,7 +20,7 @@ from opake.dpsgd.distributed._env import _world
 from opake.dpsgd.distributed._replicas import _gather_rows, _replica_tensors, unwrap_ddp
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from opake.dpsgd.checkpoint import Checkpoint
 
@@ -222,11 +222,17 @@ def load_checkpoint_distributed(
 
     Arguments are those of :func:`opake.dpsgd.checkpoint.load_checkpoint`. Every rank first
     checks that the file exists (one all-gather: a path missing on some rank — no shared
-    filesystem — raises on every rank before anything is restored), then loads it. With
-    ``rng``, each rank gets back its *own* RNG states when the world size is unchanged (rank 0's
-    otherwise, as ``load_checkpoint`` restores them). The replicas are then verified to be
-    identical. Returns the :class:`~opake.dpsgd.checkpoint.Checkpoint` (without Opake's
-    per-rank entry in ``extra``).
+    filesystem — raises on every rank before anything is restored). Every rank then reads and
+    validates the file against its own objects without modifying them, and the ranks agree
+    (a second all-gather) before any of them restores: if the file is refused on some ranks
+    only (another copy of the file, an accountant or sampler of another kind or
+    configuration), each refusing rank raises its own error and every other rank raises
+    :class:`~opake.core.errors.ConfigurationError` naming the refusing ranks — nothing is
+    restored on any rank, so no rank trains on alone. With ``rng``, each rank gets back its
+    *own* RNG states when the world size is unchanged (rank 0's otherwise, as
+    ``load_checkpoint`` restores them). The replicas are then verified to be identical.
+    Returns the :class:`~opake.dpsgd.checkpoint.Checkpoint` (without Opake's per-rank entry
+    in ``extra``).
 
     Example:
         >>> import pathlib, tempfile, torch
@@ -239,7 +245,6 @@ def load_checkpoint_distributed(
     """
     import torch
 
-    from opake.dpsgd.checkpoint import load_checkpoint
     from opake.dpsgd.distributed._replicas import check_replicas_in_sync
 
     model = unwrap_ddp(model)
@@ -256,17 +261,21 @@ def load_checkpoint_distributed(
                 f"load_checkpoint_distributed: {os.fspath(path)!r} does not exist on rank(s) "
                 f"{missing}; put checkpoints on a filesystem every rank can read"
             )
-    ckpt = load_checkpoint(
+    ckpt = _prepare_together(
         path,
-        model=model,
-        optimizer=optimizer,
-        accountant=accountant,
-        sampler=sampler,
-        clip_state=clip_state,
-        rng=rng,
-        strict=strict,
-        map_location=map_location,
-    )
+        {
+            "model": model,
+            "optimizer": optimizer,
+            "accountant": accountant,
+            "sampler": sampler,
+            "clip_state": clip_state,
+            "rng": rng,
+            "strict": strict,
+            "map_location": map_location,
+        },
+        group=group,
+        world_size=world_size,
+    )()
     extra = dict(ckpt.extra)
     saved = extra.pop(RANK_STATE_KEY, None)
     if rng and isinstance(saved, dict) and saved.get("world_size") == world_size:
@@ -274,3 +283,37 @@ def load_checkpoint_distributed(
     if world_size > 1 and model is not None:
         check_replicas_in_sync(model, group=group, what="parameters after loading")
     return dataclasses.replace(ckpt, extra=extra)
+
+
+def _prepare_together(
+    path: str | os.PathLike[str], options: dict[str, Any], *, group: Any, world_size: int
+) -> Callable[[], Checkpoint]:
+    """``prepare_load`` on every rank, then one all-gather of the verdicts: a rank that
+    refused the file raises its own error, every other rank a
+    :class:`~opake.core.errors.ConfigurationError` naming the refusing ranks, before any rank
+    has restored anything. Returns the restore (``finish``) once every rank accepted."""
+    import torch
+
+    from opake.dpsgd.checkpoint._checkpoint import prepare_load
+
+    finish: Callable[[], Checkpoint] | None = None
+    problem: Exception | None = None
+    try:  # read and validate everything; nothing is restored yet
+        finish = prepare_load(path, **options)
+    except Exception as exc:  # every rank hears of it below, then it is re-raised here
+        problem = exc
+    if world_size > 1:
+        verdict = torch.tensor([0.0 if problem is None else 1.0], dtype=torch.float64)
+        rows = _gather_rows(verdict, group=group, world_size=world_size)
+        refused = [r for r in range(world_size) if rows[r, 0] != 0]
+        if problem is None and refused:
+            raise ConfigurationError(
+                f"load_checkpoint_distributed: {os.fspath(path)!r} was refused on rank(s) "
+                f"{refused} (their error says why); nothing was restored on any rank. Put the "
+                "checkpoint where every rank reads the same file, and build every rank's "
+                "model, optimizer, accountant and sampler with the same settings"
+            )
+    if problem is not None:
+        raise problem
+    assert finish is not None
+    return finish

@@ -455,14 +455,14 @@ class DPOptimizer:
         self._checked(state)
 
     def _checked(self, state: Mapping[str, Any]) -> _SavedState:
-        saved = _checked_state(state, list(self._params), self.noise)
+        saved = _checked_state(state, list(self._params), self.noise, self.optimizer)
         check_sampler_rate(self._sampler_rate, saved.sample_rate, "the checkpoint's sample_rate")
         return saved
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (validated first; nothing changes on error)."""
         saved = self._checked(state)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(dict(state["optimizer"]))  # checked: a mapping
         if saved.noise is not None:
             self.noise.load_state_dict(saved.noise)
         else:

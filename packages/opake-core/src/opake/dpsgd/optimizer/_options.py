@@ -60,7 +60,9 @@ def check_sampler_rate(bound: float | None, rate: float | None, what: str) -> No
 def count_noise(noise: Any, step: int) -> float | None:
     """One standard normal value for adaptive clipping's count at logical step ``step``, from
     ``noise``'s random source (its stream ``"count"``: secure when the noise is), or ``None``
-    when the noise object has no :class:`~opake.dpsgd.randomness.Randomness`.
+    when the noise object has no :class:`~opake.dpsgd.randomness.Randomness`. A secure source
+    gives each step's value once (``Randomness.reserve``): asking again for a step already
+    drawn (a clip state loaded from an earlier step) raises instead of releasing it twice.
 
     >>> from opake.dpsgd.noise import GaussianNoise
     >>> count_noise(GaussianNoise(1.0, seed=0), 3) == count_noise(GaussianNoise(2.0, seed=0), 3)
@@ -73,6 +75,7 @@ def count_noise(noise: Any, step: int) -> float | None:
     source = getattr(noise, "randomness", None)
     if not isinstance(source, Randomness):
         return None
+    source.reserve("count", step)
     return float(source.normal("count", step, 1, dtype=torch.float64)[0])
 
 

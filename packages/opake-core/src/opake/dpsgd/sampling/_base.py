@@ -238,6 +238,10 @@ class _BaseSampler(ABC):
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
+    def _check_extra_state(self, state: Mapping[str, Any]) -> None:
+        """Raise what :meth:`_load_extra_state` would refuse ``state`` for (nothing here)."""
+        del state
+
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
         return None
 
@@ -246,7 +250,19 @@ class _BaseSampler(ABC):
         saved seed, so the next batch equals the one the uninterrupted sampler would have
         produced; a secure one keeps its own fresh key (the saved one was never stored). The
         configuration must match (the rank and world size may differ: the global sequence does
-        not depend on them)."""
+        not depend on them). Validated first (:meth:`check_state_dict`): nothing changes on
+        error."""
+        position = self.check_state_dict(state)
+        if not self.secure:
+            self._source = Randomness.seeded(check_seed(state["seed"]))
+        self._handed.clear()
+        self._position = position
+        self._load_extra_state(state)
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> int:
+        """Raise what :meth:`load_state_dict` would refuse ``state`` for, changing nothing;
+        returns the saved position (a checkpoint loader checks every part before restoring
+        any)."""
         if not isinstance(state, Mapping):
             raise InputTypeError(f"state={type(state).__name__}: expected a mapping")
         for key in ("kind", "version", "secure", "seed", "position", "config"):
@@ -277,10 +293,9 @@ class _BaseSampler(ABC):
             )
         position = _int("position", state["position"], minimum=0)
         if not self.secure:
-            self._source = Randomness.seeded(check_seed(state["seed"]))
-        self._handed.clear()
-        self._position = position
-        self._load_extra_state(state)
+            check_seed(state["seed"])
+        self._check_extra_state(state)
+        return position
 
     def __repr__(self) -> str:
         shard = f", rank={self._rank}/{self._world_size}" if self._world_size > 1 else ""

@@ -230,5 +230,8 @@ class FixedShapePoissonSampler(PoissonSampler):
     def _extra_state(self) -> dict[str, Any]:
         return {"truncated_steps": self._truncated}
 
+    def _check_extra_state(self, state: Mapping[str, Any]) -> None:
+        _int("truncated_steps", state.get("truncated_steps", 0), minimum=0)
+
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
         self._truncated = _int("truncated_steps", state.get("truncated_steps", 0), minimum=0)

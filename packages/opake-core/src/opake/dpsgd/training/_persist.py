@@ -11,9 +11,10 @@ import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, OperationError
+from opake.dpsgd.training._resume import CONFIG_KEY, check_config, check_file_together, check_state
 from opake.dpsgd.training._views import TrainingViews
 
 if TYPE_CHECKING:
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
     from opake.dpsgd.clipping import ClipState
 
 _STATE_VERSION = 1
-_CONFIG_KEY = "opake.training"
 
 
 @dataclass(frozen=True)
@@ -77,121 +77,6 @@ def config_of(training: TrainingViews) -> dict[str, Any]:
     }
 
 
-def _check_config(mine: Mapping[str, Any], saved: Any) -> None:
-    if not isinstance(saved, Mapping):
-        raise ConfigurationError("the saved training state has no configuration")
-    diffs = [
-        f"{key} {saved.get(key)!r} (saved) vs {value!r} (now)"
-        for key, value in mine.items()
-        if key != "world_size" and saved.get(key) != value
-    ]
-    if diffs:
-        raise ConfigurationError(
-            "the saved training state was made with other settings: "
-            + "; ".join(diffs)
-            + "; resume with the saved settings (they decide the privacy accounting)"
-        )
-
-
-def _check_sigma(mine: float, saved: Any) -> None:
-    """A resumed training noises as it was built to: the DP optimizer's saved σ (``saved``: its
-    state dict) would otherwise replace this training's unnoticed (ε stays right — the accountant
-    records the σ used — but the setting given is ignored)."""
-    sigma = saved.get("noise_multiplier") if isinstance(saved, Mapping) else None
-    if sigma is not None and sigma != mine:
-        raise ConfigurationError(
-            f"the saved training state noises with noise_multiplier={sigma!r}, this training "
-            f"with {mine!r}; resume with noise_multiplier={sigma!r} (or the target_epsilon and "
-            "steps that calibrated it), or start a new training to noise otherwise"
-        )
-
-
-def _check_clip(mine: ClipState, saved: ClipState | None) -> None:
-    """A resumed training clips as it was built to: the saved clipping method with the same
-    settings (all but the values that change from step to step, ``ClipState.evolving``: an
-    adaptive C) — the loaded state would otherwise replace the new ones unnoticed."""
-    if saved is None:
-        return
-    if type(saved) is not type(mine):
-        raise ConfigurationError(
-            f"the saved training state clips with {type(saved).__name__}, this training with "
-            f"{type(mine).__name__}; resume with the saved clipping method"
-        )
-    evolving = type(mine).evolving
-    settings = [{k: v for k, v in s.to_dict().items() if k not in evolving} for s in (saved, mine)]
-    if settings[0] != settings[1]:
-        raise ConfigurationError(
-            f"the saved training state clips with {saved!r}, this training with {mine!r}; "
-            "resume with the saved clipping settings, or start a new training to clip "
-            "otherwise"
-        )
-
-
-def _check_saved(parts: Parts, path: Path) -> None:
-    """The saved settings and clipping of the file at ``path`` (a sharded training's DP state
-    file in that directory), checked before any loader restores anything: a refusal after the
-    restore would leave the accountant, sampler and noise counter wound back. A file this rank
-    cannot see is left to the loader, which reports it on every rank together."""
-    from opake.dpsgd.checkpoint._components import _decode_value, _self_describing
-    from opake.dpsgd.checkpoint._file import _read
-
-    if parts.sharded is not None:
-        from opake.dpsgd.distributed.sharded._checkpoint import DP_FILE
-
-        path = path / DP_FILE
-    if not path.is_file():
-        return
-    payload = _read(path, "cpu", mmap=True)  # the header; the tensors stay on disk
-    config = payload["extra"].get(_CONFIG_KEY)
-    if config is not None:
-        _check_config(parts.config, config)
-    # else: a checkpoint of the same components written without DPTraining: σ is compared
-    # below, the sampler's N and q and the noise's secure-or-seeded mode by their loaders, and
-    # a file without an accountant is refused; δ and a target ε only decide what is reported
-    # (ε of the whole restored history), so nothing spent is forgotten
-    saved = payload["components"].get("clip_state")
-    if saved is not None and not _self_describing(saved):
-        raise ConfigurationError(
-            "the saved training state's clipping is not an Opake clip state (a damaged or "
-            "foreign file); resume from a file DPTraining.save() wrote"
-        )
-    if saved is not None:
-        decoded = _decode_value(parts.clip_state, saved)  # an Opake clip state (self-describing)
-        _check_clip(parts.clip_state, cast("ClipState", decoded))
-    optimizer = payload["components"].get("optimizer")
-    if isinstance(optimizer, Mapping):
-        _check_sigma(parts.noise_multiplier, optimizer.get("state"))
-
-
-def _check_saved_together(parts: Parts, path: Path, *, collective: bool) -> None:
-    """:func:`_check_saved` on every rank at once: under a process group one all-gather shares
-    each rank's verdict, so a refusal on some ranks only (a file only they can see, a rank
-    built with other settings) raises on every rank before anything is restored — no rank goes
-    on into the loader's collectives to wait for one that has left."""
-    problem: Exception | None = None
-    try:
-        _check_saved(parts, path)
-    except Exception as err:  # any failure: the other ranks must hear of it
-        problem = err
-    world_size = parts.config["world_size"] if collective else 1
-    if world_size > 1:
-        import torch
-
-        from opake.dpsgd.distributed._replicas import _gather_rows
-
-        verdict = torch.tensor([0.0 if problem is None else 1.0], dtype=torch.float64)
-        rows = _gather_rows(verdict, group=parts.group, world_size=world_size)
-        refused = [rank for rank in range(world_size) if rows[rank, 0] != 0]
-        if problem is None and refused:
-            raise ConfigurationError(
-                f"the saved training state was refused on rank(s) {refused} (their error says "
-                "why): nothing was restored on any rank; put the checkpoint where every rank "
-                "reads the same file, and build every rank's training with the same settings"
-            )
-    if problem is not None:
-        raise problem
-
-
 #: why a sharded training has no state dict (its state is one shard per rank)
 _SHARDED = (
     "with shard=True: each rank holds its shards of the parameters and optimizer state; use "
@@ -232,14 +117,14 @@ def load_state_dict(parts: Parts, state: Mapping[str, Any]) -> ClipState:
             "expected the dict from DPTraining.state_dict() (version "
             f"{_STATE_VERSION}); got {type(state).__name__}"
         )
-    _check_config(parts.config, state.get("config"))
+    check_config(parts.config, state.get("config"))
     clip = clip_state_from_dict(state["clip_state"])
-    _check_clip(parts.clip_state, clip)
-    _check_sigma(parts.noise_multiplier, state.get("optimizer"))
-    # nothing restored until everything is known to fit: the components that can check a
-    # state do, the one that cannot (the sampler) is restored first
-    for part, key in ((parts.optimizer, "optimizer"), (parts.accountant, "accountant")):
-        check = getattr(part, "check_state_dict", None)
+    check_state(
+        parts, optimizer=state.get("optimizer"), accountant=state.get("accountant"), clip=clip
+    )
+    # nothing restored until every component has checked its state
+    for key in ("sampler", "optimizer", "accountant"):
+        check = getattr(getattr(parts, key), "check_state_dict", None)
         if callable(check):
             check(state[key])
     parts.sampler.load_state_dict(state["sampler"])
@@ -267,9 +152,9 @@ def save(
             "clipped sum is un-noised private data and is never saved)"
         )
     payload = dict(extra or {})
-    if _CONFIG_KEY in payload:
-        raise ConfigurationError(f"extra key {_CONFIG_KEY!r} is reserved")
-    payload[_CONFIG_KEY] = parts.config
+    if CONFIG_KEY in payload:
+        raise ConfigurationError(f"extra key {CONFIG_KEY!r} is reserved")
+    payload[CONFIG_KEY] = parts.config
     sampler = parts.sampler
     position = sampler.position
     sampler.seek(parts.steps)  # a prefetching loader may have drawn ahead
@@ -356,7 +241,7 @@ def load(
         "rng": rng,
         "strict": model is not None,
     }
-    _check_saved_together(parts, Path(path), collective=collective)
+    check_file_together(parts, Path(path), collective=collective)
     if parts.sharded is not None:
         ckpt = load_sharded(parts, path, model=model, rng=rng, collective=collective)
     elif collective:
@@ -364,7 +249,7 @@ def load(
     else:
         ckpt = load_checkpoint(path, **common)
     extra = dict(ckpt.extra)
-    extra.pop(_CONFIG_KEY, None)  # checked before the restore (_check_saved)
+    extra.pop(CONFIG_KEY, None)  # checked before the restore (check_file)
     return extra, ckpt.clip_state
 
 
@@ -394,7 +279,9 @@ class TrainingState(TrainingViews, abc.ABC):
         state was made with other privacy settings, another noise multiplier σ (a σ calibrated
         from ``target_epsilon`` for another number of ``steps`` included), or another
         clipping: another method, or the same method with other settings (an adaptive C's
-        moved bound is taken).
+        moved bound is taken); and when the state disagrees with itself (an accountant that
+        recorded fewer steps than its optimizer took, an adaptive count noise not accounted
+        or whose index this training's key has already given).
         """
         self._clip_state = load_state_dict(parts_of(self), state)
         self._after_load()
