@@ -197,3 +197,28 @@ def out_of_step(rows: Sequence[dict[str, int]]) -> str | None:
             "pass reduce_scatter alike and accumulate what its grad_fn returned"
         )
     return None
+
+
+def raise_together(problem: Exception | None, *, group: Any, world_size: int, what: str) -> None:
+    """Share each rank's verdict on ``what`` (one all-gather) and raise on every rank if any
+    refused: ``problem`` itself on a rank that refused, a
+    :class:`~opake.core.errors.ConfigurationError` naming the refusing ranks on the others —
+    before any rank acts on it, so none goes on into collectives the others have left."""
+    from opake.core.errors import ConfigurationError
+
+    if world_size > 1:
+        import torch
+
+        from opake.dpsgd.distributed._replicas import _gather_rows
+
+        verdict = torch.tensor([0.0 if problem is None else 1.0], dtype=torch.float64)
+        rows = _gather_rows(verdict, group=group, world_size=world_size)
+        refused = [rank for rank in range(world_size) if rows[rank, 0] != 0]
+        if problem is None and refused:
+            raise ConfigurationError(
+                f"{what} was refused on rank(s) {refused} (their error says why): nothing "
+                "was restored on any rank. Put the checkpoint where every rank reads the same "
+                "file, and build every rank's objects with the same settings"
+            )
+    if problem is not None:
+        raise problem

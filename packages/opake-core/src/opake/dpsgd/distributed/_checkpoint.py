@@ -292,9 +292,8 @@ def _prepare_together(
     refused the file raises its own error, every other rank a
     :class:`~opake.core.errors.ConfigurationError` naming the refusing ranks, before any rank
     has restored anything. Returns the restore (``finish``) once every rank accepted."""
-    import torch
-
     from opake.dpsgd.checkpoint._checkpoint import prepare_load
+    from opake.dpsgd.distributed._agree import raise_together
 
     finish: Callable[[], Checkpoint] | None = None
     problem: Exception | None = None
@@ -302,18 +301,11 @@ def _prepare_together(
         finish = prepare_load(path, **options)
     except Exception as exc:  # every rank hears of it below, then it is re-raised here
         problem = exc
-    if world_size > 1:
-        verdict = torch.tensor([0.0 if problem is None else 1.0], dtype=torch.float64)
-        rows = _gather_rows(verdict, group=group, world_size=world_size)
-        refused = [r for r in range(world_size) if rows[r, 0] != 0]
-        if problem is None and refused:
-            raise ConfigurationError(
-                f"load_checkpoint_distributed: {os.fspath(path)!r} was refused on rank(s) "
-                f"{refused} (their error says why); nothing was restored on any rank. Put the "
-                "checkpoint where every rank reads the same file, and build every rank's "
-                "model, optimizer, accountant and sampler with the same settings"
-            )
-    if problem is not None:
-        raise problem
+    raise_together(
+        problem,
+        group=group,
+        world_size=world_size,
+        what=f"load_checkpoint_distributed: {os.fspath(path)!r}",
+    )
     assert finish is not None
     return finish

@@ -200,25 +200,14 @@ def check_file_together(parts: Parts, path: Path, *, collective: bool) -> None:
     each rank's verdict, so a refusal on some ranks only (a file only they can see, a rank
     built with other settings) raises on every rank before anything is restored — no rank goes
     on into the loader's collectives to wait for one that has left."""
+    from opake.dpsgd.distributed._agree import raise_together
+
     problem: Exception | None = None
     try:
         check_file(parts, path)
     except Exception as err:  # any failure: the other ranks must hear of it
         problem = err
     world_size = parts.config["world_size"] if collective else 1
-    if world_size > 1:
-        import torch
-
-        from opake.dpsgd.distributed._replicas import _gather_rows
-
-        verdict = torch.tensor([0.0 if problem is None else 1.0], dtype=torch.float64)
-        rows = _gather_rows(verdict, group=parts.group, world_size=world_size)
-        refused = [rank for rank in range(world_size) if rows[rank, 0] != 0]
-        if problem is None and refused:
-            raise ConfigurationError(
-                f"the saved training state was refused on rank(s) {refused} (their error says "
-                "why): nothing was restored on any rank; put the checkpoint where every rank "
-                "reads the same file, and build every rank's training with the same settings"
-            )
-    if problem is not None:
-        raise problem
+    raise_together(
+        problem, group=parts.group, world_size=world_size, what="the saved training state"
+    )
