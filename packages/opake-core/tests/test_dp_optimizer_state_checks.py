@@ -275,3 +275,21 @@ def test_checkpoint_with_damaged_wrapped_state_restores_nothing(tmp_path: Path) 
     with pytest.raises(CheckpointError, match="parameter group"):
         load_checkpoint(path, model=model, optimizer=opt)
     assert_same(snapshot(model, opt), before)
+
+
+def test_a_state_tensor_without_values_is_refused() -> None:
+    # a meta tensor of the right shape passed the shape check, then failed while restoring,
+    # after a checkpoint's model and sampler had been restored
+    _, saver = stepped(adam)
+    saved = copy.deepcopy(saver.state_dict())
+    avg = saved["optimizer"]["state"][0]["exp_avg"]
+    saved["optimizer"]["state"][0]["exp_avg"] = torch.empty(avg.shape, device="meta")
+    model, opt = stepped(adam, seed=4)
+    before = snapshot(model, opt)
+    with pytest.raises(ConfigurationError, match="holds no values"):
+        opt.check_state_dict(saved)
+    with pytest.raises(ConfigurationError, match="holds no values"):
+        opt.load_state_dict(saved)
+    after = snapshot(model, opt)
+    assert after["steps"] == before["steps"]
+    assert after["noise"] == before["noise"]

@@ -78,6 +78,9 @@ def _edit_history(state, how):
         history[:] = [{**history[0], "num_steps": 1}]
     elif how == "empty":
         history.clear()
+    elif how == "rate":  # a rate other than the training's: its steps are not this run's
+        for phase in history:
+            phase["sample_rate"] = 1e-6
     else:  # adaptive clipping's count noise dropped from the record
         for phase in history:
             phase["count_noise_multiplier"] = None
@@ -88,6 +91,7 @@ def _edits():
         ("accountant one step", lambda p: _edit_history(p["accountant"], "one step"), "records"),
         ("accountant empty", lambda p: _edit_history(p["accountant"], "empty"), "records"),
         ("count noise dropped", lambda p: _edit_history(p["accountant"], "count"), "records"),
+        ("accountant rate", lambda p: _edit_history(p["accountant"], "rate"), "records"),
         ("noise σ", lambda p: p["optimizer"]["noise"].update(noise_multiplier=0.3), "0.3"),
         ("divisor", lambda p: p["optimizer"].update(expected_batch_size=1e30), "divides"),
         ("count index", lambda p: p["clip_state"].update(step=0), "count noise"),
@@ -170,3 +174,65 @@ def test_a_non_finite_pending_count_is_refused():
     for value in (math.nan, math.inf, "3", True):
         with pytest.raises(ConfigurationError, match="pending_count"):
             clip_state_from_dict({**state, "pending_count": value})
+
+
+def test_an_adaptive_run_whose_update_raised_once_still_resumes(tmp_path):
+    # the step was noised and accounted, its clip state not moved (clip step < optimizer
+    # steps): a legitimate file, once refused as "count noise would repeat"
+    model, training = _adaptive()
+    _run(training, 2)
+    fail = {"left": 1}
+
+    def hook(*_):
+        if fail["left"]:
+            fail["left"] -= 1
+            raise RuntimeError("out of memory (simulated)")
+
+    training.optimizer.optimizer.register_step_pre_hook(hook)
+    with pytest.raises(RuntimeError, match="simulated"):
+        _run(training, 1)
+    _run(training, 2)
+    assert training.optimizer.steps == 5
+    assert training.clip_state.step == 4
+    path = training.save(tmp_path / "run.pt", model=model)
+    model_b, other = _adaptive()
+    other.load(path, model=model_b)
+    _run(other, 1)
+    assert other.steps == 6
+
+
+def test_a_damaged_per_rank_rng_entry_is_refused_before_restoring(tmp_path):
+    model, training = _training()
+    _run(training, 3)
+    path = training.save(tmp_path / "run.pt", model=model)
+    payload = torch.load(path, weights_only=True)
+    payload["extra"]["opake.distributed"] = {  # load_checkpoint_distributed's per-rank states
+        "world_size": 1,
+        "rng": [
+            {
+                "torch": torch.zeros(5, dtype=torch.uint8),
+                "python": [3, [0], None],
+                "numpy": ["MT19937", torch.zeros(624, dtype=torch.int64), 0, 0, 0.0],
+                "cuda": None,
+            }
+        ],
+    }
+    torch.save(payload, path)
+    model_b, other = _training()
+    _run(other, 1)
+    before = _snapshot(model_b, other)
+    with pytest.raises(CheckpointError, match="rng"):
+        other.load(path, model=model_b)  # collective=True: load_checkpoint_distributed
+    _same(_snapshot(model_b, other), before)
+
+
+def test_a_rank_that_takes_a_count_index_refuses_to_draw_it_again():
+    # ranks other than 0 receive the count noise from rank 0 and take its index all the same,
+    # so every rank refuses a state that would draw it again
+    from opake.dpsgd.optimizer._options import count_noise, reserve_count
+
+    _, training = _adaptive()
+    assert reserve_count(training.optimizer.noise, 3) == 0.0
+    with pytest.raises(OperationError, match="repeat values already released"):
+        count_noise(training.optimizer.noise, 2)
+    assert isinstance(count_noise(training.optimizer.noise, 4), float)

@@ -220,8 +220,7 @@ def prepare_load(
     }
     _check_given(target, components, given, strict)
     appliers: list[Callable[[], None]] = []
-    if model is not None:
-        appliers.append(_restore_model(model, components["model"]))
+    restore_model = None if model is None else _restore_model(model, components["model"])
     loaders: dict[str, Callable[[], None]] = {}
     for name in _STATEFUL:
         obj = given[name]
@@ -241,14 +240,17 @@ def prepare_load(
             )
         loaders[name] = _loader(obj, saved["state"], name)
     # every part was checked above (an object's check_state_dict, the RNG on throwaway
-    # generators); a part without a check (a user's sampler) goes first and the noise counter
-    # (optimizer) and the accountant last: a refusal part-way never leaves them wound back
-    # under a model that kept later steps
+    # generators); a part without a check (a user's sampler) goes first, then the noise
+    # counter (optimizer) and the accountant, and the model last: a failure part-way never
+    # leaves them wound back under weights of later steps, nor the file's weights restored
+    # under an accountant that was not
     last = ("optimizer", "accountant")
     appliers += [loader for name, loader in loaders.items() if name not in last]
     if rng and "rng" in components:
         appliers.append(_restore_rng(components["rng"]))
     appliers += [loaders[name] for name in last if name in loaders]
+    if restore_model is not None:  # last: a part that fails to restore leaves the weights be
+        appliers.append(restore_model)
     restored_clip = None
     if "clip_state" in components and (
         clip_state is not None or _self_describing(components["clip_state"])

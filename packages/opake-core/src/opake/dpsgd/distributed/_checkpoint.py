@@ -52,17 +52,54 @@ def _local_rng() -> dict[str, Any]:
     }
 
 
-def _set_local_rng(state: Mapping[str, Any]) -> None:
-    import numpy as np
-    import torch
+def _nothing() -> None:
+    """No RNG states of this rank to restore."""
 
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+
+def _local_rng_restorer(state: Any) -> Callable[[], None]:
+    """What restores one rank's RNG states ``state`` (of :func:`_local_rng`), each validated
+    on a throwaway generator first: a damaged entry is refused before anything is restored."""
+    from opake.dpsgd.checkpoint import CheckpointError
+    from opake.dpsgd.checkpoint._components import _restore_rng
+
+    try:
+        version, internal, gauss = state["python"]
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        plain = {
+            "torch": state["torch"],
+            "python": (version, tuple(internal), gauss),
+            "numpy": {
+                "name": name,
+                "keys": keys,
+                "pos": pos,
+                "has_gauss": has_gauss,
+                "cached_gaussian": cached,
+            },
+            "cuda": state["cuda"],
+        }
+    except (LookupError, TypeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint's per-rank RNG states are malformed: {err}") from err
+    return _restore_rng(plain)
+
+
+def _set_local_rng(state: Any) -> None:
+    """Restore one rank's RNG states (of :func:`_local_rng`), validated first."""
+    _local_rng_restorer(state)()
+
+
+def _rank_rng(path: str | os.PathLike[str], rank: int, world_size: int) -> Callable[[], None]:
+    """The restore of this rank's own RNG states saved in the file at ``path`` (validated
+    now), or nothing when they were saved under another world size (rank 0's stand)."""
+    from opake.dpsgd.checkpoint import CheckpointError
+    from opake.dpsgd.checkpoint._file import _read
+
+    saved = _read(path, "cpu", mmap=True)["extra"].get(RANK_STATE_KEY)
+    if not isinstance(saved, dict) or saved.get("world_size") != world_size:
+        return _nothing
+    states = saved.get("rng")
+    if not isinstance(states, list | tuple) or len(states) != world_size:
+        raise CheckpointError("checkpoint's per-rank RNG states are malformed")
+    return _local_rng_restorer(states[rank])
 
 
 def save_checkpoint_distributed(
@@ -261,7 +298,7 @@ def load_checkpoint_distributed(
                 f"load_checkpoint_distributed: {os.fspath(path)!r} does not exist on rank(s) "
                 f"{missing}; put checkpoints on a filesystem every rank can read"
             )
-    ckpt = _prepare_together(
+    ckpt, rank_rng = _prepare_together(
         path,
         {
             "model": model,
@@ -274,31 +311,40 @@ def load_checkpoint_distributed(
             "map_location": map_location,
         },
         group=group,
+        rank=rank,
         world_size=world_size,
-    )()
+    )
     extra = dict(ckpt.extra)
-    saved = extra.pop(RANK_STATE_KEY, None)
-    if rng and isinstance(saved, dict) and saved.get("world_size") == world_size:
-        _set_local_rng(saved["rng"][rank])
+    extra.pop(RANK_STATE_KEY, None)
+    rank_rng()
     if world_size > 1 and model is not None:
         check_replicas_in_sync(model, group=group, what="parameters after loading")
     return dataclasses.replace(ckpt, extra=extra)
 
 
 def _prepare_together(
-    path: str | os.PathLike[str], options: dict[str, Any], *, group: Any, world_size: int
-) -> Callable[[], Checkpoint]:
-    """``prepare_load`` on every rank, then one all-gather of the verdicts: a rank that
-    refused the file raises its own error, every other rank a
-    :class:`~opake.core.errors.ConfigurationError` naming the refusing ranks, before any rank
-    has restored anything. Returns the restore (``finish``) once every rank accepted."""
+    path: str | os.PathLike[str],
+    options: dict[str, Any],
+    *,
+    group: Any,
+    rank: int,
+    world_size: int,
+) -> tuple[Checkpoint, Callable[[], None]]:
+    """``prepare_load`` on every rank (and, with ``rng``, this rank's own saved RNG states
+    validated), then one all-gather of the verdicts: a rank that refused the file raises its
+    own error, every other rank a :class:`~opake.core.errors.ConfigurationError` naming the
+    refusing ranks, before any rank has restored anything. Once every rank accepted, restores
+    the file and returns its checkpoint with the restore of this rank's RNG states."""
     from opake.dpsgd.checkpoint._checkpoint import prepare_load
     from opake.dpsgd.distributed._agree import raise_together
 
     finish: Callable[[], Checkpoint] | None = None
+    rank_rng: Callable[[], None] = _nothing
     problem: Exception | None = None
     try:  # read and validate everything; nothing is restored yet
         finish = prepare_load(path, **options)
+        if options["rng"]:
+            rank_rng = _rank_rng(path, rank, world_size)
     except Exception as exc:  # every rank hears of it below, then it is re-raised here
         problem = exc
     raise_together(
@@ -308,4 +354,4 @@ def _prepare_together(
         what=f"load_checkpoint_distributed: {os.fspath(path)!r}",
     )
     assert finish is not None
-    return finish
+    return finish(), rank_rng

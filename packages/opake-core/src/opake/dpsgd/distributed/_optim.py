@@ -32,6 +32,7 @@ from opake.dpsgd.distributed._replicas import (
     unwrap_ddp,
 )
 from opake.dpsgd.optimizer._dp_optimizer import DPOptimizer, StepReport
+from opake.dpsgd.optimizer._options import reserve_count
 
 if TYPE_CHECKING:
     import torch
@@ -466,7 +467,8 @@ class DistributedDPOptimizer(DPOptimizer):
 
         import torch
 
-        value = super().count_noise(step) if self._rank == 0 else 0.0
+        # the other ranks take the index as rank 0 does: each refuses a state that redraws it
+        value = super().count_noise(step) if self._rank == 0 else reserve_count(self.noise, step)
         if value is None:
             value = random.SystemRandom().gauss(0.0, 1.0)
         shared = torch.tensor([value], dtype=torch.float64, device=self._comm)

@@ -79,6 +79,17 @@ def count_noise(noise: Any, step: int) -> float | None:
     return float(source.normal("count", step, 1, dtype=torch.float64)[0])
 
 
+def reserve_count(noise: Any, step: int) -> float:
+    """Take count-noise index ``step`` of ``noise``'s secure source without drawing it (a rank
+    whose value comes from rank 0's broadcast); returns 0.0, the placeholder it replaces."""
+    from opake.dpsgd.randomness import Randomness
+
+    source = getattr(noise, "randomness", None)
+    if isinstance(source, Randomness):
+        source.reserve("count", step)
+    return 0.0
+
+
 def _name_parameters(
     optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor] | torch.nn.Module
 ) -> dict[str, torch.Tensor]:

@@ -193,6 +193,11 @@ def _check_param_state(pid: Any, entry: Any, params: Mapping[Any, Any], *, shape
             f"that parameter's state (momentum_buffer, exp_avg, step, ...); {_FIX}"
         )
     for key, value in entry.items():
+        if isinstance(value, torch.Tensor) and (value.is_meta or value.layout != torch.strided):
+            raise ConfigurationError(
+                f"{_WRAPPED}['state'][{pid!r}][{key!r}] is a {value.layout} tensor on "
+                f"{value.device}, which holds no values to restore; {_FIX}"
+            )
         if not shapes or not isinstance(value, torch.Tensor) or value.numel() == 1:
             continue  # scalars such as Adam's step
         if tuple(value.shape) not in _allowed_shapes(key, tuple(param.shape)):

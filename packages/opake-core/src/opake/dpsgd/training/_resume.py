@@ -94,9 +94,10 @@ def _check_counts(
     parts: Parts, steps: Any, accountant: Any, clip: ClipState | None, header: int | None
 ) -> None:
     """The saved state agrees with itself: the file's step is its optimizer's, its accountant
-    recorded at least those steps (a shared accountant may hold more), adaptive clipping's
-    count was noised and accounted at every one, and a secure count-noise index is not one
-    this training's key has already released."""
+    recorded at least those steps at this training's rate (a shared accountant may hold more),
+    adaptive clipping's count noise accounted at every one, and a secure count-noise index is
+    not one this training's key has already released (the clip's step may trail the
+    optimizer's: a step whose update raised was noised and accounted, its clip not moved)."""
     if isinstance(steps, bool) or not isinstance(steps, int):
         return  # the optimizer's own check refuses it
     damaged = "; the file is damaged or was not written by DPTraining.save()"
@@ -106,25 +107,32 @@ def _check_counts(
         )
     phases = _phases(parts, accountant)
     count_sigma = getattr(clip, "count_noise_multiplier", None)
+    rate = parts.config["sample_rate"]
     if phases is not None:
-        recorded = sum(phase.num_steps for phase in phases)
-        counted = sum(p.num_steps for p in phases if p.count_noise_multiplier == count_sigma)
-        if recorded < steps or (count_sigma is not None and counted < steps):
+        # this training's steps: at its rate q (fixed for its life), with its count noise; a
+        # shared accountant may hold more steps of other runs
+        mine = sum(
+            p.num_steps
+            for p in phases
+            if p.sample_rate == rate and p.count_noise_multiplier == count_sigma
+        )
+        if mine < steps:
             raise ConfigurationError(
-                f"the saved accountant records {recorded} steps ({counted} with this clipping's "
-                f"count noise) but the optimizer took {steps}: ε would be under-reported{damaged}"
+                f"the saved accountant records {mine} steps at this training's sampling rate "
+                f"{rate!r} (and count noise σ_b={count_sigma!r}) but the optimizer took "
+                f"{steps}: ε would be under-reported{damaged}"
             )
     if count_sigma is None or getattr(clip, "seed", None) is not None:
         return
     index = int(getattr(clip, "step", 0))
     source = getattr(getattr(parts.optimizer, "noise", None), "randomness", None)
     free = source.next_free("count") if source is not None else 0
-    if index < steps or index < free:
+    if index < free:
         raise ConfigurationError(
-            f"the saved adaptive clipping is at step {index}, but its optimizer took {steps} "
-            f"steps and this training's key has given count noise up to index {free - 1}: the "
-            "next count noise would repeat one already released; load the state into a new "
-            f"training (it draws a fresh secure key){damaged}"
+            f"the saved adaptive clipping is at step {index}, but this training's key has "
+            f"already given the count noise of steps 0..{free - 1}: the next count noise "
+            "would repeat one already released; load the state into a new training (it draws "
+            f"a fresh secure key){damaged}"
         )
 
 
