@@ -93,7 +93,7 @@ def _rank_rng(path: str | os.PathLike[str], rank: int, world_size: int) -> Calla
     from opake.dpsgd.checkpoint import CheckpointError
     from opake.dpsgd.checkpoint._file import _read
 
-    saved = _read(path, "cpu", mmap=True)["extra"].get(RANK_STATE_KEY)
+    saved = _read(Path(path), "cpu", mmap=True)["extra"].get(RANK_STATE_KEY)
     if not isinstance(saved, dict) or saved.get("world_size") != world_size:
         return _nothing
     states = saved.get("rng")

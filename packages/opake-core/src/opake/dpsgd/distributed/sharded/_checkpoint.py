@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opake.core.errors import ConfigurationError, InputTypeError, OperationError
-from opake.dpsgd.distributed._checkpoint import _check_ready, _local_rng, _set_local_rng
+from opake.dpsgd.distributed._checkpoint import _check_ready, _local_rng, _local_rng_restorer
 from opake.dpsgd.distributed._replicas import _gather_rows
 from opake.dpsgd.distributed.sharded._integrity import (
     agree,
@@ -230,11 +230,17 @@ def load_sharded_checkpoint(
         )
     same_file_everywhere(source / DP_FILE, group, world_size)
     finish: Callable[[], Checkpoint] | None = None
+    restore_rng: Callable[[], None] | None = None
     problem = None
     try:  # everything checked before anything is restored, on every rank
         mine, folder, files = _own_states(source, world_size, rank, sampler, strict)
         if files is not None:
             problem = check_files(source / folder, files, world_size, rank)
+        check = getattr(sampler, "check_state_dict", None)
+        if callable(check):
+            check(mine["sampler"])
+        if rng and mine["rng"] is not None:
+            restore_rng = _local_rng_restorer(mine["rng"])
         finish = prepare_load(
             source / DP_FILE,
             optimizer=_DPState(optimizer),
@@ -256,8 +262,8 @@ def load_sharded_checkpoint(
     extra.pop(RANK_KEY, None)
     if sampler is not None:
         sampler.load_state_dict(mine["sampler"])
-    if rng and mine["rng"] is not None:
-        _set_local_rng(mine["rng"])
+    if restore_rng is not None:
+        restore_rng()
     return dataclasses.replace(ckpt, extra=extra)
 
 
