@@ -9,6 +9,7 @@ would refuse. The two copies of σ in a saved state must agree.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -277,13 +278,20 @@ def test_checkpoint_with_damaged_wrapped_state_restores_nothing(tmp_path: Path) 
     assert_same(snapshot(model, opt), before)
 
 
-def test_a_state_tensor_without_values_is_refused() -> None:
+@pytest.mark.parametrize("where", ["top", "nested list", "nested dict", "quantized"])
+def test_a_state_tensor_without_values_is_refused(where: str) -> None:
     # a meta tensor of the right shape passed the shape check, then failed while restoring,
     # after a checkpoint's model and sampler had been restored
     _, saver = stepped(adam)
     saved = copy.deepcopy(saver.state_dict())
     avg = saved["optimizer"]["state"][0]["exp_avg"]
-    saved["optimizer"]["state"][0]["exp_avg"] = torch.empty(avg.shape, device="meta")
+    meta = torch.empty(avg.shape, device="meta")
+    bad: Any = {"top": meta, "nested list": [meta], "nested dict": {"inner": meta}}.get(where)
+    if where == "quantized":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # quantized tensors are deprecated
+            bad = torch.quantize_per_tensor(avg, 0.1, 0, torch.qint8)
+    saved["optimizer"]["state"][0]["exp_avg"] = bad
     model, opt = stepped(adam, seed=4)
     before = snapshot(model, opt)
     with pytest.raises(ConfigurationError, match="holds no values"):

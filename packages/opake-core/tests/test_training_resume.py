@@ -236,3 +236,25 @@ def test_a_rank_that_takes_a_count_index_refuses_to_draw_it_again():
     with pytest.raises(OperationError, match="repeat values already released"):
         count_noise(training.optimizer.noise, 2)
     assert isinstance(count_noise(training.optimizer.noise, 4), float)
+
+
+@pytest.mark.parametrize("how", ["state_dict", "file"])
+def test_a_restore_that_fails_in_torch_after_every_check_changes_nothing(tmp_path, how):
+    # the wrapped torch optimizer's restore is the one step that can still fail after every
+    # check passed: it goes first, so nothing (model, sampler, RNG, accountant) has changed
+    model, training = _training()
+    _run(training, 3)
+    state, path = training.state_dict(), training.save(tmp_path / "run.pt", model=model)
+    model_b, other = _training()
+    _run(other, 1)
+
+    def fail(*_):
+        raise RuntimeError("the restore failed (simulated)")
+
+    other.optimizer.optimizer.register_load_state_dict_pre_hook(fail)
+    torch.manual_seed(5)
+    before = (_snapshot(model_b, other), torch.get_rng_state())
+    with pytest.raises((RuntimeError, CheckpointError), match="simulated"):
+        _load(other, state if how == "state_dict" else None, path, model_b)
+    _same(_snapshot(model_b, other), before[0])
+    assert torch.equal(torch.get_rng_state(), before[1])

@@ -192,6 +192,10 @@ def load_checkpoint(
     )()
 
 
+#: the parts restored first (the optimizer) and last but the model (the accountant)
+_EDGES = ("optimizer", "accountant")
+
+
 def prepare_load(
     path: str | os.PathLike[str],
     *,
@@ -240,15 +244,17 @@ def prepare_load(
             )
         loaders[name] = _loader(obj, saved["state"], name)
     # every part was checked above (an object's check_state_dict, the RNG on throwaway
-    # generators); a part without a check (a user's sampler) goes first, then the noise
-    # counter (optimizer) and the accountant, and the model last: a failure part-way never
-    # leaves them wound back under weights of later steps, nor the file's weights restored
-    # under an accountant that was not
-    last = ("optimizer", "accountant")
-    appliers += [loader for name, loader in loaders.items() if name not in last]
+    # generators); the optimizer goes first (the wrapped torch optimizer's restore casts every
+    # state tensor and may still fail: it then changes nothing), the accountant after the
+    # other parts and the model last: a failure part-way never leaves the file's weights
+    # restored under an accountant that was not
+    if "optimizer" in loaders:  # first: torch's own restore may still fail, changing nothing
+        appliers.append(loaders["optimizer"])
+    appliers += [loader for name, loader in loaders.items() if name not in _EDGES]
     if rng and "rng" in components:
         appliers.append(_restore_rng(components["rng"]))
-    appliers += [loaders[name] for name in last if name in loaders]
+    if "accountant" in loaders:
+        appliers.append(loaders["accountant"])
     if restore_model is not None:  # last: a part that fails to restore leaves the weights be
         appliers.append(restore_model)
     restored_clip = None

@@ -262,7 +262,7 @@ def _loader(obj: Any, state: Any, name: str) -> Callable[[], None]:
     def guarded(call: Callable[[Any], None]) -> None:
         try:
             call(state)
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
             if isinstance(err, ConfigurationError | InputTypeError):
                 raise CheckpointError(f"checkpoint {name} does not fit: {err}") from err
             raise CheckpointError(

@@ -193,10 +193,11 @@ def _check_param_state(pid: Any, entry: Any, params: Mapping[Any, Any], *, shape
             f"that parameter's state (momentum_buffer, exp_avg, step, ...); {_FIX}"
         )
     for key, value in entry.items():
-        if isinstance(value, torch.Tensor) and (value.is_meta or value.layout != torch.strided):
+        empty = _without_values(value)
+        if empty is not None:
             raise ConfigurationError(
-                f"{_WRAPPED}['state'][{pid!r}][{key!r}] is a {value.layout} tensor on "
-                f"{value.device}, which holds no values to restore; {_FIX}"
+                f"{_WRAPPED}['state'][{pid!r}][{key!r}] holds a {empty} tensor, which holds no "
+                f"values torch can restore; {_FIX}"
             )
         if not shapes or not isinstance(value, torch.Tensor) or value.numel() == 1:
             continue  # scalars such as Adam's step
@@ -206,6 +207,25 @@ def _check_param_state(pid: Any, entry: Any, params: Mapping[Any, Any], *, shape
                 f"that parameter has shape {tuple(param.shape)}: the next step would fail; "
                 f"{_FIX}"
             )
+
+
+def _without_values(value: Any) -> str | None:
+    """What kind of tensor in ``value`` (nested in lists, tuples and dicts, as torch's
+    ``load_state_dict`` walks it) torch could not cast while restoring: meta or quantized."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.is_meta:
+            return "meta"
+        return "quantized" if value.is_quantized else None
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        for item in value:
+            found = _without_values(item)
+            if found is not None:
+                return found
+    return None
 
 
 def _allowed_shapes(key: Any, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:

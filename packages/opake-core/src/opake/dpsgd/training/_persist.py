@@ -127,8 +127,9 @@ def load_state_dict(parts: Parts, state: Mapping[str, Any]) -> ClipState:
         check = getattr(getattr(parts, key), "check_state_dict", None)
         if callable(check):
             check(state[key])
-    parts.sampler.load_state_dict(state["sampler"])
+    # the optimizer first: the wrapped torch optimizer's restore may still fail, changing nothing
     parts.optimizer.load_state_dict(state["optimizer"])
+    parts.sampler.load_state_dict(state["sampler"])
     parts.accountant.load_state_dict(state["accountant"])
     return clip
 
