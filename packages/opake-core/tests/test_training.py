@@ -346,7 +346,14 @@ def test_a_refused_resume_never_winds_the_accounting_back(tmp_path, how):
 
 @pytest.mark.parametrize(
     "edit",
-    ["plain clip state", "damaged sampler", "damaged rng", "damaged numpy rng", "damaged position"],
+    [
+        "plain clip state",
+        "damaged sampler",
+        "damaged rng",
+        "damaged numpy rng",
+        "damaged cuda rng",
+        "damaged position",
+    ],
 )
 def test_a_damaged_file_never_winds_the_accounting_back(tmp_path, edit):
     from opake.dpsgd.checkpoint import CheckpointError
@@ -364,6 +371,8 @@ def test_a_damaged_file_never_winds_the_accounting_back(tmp_path, edit):
         parts["sampler"]["state"] = {"kind": "?"}
     elif edit == "damaged rng":
         parts["rng"]["torch"] = torch.zeros(3, dtype=torch.uint8)
+    elif edit == "damaged cuda rng":
+        parts["rng"]["cuda"] = [torch.zeros(3, dtype=torch.float32)]
     elif edit == "damaged numpy rng":
         parts["rng"]["numpy"]["keys"] = torch.zeros(3, dtype=torch.int64)
     else:

@@ -232,10 +232,7 @@ def _restore_rng(saved: Any) -> Callable[[], None]:
         torch.Generator().set_state(saved["torch"])
         random.Random().setstate(to_tuple(saved["python"]))
         np.random.RandomState().set_state(numpy_state())
-        if cuda is not None and not (
-            isinstance(cuda, list | tuple) and all(isinstance(t, torch.Tensor) for t in cuda)
-        ):
-            raise TypeError(f"CUDA states {type(cuda).__name__}: expected a list of tensors")
+        _check_cuda_states(cuda)
     except (LookupError, TypeError, ValueError, RuntimeError, AttributeError) as err:
         raise CheckpointError(f"checkpoint component 'rng' is malformed: {err}") from err
 
@@ -244,9 +241,32 @@ def _restore_rng(saved: Any) -> Callable[[], None]:
         random.setstate(to_tuple(saved["python"]))
         np.random.set_state(numpy_state())
         if cuda is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(cuda)
+            # one state per device this process has (saved on more devices: the rest have none)
+            for index, state in enumerate(cuda[: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(state, index)
 
     return apply
+
+
+def _check_cuda_states(cuda: Any) -> None:
+    """Saved CUDA generator states: ``None``, or 1-D uint8 tensors, each of the size this
+    process's device generator takes (checked where CUDA is available)."""
+    import torch
+
+    if cuda is None:
+        return
+    if not isinstance(cuda, list | tuple) or not all(
+        isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in cuda
+    ):
+        raise TypeError(f"CUDA states {type(cuda).__name__}: expected a list of uint8 tensors")
+    if torch.cuda.is_available():
+        for index, state in enumerate(cuda[: torch.cuda.device_count()]):
+            size = torch.cuda.get_rng_state(index).numel()
+            if state.numel() != size:
+                raise ValueError(
+                    f"CUDA state {index} has {state.numel()} bytes; device {index}'s generator "
+                    f"takes {size}"
+                )
 
 
 def _self_describing(saved: Any) -> bool:
