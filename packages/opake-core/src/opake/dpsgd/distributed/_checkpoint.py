@@ -82,11 +82,6 @@ def _local_rng_restorer(state: Any) -> Callable[[], None]:
     return _restore_rng(plain)
 
 
-def _set_local_rng(state: Any) -> None:
-    """Restore one rank's RNG states (of :func:`_local_rng`), validated first."""
-    _local_rng_restorer(state)()
-
-
 def _rank_rng(path: str | os.PathLike[str], rank: int, world_size: int) -> Callable[[], None]:
     """The restore of this rank's own RNG states saved in the file at ``path`` (validated
     now), or nothing when they were saved under another world size (rank 0's stand)."""

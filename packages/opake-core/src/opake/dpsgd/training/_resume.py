@@ -64,18 +64,17 @@ def _check_clip(mine: ClipState, saved: ClipState) -> None:
 
 def _check_optimizer(parts: Parts, saved: Mapping[str, Any]) -> None:
     """A resumed training noises and divides as it was built to: the DP optimizer's saved σ
-    (held twice: its own and its noise source's) and divisor would otherwise replace the
-    training's unnoticed (ε stays right — the accountant records the σ used — but the setting
-    given is ignored)."""
-    noise = saved.get("noise")
-    for sigma in (saved.get("noise_multiplier"), _get(noise, "noise_multiplier")):
-        if sigma is not None and sigma != parts.noise_multiplier:
-            raise ConfigurationError(
-                f"the saved training state noises with noise_multiplier={sigma!r}, this "
-                f"training with {parts.noise_multiplier!r}; resume with noise_multiplier="
-                f"{sigma!r} (or the target_epsilon and steps that calibrated it), or start a "
-                "new training to noise otherwise"
-            )
+    and divisor would otherwise replace the training's unnoticed (ε stays right — the
+    accountant records the σ used — but the setting given is ignored). The σ its noise
+    source holds must equal its own: ``DPOptimizer.check_state_dict`` refuses it otherwise."""
+    sigma = saved.get("noise_multiplier")
+    if sigma is not None and sigma != parts.noise_multiplier:
+        raise ConfigurationError(
+            f"the saved training state noises with noise_multiplier={sigma!r}, this training "
+            f"with {parts.noise_multiplier!r}; resume with noise_multiplier={sigma!r} (or the "
+            "target_epsilon and steps that calibrated it), or start a new training to noise "
+            "otherwise"
+        )
     divisor = saved.get("expected_batch_size")
     mine = getattr(parts.optimizer, "expected_batch_size", None)
     if divisor is not None and mine is not None and divisor != mine:
